@@ -1,0 +1,55 @@
+"""The objective interface: a module that owns the backbone (and its heads) and turns a batch into a loss."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ssl_vit.vit import VisionTransformer
+
+
+@dataclass
+class ObjectiveConfig:
+    name: str = "???"
+
+
+@dataclass
+class DataInfo:
+    """What an objective may need to know about its data."""
+
+    num_classes: int
+    img_size: int
+    mean: list[float] = field(default_factory=list)
+    std: list[float] = field(default_factory=list)
+
+
+class Objective(nn.Module, ABC):
+    """Built from (backbone, objective config, data info); `forward(batch)` returns a dict with a scalar `loss` and
+    any other scalar metrics to log.
+
+    `views` names the batch entries the objective reads; the data layer builds exactly those (see
+    `ssl_vit.data.views.VIEW_KINDS`). `encoder` is the backbone that evaluation and export use.
+    """
+
+    config_class: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
+    views: ClassVar[tuple[str, ...]] = ("image",)
+
+    def __init__(self, backbone: VisionTransformer, cfg, data: DataInfo):
+        super().__init__()
+        self.backbone = backbone
+        self.cfg = cfg
+        self.data = data
+
+    @property
+    def encoder(self) -> VisionTransformer:
+        return self.backbone
+
+    @abstractmethod
+    def forward(self, batch: dict) -> dict[str, torch.Tensor]: ...
+
+    def after_optimizer_step(self, step: int, total_steps: int) -> None:
+        """Hook for per-step updates outside the gradient (EMA teachers, temperature schedules)."""

@@ -1,0 +1,30 @@
+"""Pre-train a ViT with one objective.
+
+    accelerate launch scripts/pretrain.py                                 # supervised, vit_tiny, synthetic shapes
+    accelerate launch scripts/pretrain.py objective=supervised model=vit_s16 data=folder data.root=/data/train
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/accelerate/cpu_ddp2.yaml scripts/pretrain.py
+
+Hydra overrides select and change everything in configs/; see configs/pretrain.yaml.
+"""
+
+import sys
+
+import hydra
+
+from ssl_vit.config import ConfigError, register_configs
+from ssl_vit.train import pretrain
+
+register_configs()
+
+
+@hydra.main(config_path="../configs", config_name="pretrain", version_base="1.3")
+def main(cfg) -> None:
+    try:
+        pretrain(cfg)
+    except ConfigError as err:
+        print(f"ssl-vit: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Step-indexed, resumable loading: the batch of micro-step m is a pure function of (seed, m, rank).
+
+Each epoch is a seeded permutation of the dataset cut into global batches of batch_size x world_size; rank r takes
+its slice. Every sample also gets its own seed, under which its random augmentation runs, so the stream is the
+same with any number of workers and a resumed run continues exactly where an uninterrupted one would be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+_MIX = 0x9E3779B97F4A7C15  # large odd constant to spread (seed, epoch, index) over the 63-bit seed space
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    return ((seed * _MIX) ^ (epoch * 1_000_003 + index) * 6364136223846793005) % (2**63 - 1)
+
+
+class StepBatchSampler(Sampler):
+    """Infinite batch sampler yielding lists of (index, sample_seed) for one rank, from micro-step `start`."""
+
+    def __init__(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 start: int = 0, shuffle: bool = True):
+        global_batch = batch_size * world_size
+        if num_samples < global_batch:
+            raise ValueError(
+                f"the dataset has {num_samples} samples, fewer than one global batch of {global_batch} "
+                f"(data.batch_size={batch_size} x {world_size} processes); lower data.batch_size"
+            )
+        self.num_samples, self.batch_size, self.rank, self.world_size = num_samples, batch_size, rank, world_size
+        self.seed, self.start, self.shuffle = seed, start, shuffle
+        self.batches_per_epoch = num_samples // global_batch
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        step = self.start
+        epoch, order = None, None
+        while True:
+            if step // self.batches_per_epoch != epoch:
+                epoch = step // self.batches_per_epoch
+                order = self._order(epoch)
+            first = (step % self.batches_per_epoch) * self.batch_size * self.world_size + self.rank * self.batch_size
+            indices = order[first: first + self.batch_size].tolist()
+            yield [(i, sample_seed(self.seed, epoch, i)) for i in indices]
+            step += 1
+
+
+class SeededViews(Dataset):
+    """Apply `views` to `dataset[index]` under the sample's own torch seed (keys are (index, seed) pairs)."""
+
+    def __init__(self, dataset: Dataset, views):
+        self.dataset, self.views = dataset, views
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict:
+        index, seed = key
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.views(self.dataset[index])
+
+
+def build_loader(dataset: Dataset, views, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 start: int = 0, num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
+    sampler = StepBatchSampler(len(dataset), batch_size, rank, world_size, seed, start)
+    return DataLoader(
+        SeededViews(dataset, views),
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(seed),  # keep the global RNG untouched (exact resume)
+    )

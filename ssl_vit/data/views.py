@@ -1,0 +1,45 @@
+"""Turn dataset samples into the batch entries ("views") an objective declares.
+
+Datasets yield {"image": uint8 (3, H, W), "label": int, "text": str (optional)}. The spatial transform (resize and
+centre crop, or random resized crop + flip when augmenting) is applied once; `image` is the normalised float
+tensor the backbone reads, `pixels` the same crop in [0, 1] before normalisation (for colour targets).
+"""
+
+from __future__ import annotations
+
+import torch
+from torchvision.transforms import v2
+
+VIEW_KINDS = ("image", "pixels", "label", "text")
+
+
+class ViewBuilder:
+    def __init__(self, views, img_size: int, mean, std, augment: bool = False, crop_scale=(0.35, 1.0)):
+        unknown = [v for v in views if v not in VIEW_KINDS]
+        if unknown:
+            raise ValueError(f"unknown view(s) {unknown}; valid choices: {list(VIEW_KINDS)}")
+        self.views = tuple(views)
+        if augment:
+            self.spatial = v2.Compose([
+                v2.RandomResizedCrop(img_size, scale=tuple(crop_scale), antialias=True),
+                v2.RandomHorizontalFlip(),
+            ])
+        else:
+            self.spatial = v2.Compose([v2.Resize(img_size, antialias=True), v2.CenterCrop(img_size)])
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+
+    def __call__(self, sample: dict) -> dict:
+        out = {}
+        if "image" in self.views or "pixels" in self.views:
+            pixels = self.spatial(sample["image"]).float().div_(255)
+            if "pixels" in self.views:
+                out["pixels"] = pixels
+            if "image" in self.views:
+                out["image"] = (pixels - self.mean) / self.std
+        for key in ("label", "text"):
+            if key in self.views:
+                if key not in sample:
+                    raise KeyError(f"the objective needs {key!r} but the dataset's samples have {sorted(sample)}")
+                out[key] = sample[key]
+        return out

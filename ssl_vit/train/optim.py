@@ -1,0 +1,77 @@
+"""AdamW with parameter groups, and per-step schedules precomputed as arrays (as DINO does)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def _layer_id(name: str, num_layers: int) -> int:
+    """0 for embeddings, i + 1 for block i, num_layers + 1 for everything after the blocks (norm, heads)."""
+    if any(key in name for key in ("patch_embed", "pos_embed", "cls_token", "reg_token")):
+        return 0
+    match = re.search(r"blocks\.(\d+)\.", name)
+    return int(match.group(1)) + 1 if match else num_layers + 1
+
+
+def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None = None,
+                 num_layers: int | None = None) -> list[dict]:
+    """Groups keyed by (decay or not, layer). Each group carries `lr_scale` and `wd_scale` for the schedules.
+
+    With `layer_decay`, block i gets lr_scale = layer_decay ** (num_layers + 1 - layer_id) (BEiT / MAE fine-tuning).
+    """
+    # Biases and norm scales (all 1-D parameters), and what modules list in no_weight_decay() (position
+    # embeddings, learned tokens) get no weight decay.
+    skip = set().union(*(m.no_weight_decay() for m in model.modules() if hasattr(m, "no_weight_decay")))
+    groups: dict[tuple[bool, int], dict] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        decay = param.ndim > 1 and name.rsplit(".", 1)[-1] not in skip
+        layer = _layer_id(name, num_layers) if layer_decay is not None else 0
+        lr_scale = layer_decay ** (num_layers + 1 - layer) if layer_decay is not None else 1.0
+        group = groups.setdefault((decay, layer), {
+            "params": [], "names": [], "weight_decay": weight_decay if decay else 0.0,
+            "wd_scale": 1.0 if decay else 0.0, "lr_scale": lr_scale,
+        })
+        group["params"].append(param)
+        group["names"].append(name)
+    return list(groups.values())
+
+
+def build_optimizer(model: nn.Module, cfg, num_layers: int | None = None) -> torch.optim.AdamW:
+    if cfg.name != "adamw":
+        raise ValueError(f"unknown optimizer {cfg.name!r}; valid choices: ['adamw']")
+    groups = param_groups(model, cfg.weight_decay, cfg.layer_decay, num_layers)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay)
+
+
+def schedule(base: float, final: float, total_steps: int, warmup_steps: int = 0, kind: str = "cosine",
+             warmup_start: float = 0.0) -> np.ndarray:
+    """Value at every step: linear warmup from `warmup_start` to `base`, then cosine/linear decay to `final`."""
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+    warmup_steps = min(warmup_steps, total_steps)
+    warmup = np.linspace(warmup_start, base, warmup_steps, endpoint=False)
+    decay_steps = total_steps - warmup_steps
+    progress = np.arange(decay_steps) / max(decay_steps - 1, 1)
+    if kind == "cosine":
+        decay = final + 0.5 * (base - final) * (1 + np.cos(math.pi * progress))
+    elif kind == "linear":
+        decay = base + (final - base) * progress
+    elif kind == "constant":
+        decay = np.full(decay_steps, base)
+    else:
+        raise ValueError(f"unknown schedule {kind!r}; valid choices: ['cosine', 'linear', 'constant']")
+    return np.concatenate([warmup, decay])
+
+
+def apply_schedule(optimizer: torch.optim.Optimizer, lr: float, weight_decay: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+        group["weight_decay"] = weight_decay * group.get("wd_scale", 1.0)

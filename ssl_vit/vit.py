@@ -1,0 +1,411 @@
+"""The Vision Transformer of "An Image is Worth 16x16 Words" (Dosovitskiy et al., 2021) and its later options.
+
+One `VisionTransformer` configured by keyword arguments; variants are data in `PRESETS`. Parameter names follow
+timm's `VisionTransformer` (and its `ParallelScalingBlock` for 22B-style parallel blocks), so state dicts move
+between the two without renaming. The forward pass is a chain of small steps that objectives can interleave with
+their own token surgery (masking, dropping, corrupting):
+
+    tokens = vit.patch_embed(images)          # (B, N, D), raster order
+    tokens = vit.add_pos(tokens, grid)        # patch position embeddings (resampled if the grid differs)
+    tokens = vit.prepend_tokens(tokens)       # class token and registers, with their position embeddings
+    tokens = vit.run_blocks(tokens)           # pre-norm, the L blocks, final norm
+    embedding = vit.pool(tokens)              # class token or average of patch tokens (+ fc_norm)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from timm.layers import DropPath, LayerScale
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+GLOBAL_POOLS = ("token", "avg")
+
+# Presets are plain keyword arguments; anything not given takes the VisionTransformer default.
+PRESETS: dict[str, dict] = {
+    # Tiny sizes for tests and CPU smoke runs (4x4 patches on small images).
+    "vit_test": dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2),
+    "vit_test_22b": dict(
+        img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2,
+        qkv_bias=False, norm_bias=False, qk_norm=True, parallel_block=True, class_token=False, global_pool="avg",
+    ),
+    "vit_tiny": dict(img_size=32, patch_size=4, embed_dim=64, depth=4, num_heads=4),
+    # The paper's table (Dosovitskiy et al. 2021, Table 1) plus ViT-g and ViT-22B.
+    "vit_ti16": dict(patch_size=16, embed_dim=192, depth=12, num_heads=3),
+    "vit_s16": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
+    "vit_b16": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
+    "vit_l16": dict(patch_size=16, embed_dim=1024, depth=24, num_heads=16),
+    "vit_h14": dict(patch_size=14, embed_dim=1280, depth=32, num_heads=16),
+    "vit_g14": dict(patch_size=14, embed_dim=1408, depth=40, num_heads=16, mlp_dim=6144),
+    # Dehghani et al. 2023: parallel attention + MLP from one LayerNorm, QK-norm, no QKV / LayerNorm biases.
+    "vit_22b": dict(
+        patch_size=14, embed_dim=6144, depth=48, num_heads=48, mlp_dim=24576,
+        qkv_bias=False, norm_bias=False, qk_norm=True, parallel_block=True, class_token=False, global_pool="avg",
+    ),
+}
+
+
+def _pair(value: int | Sequence[int]) -> tuple[int, int]:
+    return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
+
+
+def _check_divisible(size: tuple[int, int], patch: tuple[int, int]) -> None:
+    if size[0] % patch[0] or size[1] % patch[1]:
+        def near(s, p):
+            return sorted({max(p, s // p * p), (s // p + 1) * p})
+        raise ValueError(
+            f"image size {size[0]}x{size[1]} is not divisible by the patch size {patch[0]}x{patch[1]}; "
+            f"use a multiple of the patch size (e.g. height {near(size[0], patch[0])}, width {near(size[1], patch[1])})"
+        )
+
+
+def resample_pos_embed(
+    pos_embed: torch.Tensor,
+    new_grid: Sequence[int],
+    old_grid: Sequence[int],
+    num_prefix_tokens: int = 1,
+    mode: str = "bicubic",
+    antialias: bool = True,
+) -> torch.Tensor:
+    """Resample (1, prefix + H*W, D) position embeddings to a new (H', W') grid by 2-D interpolation.
+
+    The prefix slots (class token, registers) are kept as they are; grids may be non-square. Same convention as
+    timm's `resample_abs_pos_embed` (bicubic, antialiased, computed in fp32).
+    """
+    new_grid, old_grid = _pair(tuple(new_grid)), _pair(tuple(old_grid))
+    prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
+    if grid.shape[1] != old_grid[0] * old_grid[1]:
+        raise ValueError(f"position embedding has {grid.shape[1]} patch slots, not {old_grid[0]}x{old_grid[1]}")
+    if new_grid == old_grid:
+        return pos_embed
+    dim = grid.shape[-1]
+    grid = grid.float().reshape(1, old_grid[0], old_grid[1], dim).permute(0, 3, 1, 2)
+    grid = F.interpolate(grid, size=new_grid, mode=mode, antialias=antialias, align_corners=False)
+    grid = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], dim).to(pos_embed.dtype)
+    return torch.cat([prefix, grid], dim=1)
+
+
+class PatchEmbed(nn.Module):
+    """Cut images into P x P patches and map each linearly to D: exactly a Conv2d with kernel = stride = P."""
+
+    def __init__(self, img_size=224, patch_size=16, in_chans=3, embed_dim=768, bias=True):
+        super().__init__()
+        self.img_size, self.patch_size = _pair(img_size), _pair(patch_size)
+        _check_divisible(self.img_size, self.patch_size)
+        self.grid_size = (self.img_size[0] // self.patch_size[0], self.img_size[1] // self.patch_size[1])
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=self.patch_size, stride=self.patch_size, bias=bias)
+
+    def grid_for(self, height: int, width: int) -> tuple[int, int]:
+        _check_divisible((height, width), self.patch_size)
+        return height // self.patch_size[0], width // self.patch_size[1]
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        self.grid_for(images.shape[-2], images.shape[-1])
+        return self.proj(images).flatten(2).transpose(1, 2)
+
+
+def _attend(q, k, v, dropout_p: float, return_attention: bool):
+    """SDPA, or the explicit softmax(q k^T / sqrt(d)) v that also returns the weights (for analysis)."""
+    if not return_attention:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p), None
+    weights = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+    weights = weights.softmax(dim=-1)
+    return weights @ v, weights
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, num_heads, qkv_bias=True, qk_norm=False, norm_layer=nn.LayerNorm, attn_drop=0.0,
+                 proj_drop=0.0):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
+        self.attn_drop = attn_drop
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: torch.Tensor, return_attention: bool = False):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        out, weights = _attend(q, k, v, self.attn_drop if self.training else 0.0, return_attention)
+        out = self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, C)))
+        return (out, weights) if return_attention else out
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim, hidden_dim, drop=0.0):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x):
+        return self.drop(self.fc2(self.act(self.fc1(x))))
+
+
+def _layer_scale(dim, init_value):
+    return LayerScale(dim, init_values=init_value) if init_value is not None else nn.Identity()
+
+
+class Block(nn.Module):
+    """Pre-norm block of the paper: z = z + MSA(LN(z)); z = z + MLP(LN(z))."""
+
+    def __init__(self, dim, num_heads, mlp_dim, qkv_bias=True, qk_norm=False, norm_layer=nn.LayerNorm,
+                 layer_scale=None, drop_path=0.0, attn_drop=0.0, proj_drop=0.0):
+        super().__init__()
+        self.norm1 = norm_layer(dim)
+        self.attn = Attention(dim, num_heads, qkv_bias, qk_norm, norm_layer, attn_drop, proj_drop)
+        self.ls1 = _layer_scale(dim, layer_scale)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = norm_layer(dim)
+        self.mlp = Mlp(dim, mlp_dim, proj_drop)
+        self.ls2 = _layer_scale(dim, layer_scale)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor, return_attention: bool = False):
+        attn = self.attn(self.norm1(x), return_attention)
+        attn, weights = attn if return_attention else (attn, None)
+        x = x + self.drop_path1(self.ls1(attn))
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        return (x, weights) if return_attention else x
+
+
+class ParallelBlock(nn.Module):
+    """ViT-22B block: z = z + MLP(LN(z)) + MSA(LN(z)), with QKV and fc1 fused into one input projection.
+
+    Parameter names and the [mlp, q, k, v] split follow timm's `ParallelScalingBlock`, so weights load there as is.
+    """
+
+    def __init__(self, dim, num_heads, mlp_dim, qkv_bias=False, qk_norm=True, norm_layer=nn.LayerNorm,
+                 layer_scale=None, drop_path=0.0, attn_drop=0.0, proj_drop=0.0):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.in_split = [mlp_dim, dim, dim, dim]
+        self.in_norm = norm_layer(dim)
+        self.in_proj = nn.Linear(dim, mlp_dim + 3 * dim, bias=qkv_bias)
+        # Without a QKV bias the MLP still has its own fc1 bias (as in the paper and timm).
+        self.mlp_bias = None if qkv_bias else nn.Parameter(torch.zeros(mlp_dim))
+        self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
+        self.attn_drop = attn_drop
+        self.mlp_act = nn.GELU()
+        self.mlp_drop = nn.Dropout(proj_drop)
+        self.attn_out_proj = nn.Linear(dim, dim)
+        self.mlp_out_proj = nn.Linear(mlp_dim, dim)
+        self.ls = _layer_scale(dim, layer_scale)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor, return_attention: bool = False):
+        B, N, C = x.shape
+        hidden, q, k, v = torch.split(self.in_proj(self.in_norm(x)), self.in_split, dim=-1)
+        if self.mlp_bias is not None:
+            hidden = hidden + self.mlp_bias
+        q, k, v = (t.view(B, N, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        q, k = self.q_norm(q), self.k_norm(k)
+        attn, weights = _attend(q, k, v, self.attn_drop if self.training else 0.0, return_attention)
+        attn = self.attn_out_proj(attn.transpose(1, 2).reshape(B, N, C))
+        mlp = self.mlp_out_proj(self.mlp_drop(self.mlp_act(hidden)))
+        x = x + self.drop_path(self.ls(attn + mlp))
+        return (x, weights) if return_attention else x
+
+
+class VisionTransformer(nn.Module):
+    """ViT backbone. `num_classes=0` (the default) gives an encoder whose `forward` returns the pooled embedding."""
+
+    def __init__(
+        self,
+        img_size: int | Sequence[int] = 224,
+        patch_size: int | Sequence[int] = 16,
+        in_chans: int = 3,
+        num_classes: int = 0,
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        mlp_ratio: float = 4.0,
+        mlp_dim: int | None = None,
+        class_token: bool = True,
+        global_pool: str = "token",
+        num_registers: int = 0,
+        no_embed_class: bool = False,
+        qkv_bias: bool = True,
+        qk_norm: bool = False,
+        norm_bias: bool = True,
+        norm_eps: float = 1e-6,
+        pre_norm: bool = False,
+        parallel_block: bool = False,
+        layer_scale: float | None = None,
+        drop_path: float = 0.0,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+    ):
+        super().__init__()
+        # The constructor arguments, so that a saved encoder can be rebuilt (ssl_vit.export).
+        self.config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in locals().items()
+                       if k not in ("self", "__class__")}
+        if global_pool not in GLOBAL_POOLS:
+            raise ValueError(f"global_pool {global_pool!r} is not one of {list(GLOBAL_POOLS)}")
+        if global_pool == "token" and not class_token:
+            raise ValueError("global_pool='token' needs class_token=True; use global_pool='avg' without one")
+
+        def norm_layer(dim):
+            return nn.LayerNorm(dim, eps=norm_eps, bias=norm_bias)
+
+        self.embed_dim = self.num_features = embed_dim
+        self.global_pool = global_pool
+        self.num_prefix_tokens = int(class_token) + num_registers
+        self.num_pos_prefix = 0 if no_embed_class else self.num_prefix_tokens
+        self.grad_checkpointing = False
+
+        # CLIP-style pre-norm models have no patch-embedding bias (as in timm).
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, bias=not pre_norm)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
+        self.reg_token = nn.Parameter(torch.zeros(1, num_registers, embed_dim)) if num_registers else None
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.num_pos_prefix + self.patch_embed.num_patches, embed_dim))
+        self.norm_pre = norm_layer(embed_dim) if pre_norm else nn.Identity()
+
+        block = ParallelBlock if parallel_block else Block
+        mlp_dim = mlp_dim or int(embed_dim * mlp_ratio)
+        drop_rates = [drop_path * i / max(depth - 1, 1) for i in range(depth)]  # stochastic depth grows linearly
+        self.blocks = nn.Sequential(*[
+            block(embed_dim, num_heads, mlp_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, norm_layer=norm_layer,
+                  layer_scale=layer_scale, drop_path=rate, attn_drop=attn_drop, proj_drop=proj_drop)
+            for rate in drop_rates
+        ])
+        # As in timm: average pooling normalises after pooling (fc_norm), token pooling before (norm).
+        use_fc_norm = global_pool == "avg"
+        self.norm = nn.Identity() if use_fc_norm else norm_layer(embed_dim)
+        self.fc_norm = norm_layer(embed_dim) if use_fc_norm else nn.Identity()
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.init_weights()
+
+    # ----- construction helpers -----
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        for token in (self.cls_token, self.reg_token):
+            if token is not None:
+                nn.init.normal_(token, std=1e-6)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.trunc_normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        if isinstance(self.head, nn.Linear):  # a fine-tuning head starts at zero (paper, section 3.2)
+            nn.init.zeros_(self.head.weight)
+
+    def no_weight_decay(self) -> set[str]:
+        return {"pos_embed", "cls_token", "reg_token"}
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        return self.patch_embed.grid_size
+
+    def set_img_size(self, img_size: int | Sequence[int]) -> None:
+        """Permanently resample the position embeddings for a new image size (fine-tuning at higher resolution)."""
+        img_size = _pair(img_size)
+        new_grid = self.patch_embed.grid_for(*img_size)
+        self.pos_embed = nn.Parameter(
+            resample_pos_embed(self.pos_embed.data, new_grid, self.grid_size, self.num_pos_prefix)
+        )
+        self.patch_embed.img_size, self.patch_embed.grid_size = img_size, new_grid
+        self.patch_embed.num_patches = new_grid[0] * new_grid[1]
+
+    # ----- composable forward steps -----
+    def patch_pos_embed(self, grid: Sequence[int] | None = None) -> torch.Tensor:
+        """(1, H*W, D) position embeddings of the patch slots, resampled when `grid` differs from the native one."""
+        pos = self.pos_embed
+        if grid is not None and tuple(grid) != self.grid_size:
+            pos = resample_pos_embed(pos, grid, self.grid_size, self.num_pos_prefix)
+        return pos[:, self.num_pos_prefix:]
+
+    def add_pos(self, tokens: torch.Tensor, grid: Sequence[int] | None = None) -> torch.Tensor:
+        return tokens + self.patch_pos_embed(grid)
+
+    def prepend_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Put the class token and registers (each with its position embedding, if it has one) in front."""
+        prefix = [t for t in (self.cls_token, self.reg_token) if t is not None]
+        if not prefix:
+            return tokens
+        prefix = torch.cat(prefix, dim=1)
+        if self.num_pos_prefix:
+            prefix = prefix + self.pos_embed[:, : self.num_pos_prefix]
+        return torch.cat([prefix.expand(tokens.shape[0], -1, -1), tokens], dim=1)
+
+    def run_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Pre-norm, all blocks (activation-checkpointed per block when enabled), then the final norm."""
+        x = self.norm_pre(tokens)
+        for block in self.blocks:
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.norm(x)
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """Images -> the full input token sequence (prefix tokens + patches with position embeddings)."""
+        grid = self.patch_embed.grid_for(images.shape[-2], images.shape[-1])
+        return self.prepend_tokens(self.add_pos(self.patch_embed(images), grid))
+
+    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
+        return self.run_blocks(self.embed(images))
+
+    def pool(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, n, D) output tokens -> (B, D) image embedding."""
+        if self.global_pool == "avg":
+            return self.fc_norm(tokens[:, self.num_prefix_tokens:].mean(dim=1))
+        return tokens[:, 0]
+
+    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        pooled = self.pool(tokens)
+        return pooled if pre_logits else self.head(pooled)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(images))
+
+    @torch.no_grad()
+    def attention_maps(self, images: torch.Tensor) -> list[torch.Tensor]:
+        """Softmax attention weights (B, heads, n, n) of every block, through the explicit attention path."""
+        x = self.norm_pre(self.embed(images))
+        maps = []
+        for block in self.blocks:
+            x, weights = block(x, return_attention=True)
+            maps.append(weights)
+        return maps
+
+
+def build_vit(name: str, **overrides) -> VisionTransformer:
+    """A preset by name, with keyword overrides (e.g. img_size=384, drop_path=0.1)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; valid choices: {sorted(PRESETS)}")
+    return VisionTransformer(**{**PRESETS[name], **overrides})
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def model_flops_per_image(model: VisionTransformer, img_size: Sequence[int] | None = None) -> float:
+    """Forward FLOPs (2 per multiply-add) of the linear layers and attention products for one image."""
+    grid = model.patch_embed.grid_for(*_pair(img_size)) if img_size is not None else model.grid_size
+    n = grid[0] * grid[1] + model.num_prefix_tokens
+    dim = model.embed_dim
+    patch = model.patch_embed.proj
+    macs = grid[0] * grid[1] * patch.weight.numel()
+    for block in model.blocks:
+        linear = sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear))
+        macs += n * linear + 2 * n * n * dim
+    return 2.0 * macs

@@ -1,0 +1,87 @@
+"""The real entry point, `accelerate launch scripts/pretrain.py`, end to end on tiny models."""
+
+import json
+
+import pytest
+import torch
+from conftest import launch, read_metrics
+from safetensors.torch import load_file
+
+from ssl_vit.export import load_encoder
+
+TINY = ["model=vit_test", "data.num_samples=32", "data.batch_size=16", "trainer.log_every=1",
+        "optim.lr=3e-3", "optim.warmup_steps=3", "trainer.checkpoint_every=10"]
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """An uninterrupted 30-step run."""
+    out = tmp_path_factory.mktemp("reference")
+    _ok(launch(*TINY, "trainer.max_steps=30", f"hydra.run.dir={out}"))
+    return out
+
+
+def test_tiny_supervised_run_lowers_the_loss_and_writes_its_outputs(reference_run):
+    metrics = read_metrics(reference_run)
+    assert [m["step"] for m in metrics] == list(range(1, 31))
+    losses = [m["loss"] for m in metrics]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.1, losses
+    assert {"acc", "lr", "grad_norm", "images_per_s", "nonfinite_steps"} <= set(metrics[-1])
+
+    summary = json.loads((reference_run / "summary.json").read_text())
+    assert summary["finished"] and summary["step"] == 30 and summary["world_size"] == 1
+    checkpoints = sorted(p.name for p in (reference_run / "checkpoints").iterdir())
+    assert checkpoints == ["step_00000020", "step_00000030"]  # keep_checkpoints=2, no temp dirs left
+    assert list((reference_run / "tb").rglob("events.out.tfevents.*"))
+
+    encoder = load_encoder(reference_run / "encoder.safetensors")
+    state = load_file(str(reference_run / "checkpoints" / "step_00000030" / "model.safetensors"))
+    torch.testing.assert_close(encoder.pos_embed, state["backbone.pos_embed"], atol=0, rtol=0)
+    assert encoder(torch.randn(1, 3, 16, 16)).shape == (1, 32)
+
+
+def test_a_stopped_and_resumed_run_reproduces_the_uninterrupted_losses(reference_run, tmp_path):
+    _ok(launch(*TINY, "trainer.max_steps=30", "trainer.stop_at_step=10", f"hydra.run.dir={tmp_path}"))
+    assert json.loads((tmp_path / "summary.json").read_text())["finished"] is False
+    _ok(launch(*TINY, "trainer.max_steps=30", "trainer.resume=auto", f"hydra.run.dir={tmp_path}"))
+    resumed = {m["step"]: m["loss"] for m in read_metrics(tmp_path)}
+    reference = {m["step"]: m["loss"] for m in read_metrics(reference_run)}
+    assert sorted(resumed) == list(range(1, 31))
+    for step in range(1, 31):
+        assert resumed[step] == pytest.approx(reference[step], abs=1e-6), step
+
+
+def test_two_process_data_parallel_on_cpu(tmp_path):
+    proc = _ok(launch(*TINY, "trainer.max_steps=6", f"hydra.run.dir={tmp_path}", config="cpu_ddp2",
+                      env={"ACCELERATE_USE_CPU": "1"}))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["global_batch"] == 32, proc.stdout
+    assert len(summary["param_digests"]) == 2 and summary["param_digests"][0] == summary["param_digests"][1]
+    assert summary["replicas_in_sync"] is True
+
+
+def test_two_workers_that_do_not_join_one_group_are_stopped(tmp_path):
+    proc = launch(*TINY, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}", config="cpu_ddp2",
+                  env={"ACCELERATE_USE_CPU": None})
+    assert proc.returncode != 0
+    assert "did not join one process group" in proc.stderr and "ACCELERATE_USE_CPU=1" in proc.stderr
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("objective=simclr", ["Could not find 'objective/simclr'", "Available options in 'objective'", "supervised"]),
+    ("model=vit_b17", ["Could not find 'model/vit_b17'", "vit_b16", "vit_s16"]),
+    ("data.img_size=30", ["30x30 is not divisible by the patch size 4x4", "[28, 32]"]),
+    ("trainer.max_steps=many", ["trainer.max_steps", "'many'", "Integer"]),
+    ("trainer.precision=fp16", ["fp16", "fp32", "bf16"]),
+])
+def test_bad_configuration_fails_at_start_up_with_the_valid_choices(tmp_path, override, expected):
+    proc = launch("model=vit_test", override, f"hydra.run.dir={tmp_path}")
+    assert proc.returncode != 0
+    for text in expected:
+        assert text in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "checkpoints").exists()
