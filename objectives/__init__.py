@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from objectives.base import DataInfo, Objective, ObjectiveConfig
+from objectives.masked_patch import MaskedPatch
 from objectives.supervised import Supervised
 
 OBJECTIVES: dict[str, type[Objective]] = {
     "supervised": Supervised,
+    "masked_patch": MaskedPatch,
 }
 
 

@@ -85,3 +85,11 @@ def test_bad_configuration_fails_at_start_up_with_the_valid_choices(tmp_path, ov
     for text in expected:
         assert text in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_masked_patch_pretraining_through_the_cli_lowers_the_loss(tmp_path):
+    _ok(launch("objective=masked_patch", *TINY, "trainer.max_steps=20", f"hydra.run.dir={tmp_path}"))
+    metrics = read_metrics(tmp_path)
+    losses = [m["loss"] for m in metrics]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
+    assert all(m["corrupted_fraction"] == 0.5 for m in metrics) and "acc" in metrics[-1]

@@ -1,0 +1,143 @@
+"""Masked patch prediction, the ViT paper's self-supervised objective (section 4.6, appendix B.1.2).
+
+A fraction (`mask_ratio`, default 50%) of each image's patch embeddings is corrupted before the position
+embeddings are added: of those, 80% become a learned [mask] embedding, 10% the embedding of a random other patch
+from the batch, 10% stay unchanged. For every corrupted patch the model predicts, from its output token:
+
+- `mean_colour` (default): the patch's mean colour, each channel quantised to `bits` bits (3 bits: 512 classes);
+- `subpatch_colour`: the same for each cell of a `subpatch_grid` x `subpatch_grid` grid inside the patch;
+- `pixels`: the patch's pixels (L2 regression).
+
+Targets come from the un-normalised pixels in [0, 1] (the `pixels` view). Colour classes are ordered R-major:
+class = (r * L + g) * L + b with L = 2**bits levels and r = min(floor(value * L), L - 1), so with 3 bits
+(0.2, 0.5, 0.9) -> (1, 4, 7) -> 103.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from objectives.base import DataInfo, Objective, ObjectiveConfig
+
+
+class Target(str, Enum):
+    mean_colour = "mean_colour"
+    subpatch_colour = "subpatch_colour"
+    pixels = "pixels"
+
+
+@dataclass
+class MaskedPatchConfig(ObjectiveConfig):
+    name: str = "masked_patch"
+    mask_ratio: float = 0.5
+    mask_token_prob: float = 0.8
+    random_patch_prob: float = 0.1
+    keep_prob: float = 0.1
+    target: Target = Target.mean_colour
+    bits: int = 3
+    subpatch_grid: int = 4
+
+
+def patchify(pixels: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """(B, C, H, W) -> (B, N, P, P, C) patches in raster order."""
+    B, C, H, W = pixels.shape
+    P = patch_size
+    patches = pixels.reshape(B, C, H // P, P, W // P, P).permute(0, 2, 4, 3, 5, 1)
+    return patches.reshape(B, (H // P) * (W // P), P, P, C)
+
+
+def quantise_colour(colour: torch.Tensor, bits: int) -> torch.Tensor:
+    """(..., 3) colours in [0, 1] -> (...,) class indices in [0, 2**(3*bits)), R-major."""
+    levels = 2**bits
+    q = (colour.clamp(0, 1) * levels).floor().long().clamp_(max=levels - 1)
+    return (q[..., 0] * levels + q[..., 1]) * levels + q[..., 2]
+
+
+def colour_targets(pixels: torch.Tensor, patch_size: int, bits: int, grid: int = 1) -> torch.Tensor:
+    """(B, C, H, W) in [0, 1] -> (B, N, grid*grid) colour classes of each patch's grid x grid cells."""
+    patches = patchify(pixels, patch_size)  # (B, N, P, P, C)
+    B, N, P, _, C = patches.shape
+    if P % grid:
+        raise ValueError(f"patch size {P} is not divisible by subpatch_grid {grid}")
+    cells = patches.reshape(B, N, grid, P // grid, grid, P // grid, C).mean(dim=(3, 5))  # (B, N, g, g, C)
+    return quantise_colour(cells.reshape(B, N, grid * grid, C), bits)
+
+
+def corrupt_patches(tokens: torch.Tensor, mask_ratio: float, probs: tuple[float, float, float],
+                    mask_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BERT-style corruption of round(N * mask_ratio) random patches per image.
+
+    Returns the corrupted tokens, a (B, N) bool mask of corrupted patches, and a (B, N) long tensor of what happened
+    to each (0 untouched, 1 mask embedding, 2 random other patch, 3 corrupted but kept).
+    """
+    B, N, D = tokens.shape
+    num_corrupt = round(N * mask_ratio)
+    rank = torch.rand(B, N, device=tokens.device).argsort(dim=1).argsort(dim=1)
+    corrupted = rank < num_corrupt  # exactly num_corrupt per image, at random positions
+    choice = torch.rand(B, N, device=tokens.device)
+    use_mask = corrupted & (choice < probs[0])
+    use_random = corrupted & (choice >= probs[0]) & (choice < probs[0] + probs[1])
+    donors = tokens.reshape(B * N, D)[torch.randint(B * N, (B, N), device=tokens.device)]
+    out = torch.where(use_mask[..., None], mask_token.to(tokens.dtype).expand(B, N, D), tokens)
+    out = torch.where(use_random[..., None], donors, out)
+    kind = corrupted.long() * 3 - use_mask.long() * 2 - use_random.long()
+    return out, corrupted, kind
+
+
+class MaskedPatch(Objective):
+    config_class = MaskedPatchConfig
+    views = ("image", "pixels")
+
+    def __init__(self, backbone, cfg: MaskedPatchConfig, data: DataInfo):
+        super().__init__(backbone, cfg, data)
+        probs = (cfg.mask_token_prob, cfg.random_patch_prob, cfg.keep_prob)
+        if not 0 < cfg.mask_ratio <= 1 or min(probs) < 0 or abs(sum(probs) - 1) > 1e-6:
+            raise ValueError(f"need 0 < mask_ratio <= 1 and mask/random/keep probabilities >= 0 summing to 1, "
+                             f"got mask_ratio={cfg.mask_ratio} and {probs}")
+        self.probs = probs
+        patch = backbone.patch_embed.patch_size
+        if patch[0] != patch[1]:
+            raise ValueError(f"masked_patch needs square patches, got {patch}")
+        self.patch_size = patch[0]
+        target = Target(cfg.target)
+        self.cells = cfg.subpatch_grid**2 if target == Target.subpatch_colour else 1
+        if target == Target.pixels:
+            out_dim = self.patch_size**2 * 3
+        else:
+            if target == Target.subpatch_colour and self.patch_size % cfg.subpatch_grid:
+                raise ValueError(f"patch size {self.patch_size} is not divisible by "
+                                 f"subpatch_grid={cfg.subpatch_grid}")
+            out_dim = self.cells * 2 ** (3 * cfg.bits)
+        self.target = target
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, backbone.embed_dim))
+        nn.init.normal_(self.mask_token, std=0.02)
+        self.head = nn.Linear(backbone.embed_dim, out_dim)
+        nn.init.trunc_normal_(self.head.weight, std=0.02)
+        nn.init.zeros_(self.head.bias)
+
+    def no_weight_decay(self) -> set[str]:
+        return {"mask_token"}
+
+    def forward(self, batch):
+        vit = self.backbone
+        images, pixels = batch["image"], batch["pixels"]
+        grid = vit.patch_embed.grid_for(images.shape[-2], images.shape[-1])
+        tokens, corrupted, _ = corrupt_patches(vit.patch_embed(images), self.cfg.mask_ratio, self.probs,
+                                               self.mask_token)
+        out = vit.run_blocks(vit.prepend_tokens(vit.add_pos(tokens, grid)))[:, vit.num_prefix_tokens:]
+        predictions = self.head(out[corrupted])  # (M, out_dim): corrupted patches only
+        if self.target == Target.pixels:
+            target = patchify(pixels, self.patch_size)[corrupted].flatten(1)
+            loss = F.mse_loss(predictions, target)
+            return {"loss": loss, "corrupted_fraction": corrupted.float().mean()}
+        grid_cells = self.cfg.subpatch_grid if self.target == Target.subpatch_colour else 1
+        target = colour_targets(pixels, self.patch_size, self.cfg.bits, grid_cells)[corrupted]  # (M, cells)
+        logits = predictions.reshape(target.shape[0], self.cells, -1)
+        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())
+        accuracy = (logits.argmax(dim=-1) == target).float().mean()
+        return {"loss": loss, "acc": accuracy, "corrupted_fraction": corrupted.float().mean()}
