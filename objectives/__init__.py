@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from objectives.base import DataInfo, Objective, ObjectiveConfig
+from objectives.mae import MAE
 from objectives.masked_patch import MaskedPatch
 from objectives.supervised import Supervised
 
 OBJECTIVES: dict[str, type[Objective]] = {
     "supervised": Supervised,
     "masked_patch": MaskedPatch,
+    "mae": MAE,
 }
 
 

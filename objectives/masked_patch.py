@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from objectives.base import DataInfo, Objective, ObjectiveConfig
+from objectives.patches import patchify, per_sample_shuffle
 
 
 class Target(str, Enum):
@@ -41,14 +42,6 @@ class MaskedPatchConfig(ObjectiveConfig):
     target: Target = Target.mean_colour
     bits: int = 3
     subpatch_grid: int = 4
-
-
-def patchify(pixels: torch.Tensor, patch_size: int) -> torch.Tensor:
-    """(B, C, H, W) -> (B, N, P, P, C) patches in raster order."""
-    B, C, H, W = pixels.shape
-    P = patch_size
-    patches = pixels.reshape(B, C, H // P, P, W // P, P).permute(0, 2, 4, 3, 5, 1)
-    return patches.reshape(B, (H // P) * (W // P), P, P, C)
 
 
 def quantise_colour(colour: torch.Tensor, bits: int) -> torch.Tensor:
@@ -77,7 +70,7 @@ def corrupt_patches(tokens: torch.Tensor, mask_ratio: float, probs: tuple[float,
     """
     B, N, D = tokens.shape
     num_corrupt = round(N * mask_ratio)
-    rank = torch.rand(B, N, device=tokens.device).argsort(dim=1).argsort(dim=1)
+    _, rank = per_sample_shuffle(B, N, tokens.device)  # rank of each position in a random order
     corrupted = rank < num_corrupt  # exactly num_corrupt per image, at random positions
     choice = torch.rand(B, N, device=tokens.device)
     use_mask = corrupted & (choice < probs[0])

@@ -88,6 +88,27 @@ def resample_pos_embed(
     return torch.cat([prefix, grid], dim=1)
 
 
+def sincos_pos_embed_2d(grid: Sequence[int], dim: int, num_prefix_tokens: int = 0,
+                        temperature: float = 10000.0) -> torch.Tensor:
+    """Fixed 2-D sin-cos position embeddings (MAE), shape (1, prefix + H*W, dim); prefix slots are zeros.
+
+    Channel layout as in MAE's released weights: [sin(col), cos(col), sin(row), cos(row)], each of dim/4 frequencies
+    1 / temperature**(i / (dim/4)). MAE's code calls the column half "emb_h" (its meshgrid puts w first); HF
+    transformers builds [h | w] and swaps the halves to load those weights. Grids may be non-square.
+    """
+    if dim % 4:
+        raise ValueError(f"sin-cos position embeddings need a width divisible by 4, got {dim}")
+    rows, cols = _pair(tuple(grid))
+    quarter = dim // 4
+    omega = 1.0 / temperature ** (torch.arange(quarter, dtype=torch.float64) / quarter)
+    row, col = torch.meshgrid(torch.arange(rows, dtype=torch.float64), torch.arange(cols, dtype=torch.float64),
+                              indexing="ij")
+    angle_col, angle_row = col.flatten().outer(omega), row.flatten().outer(omega)
+    embed = torch.cat([angle_col.sin(), angle_col.cos(), angle_row.sin(), angle_row.cos()], dim=1)
+    embed = torch.cat([torch.zeros(num_prefix_tokens, dim, dtype=torch.float64), embed])
+    return embed.float().unsqueeze(0)
+
+
 class PatchEmbed(nn.Module):
     """Cut images into P x P patches and map each linearly to D: exactly a Conv2d with kernel = stride = P."""
 

@@ -3,7 +3,8 @@ import torch
 from omegaconf import OmegaConf
 
 from objectives import DataInfo, build_objective
-from objectives.masked_patch import MaskedPatchConfig, colour_targets, corrupt_patches, patchify, quantise_colour
+from objectives.masked_patch import MaskedPatchConfig, colour_targets, corrupt_patches, quantise_colour
+from objectives.patches import patchify, unpatchify
 from ssl_vit.data import SyntheticShapes, ViewBuilder
 from ssl_vit.vit import build_vit
 
@@ -86,14 +87,10 @@ def test_loss_is_computed_on_corrupted_patches_only():
     changed_clean[~corrupted] = 1.0 - changed_clean[~corrupted]
     changed_corrupt = patch_pixels.clone()
     changed_corrupt[corrupted] = 1.0 - changed_corrupt[corrupted]
-
-    def unpatchify(patches):
-        return patches.reshape(2, 4, 4, 4, 4, 3).permute(0, 5, 1, 3, 2, 4).reshape(2, 3, 16, 16)
-
-    torch.testing.assert_close(unpatchify(patch_pixels), pixels)
+    torch.testing.assert_close(unpatchify(patch_pixels, (4, 4)), pixels)
     for changed, same in ((changed_clean, True), (changed_corrupt, False)):
         torch.manual_seed(5)
-        other = objective({"image": images, "pixels": unpatchify(changed)})["loss"]
+        other = objective({"image": images, "pixels": unpatchify(changed, (4, 4))})["loss"]
         assert torch.equal(other, loss) is same
 
 

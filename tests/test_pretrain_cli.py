@@ -8,6 +8,7 @@ from conftest import launch, read_metrics
 from safetensors.torch import load_file
 
 from ssl_vit.export import load_encoder
+from ssl_vit.vit import sincos_pos_embed_2d
 
 TINY = ["model=vit_test", "data.num_samples=32", "data.batch_size=16", "trainer.log_every=1",
         "optim.lr=3e-3", "optim.warmup_steps=3", "trainer.checkpoint_every=10"]
@@ -93,3 +94,12 @@ def test_masked_patch_pretraining_through_the_cli_lowers_the_loss(tmp_path):
     losses = [m["loss"] for m in metrics]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
     assert all(m["corrupted_fraction"] == 0.5 for m in metrics) and "acc" in metrics[-1]
+
+
+def test_mae_pretraining_through_the_cli_lowers_the_loss(tmp_path):
+    _ok(launch("objective=mae", "objective.decoder_dim=32", "objective.decoder_depth=1", "objective.decoder_heads=2",
+               *TINY, "trainer.max_steps=20", f"hydra.run.dir={tmp_path}"))
+    losses = [m["loss"] for m in read_metrics(tmp_path)]
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+    encoder = load_encoder(tmp_path / "encoder.safetensors")
+    torch.testing.assert_close(encoder.pos_embed, sincos_pos_embed_2d((4, 4), 32, 1))  # fixed during training

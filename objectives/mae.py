@@ -1,0 +1,135 @@
+"""Masked autoencoders (He et al. 2022).
+
+Mask `mask_ratio` (75%) of each image's patches at random (argsort of noise, per sample); the encoder, which is the
+shared backbone, runs on the visible patches only, so it costs about (1 - mask_ratio) of a full pass. A light
+decoder takes the encoded visible tokens plus a learned mask token for each hidden patch, with fixed 2-D sin-cos
+position embeddings, and predicts every patch's pixels; the loss is the MSE on the masked patches, against pixels
+normalised per patch (`norm_pix_loss`). As in MAE, the encoder's position embeddings are fixed sin-cos by default.
+After pre-training, `encoder` is a plain ViT used as is by evaluation and export.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from objectives.base import DataInfo, Objective, ObjectiveConfig
+from objectives.patches import patchify, per_sample_shuffle, unpatchify
+from ssl_vit.vit import Block, sincos_pos_embed_2d
+
+
+@dataclass
+class MAEConfig(ObjectiveConfig):
+    name: str = "mae"
+    mask_ratio: float = 0.75
+    decoder_dim: int = 512
+    decoder_depth: int = 8
+    decoder_heads: int = 16
+    norm_pix_loss: bool = True
+    fixed_pos_embed: bool = True  # encoder position embeddings: fixed 2-D sin-cos (MAE) instead of learned
+
+
+def normalise_patches(target: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-patch mean / (unbiased) variance normalisation of (B, N, P*P*C) targets, as in MAE."""
+    mean, var = target.mean(dim=-1, keepdim=True), target.var(dim=-1, keepdim=True)
+    return (target - mean) / (var + eps) ** 0.5, mean, var
+
+
+def mae_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, norm_pix_loss: bool) -> torch.Tensor:
+    """Mean squared error over the patches where mask == 1 (pred, target: (B, N, P*P*C); mask: (B, N))."""
+    if norm_pix_loss:
+        target = normalise_patches(target)[0]
+    per_patch = (pred - target).pow(2).mean(dim=-1)
+    return (per_patch * mask).sum() / mask.sum()
+
+
+class MAE(Objective):
+    config_class = MAEConfig
+    views = ("image",)
+
+    def __init__(self, backbone, cfg: MAEConfig, data: DataInfo):
+        super().__init__(backbone, cfg, data)
+        if not 0 <= cfg.mask_ratio < 1:
+            raise ValueError(f"mask_ratio must be in [0, 1), got {cfg.mask_ratio}")
+        patch = backbone.patch_embed.patch_size
+        if patch[0] != patch[1]:
+            raise ValueError(f"MAE needs square patches, got {patch}")
+        self.patch_size = patch[0]
+        in_chans = backbone.patch_embed.proj.in_channels
+        if cfg.fixed_pos_embed:
+            with torch.no_grad():
+                backbone.pos_embed.copy_(
+                    sincos_pos_embed_2d(backbone.grid_size, backbone.embed_dim, backbone.num_pos_prefix))
+            backbone.pos_embed.requires_grad_(False)
+
+        dim = cfg.decoder_dim
+        self.decoder_embed = nn.Linear(backbone.embed_dim, dim)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.decoder_blocks = nn.ModuleList([
+            Block(dim, cfg.decoder_heads, 4 * dim, norm_layer=lambda d: nn.LayerNorm(d, eps=1e-6))
+            for _ in range(cfg.decoder_depth)
+        ])
+        self.decoder_norm = nn.LayerNorm(dim, eps=1e-6)
+        self.decoder_pred = nn.Linear(dim, self.patch_size**2 * in_chans)
+        for part in (self.decoder_embed, self.decoder_blocks, self.decoder_pred):  # MAE's decoder init
+            for module in part.modules():
+                if isinstance(module, nn.Linear):
+                    nn.init.xavier_uniform_(module.weight)
+                    nn.init.zeros_(module.bias)
+        nn.init.normal_(self.mask_token, std=0.02)
+
+    def no_weight_decay(self) -> set[str]:
+        return {"mask_token"}
+
+    def num_visible(self, num_patches: int) -> int:
+        return round(num_patches * (1 - self.cfg.mask_ratio))
+
+    def encode_visible(self, images: torch.Tensor):
+        """Encode a random subset of each image's patches. Returns (encoded tokens, mask with 1 = hidden in
+        original patch order, the permutation that restores the original order, the patch grid)."""
+        vit = self.backbone
+        grid = vit.patch_embed.grid_for(images.shape[-2], images.shape[-1])
+        tokens = vit.add_pos(vit.patch_embed(images), grid)
+        B, N, D = tokens.shape
+        keep = self.num_visible(N)
+        shuffle, restore = per_sample_shuffle(B, N, tokens.device)
+        visible = torch.gather(tokens, 1, shuffle[:, :keep, None].expand(-1, -1, D))
+        mask = torch.ones(B, N, device=tokens.device)
+        mask[:, :keep] = 0
+        mask = torch.gather(mask, 1, restore)
+        return vit.run_blocks(vit.prepend_tokens(visible)), mask, restore, grid
+
+    def decode(self, encoded: torch.Tensor, restore: torch.Tensor, grid) -> torch.Tensor:
+        """Encoded (prefix + visible) tokens -> (B, N, P*P*C) pixel predictions for every patch, in raster order."""
+        prefix = self.backbone.num_prefix_tokens
+        x = self.decoder_embed(encoded)
+        B, _, dim = x.shape
+        N = restore.shape[1]
+        patches = torch.cat([x[:, prefix:], self.mask_token.to(x.dtype).expand(B, N - x.shape[1] + prefix, dim)], 1)
+        patches = torch.gather(patches, 1, restore[..., None].expand(-1, -1, dim))  # unshuffle
+        x = torch.cat([x[:, :prefix], patches], dim=1)
+        x = x + sincos_pos_embed_2d(grid, dim, prefix).to(x.device, x.dtype)
+        for block in self.decoder_blocks:
+            x = block(x)
+        return self.decoder_pred(self.decoder_norm(x))[:, prefix:]
+
+    def forward(self, batch):
+        images = batch["image"]
+        encoded, mask, restore, grid = self.encode_visible(images)
+        pred = self.decode(encoded, restore, grid)
+        target = patchify(images, self.patch_size).flatten(2)
+        if self.cfg.mask_ratio == 0:  # cost baseline: nothing hidden, so reconstruct every patch
+            mask = torch.ones_like(mask)
+        return {"loss": mae_loss(pred, target, mask, self.cfg.norm_pix_loss)}
+
+    @torch.no_grad()
+    def reconstruct(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(reconstructed images in the input's normalised space, (B, N) mask with 1 = hidden)."""
+        encoded, mask, restore, grid = self.encode_visible(images)
+        pred = self.decode(encoded, restore, grid)
+        if self.cfg.norm_pix_loss:  # predictions live in per-patch normalised space: undo with the true statistics
+            _, mean, var = normalise_patches(patchify(images, self.patch_size).flatten(2))
+            pred = pred * (var + 1e-6) ** 0.5 + mean
+        return unpatchify(pred, grid), mask

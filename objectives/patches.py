@@ -1,0 +1,31 @@
+"""Small pieces shared by the masking objectives: patchify / unpatchify and per-sample random shuffles."""
+
+from __future__ import annotations
+
+import torch
+
+
+def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """(B, C, H, W) -> (B, N, P, P, C) patches in raster order (MAE's 'nchpwq->nhwpqc' layout)."""
+    B, C, H, W = images.shape
+    P = patch_size
+    patches = images.reshape(B, C, H // P, P, W // P, P).permute(0, 2, 4, 3, 5, 1)
+    return patches.reshape(B, (H // P) * (W // P), P, P, C)
+
+
+def unpatchify(patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """(B, N, P, P, C) or (B, N, P*P*C) -> (B, C, H, W); the inverse of `patchify` for a (rows, cols) grid."""
+    B, N = patches.shape[:2]
+    rows, cols = grid
+    if patches.ndim == 3:
+        P = int(round((patches.shape[-1] / 3) ** 0.5))
+        patches = patches.reshape(B, N, P, P, 3)
+    P, C = patches.shape[2], patches.shape[-1]
+    images = patches.reshape(B, rows, cols, P, P, C).permute(0, 5, 1, 3, 2, 4)
+    return images.reshape(B, C, rows * P, cols * P)
+
+
+def per_sample_shuffle(batch: int, length: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random permutation of range(length) per sample (argsort of uniform noise, as MAE) and its inverse."""
+    shuffle = torch.rand(batch, length, device=device).argsort(dim=1)
+    return shuffle, shuffle.argsort(dim=1)

@@ -1,0 +1,59 @@
+"""A short self-supervised pre-training on synthetic shapes gives features a linear probe can use.
+
+Probe target: the colour of the shape (8 classes; the third word of the caption "a {size} {colour} {shape} ...").
+Both objectives learn colour structure within seconds, while the shape class itself is not yet linearly decodable
+after so short a run (measured at 300 steps: 15% for either objective vs 16% for a random encoder, chance 12.5%).
+Measured at 200 steps, seed 0: masked_patch 0.74 and MAE 0.49 against 0.34 for the random encoder (chance 0.125).
+"""
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from sklearn.linear_model import LogisticRegression
+from sklearn.preprocessing import StandardScaler
+from test_loop import CONFIGS, _fresh_accelerator_state  # noqa: F401  (fixture)
+
+from ssl_vit.config import register_configs
+from ssl_vit.data import SyntheticShapes, ViewBuilder
+from ssl_vit.export import load_encoder
+from ssl_vit.train import pretrain
+from ssl_vit.vit import build_vit
+
+MARGIN = 0.10
+
+
+def _features(encoder, seed, count, views):
+    data = SyntheticShapes(count, 32, seed=seed)
+    images = torch.stack([views(data[i])["image"] for i in range(count)])
+    colours = np.array([data[i]["text"].split()[2] for i in range(count)])
+    with torch.no_grad():
+        tokens = encoder.eval().forward_features(images)
+    return torch.cat([tokens[:, 0], tokens[:, 1:].mean(dim=1)], dim=1).numpy(), colours
+
+
+def _probe_accuracy(encoder, views) -> float:
+    train_x, train_y = _features(encoder, 100, 800, views)
+    test_x, test_y = _features(encoder, 200, 800, views)
+    scaler = StandardScaler().fit(train_x)
+    classifier = LogisticRegression(max_iter=2000).fit(scaler.transform(train_x), train_y)
+    return classifier.score(scaler.transform(test_x), test_y)
+
+
+@pytest.mark.parametrize("objective, options", [
+    ("masked_patch", []),
+    ("mae", ["objective.decoder_dim=64", "objective.decoder_depth=2", "objective.decoder_heads=4"]),
+])
+def test_linear_probe_on_pretrained_encoder_beats_a_random_encoder(tmp_path, objective, options):
+    register_configs()
+    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+        cfg = compose("pretrain", overrides=[
+            f"objective={objective}", "model=vit_test", "data.img_size=32", "trainer.max_steps=200",
+            "trainer.progress=false", "trainer.tensorboard=false", "trainer.log_every=50", f"output_dir={tmp_path}",
+            *options])
+    pretrain(cfg)
+    views = ViewBuilder(("image",), 32, cfg.data.mean, cfg.data.std)
+    pretrained = _probe_accuracy(load_encoder(tmp_path / "encoder.safetensors"), views)
+    torch.manual_seed(0)
+    random = _probe_accuracy(build_vit("vit_test", img_size=32), views)
+    assert pretrained > random + MARGIN, (pretrained, random)
