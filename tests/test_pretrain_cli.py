@@ -76,6 +76,7 @@ def test_two_workers_that_do_not_join_one_group_are_stopped(tmp_path):
 @pytest.mark.parametrize("override, expected", [
     ("objective=simclr", ["Could not find 'objective/simclr'", "Available options in 'objective'", "supervised"]),
     ("model=vit_b17", ["Could not find 'model/vit_b17'", "vit_b16", "vit_s16"]),
+    ("data=imagenet", ["Could not find 'data/imagenet'", "Available options in 'data'", "folder", "synthetic"]),
     ("data.img_size=30", ["30x30 is not divisible by the patch size 4x4", "[28, 32]"]),
     ("trainer.max_steps=many", ["trainer.max_steps", "'many'", "Integer"]),
     ("trainer.precision=fp16", ["fp16", "fp32", "bf16"]),

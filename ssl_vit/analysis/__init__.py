@@ -1,0 +1,1 @@
+"""Inspecting trained models: plots and maps written as PNGs."""
