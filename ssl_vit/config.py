@@ -96,6 +96,32 @@ class FolderDataConfig(DataConfig):
 
 
 @dataclass
+class FashionMNISTDataConfig(DataConfig):
+    name: str = "fashion_mnist"
+    root: str = "/usr/share/datasets/fashion-mnist"
+    split: str = "train"
+    mean: list[float] = field(default_factory=lambda: [0.286] * 3)
+    std: list[float] = field(default_factory=lambda: [0.353] * 3)
+
+
+@dataclass
+class DigitsDataConfig(DataConfig):
+    name: str = "digits"
+    split: str = "train"
+    mean: list[float] = field(default_factory=lambda: [0.3] * 3)
+    std: list[float] = field(default_factory=lambda: [0.4] * 3)
+
+
+@dataclass
+class ShardDataConfig(DataConfig):
+    name: str = "wds"
+    urls: Any = MISSING  # a brace pattern ("/data/shard-{000000..000099}.tar"), or a list of them
+    num_classes: int | None = None  # needed by objectives that use labels (shards carry no class list)
+    resampled: bool = True  # draw shards with replacement (step-based training, as open_clip)
+    shuffle_buffer: int = 1000
+
+
+@dataclass
 class OptimConfig:
     name: str = "adamw"
     lr: float = 1e-3
@@ -170,6 +196,9 @@ def register_configs() -> None:
     store.store(group="schema/trainer", name="default", node=TrainerConfig)
     store.store(group="schema/data", name="synthetic", node=SyntheticDataConfig)
     store.store(group="schema/data", name="folder", node=FolderDataConfig)
+    store.store(group="schema/data", name="fashion_mnist", node=FashionMNISTDataConfig)
+    store.store(group="schema/data", name="digits", node=DigitsDataConfig)
+    store.store(group="schema/data", name="wds", node=ShardDataConfig)
     for name, objective in OBJECTIVES.items():
         store.store(group="schema/objective", name=name, node=objective.config_class)
     for name in PRESETS:

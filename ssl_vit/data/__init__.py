@@ -1,13 +1,16 @@
-"""Datasets, views and loaders. `build_dataset(cfg)` maps a data config to a dataset by its name."""
+"""Datasets, views and loaders. `build_dataset(cfg)` maps a data config to a dataset by its name, and
+`make_loader` gives the training batches of either kind (map-style datasets, or WebDataset shard streams)."""
 
 from __future__ import annotations
 
 from ssl_vit.data.folder import FolderDataset
 from ssl_vit.data.loader import StepBatchSampler, build_loader
+from ssl_vit.data.real import Digits, FashionMNIST
+from ssl_vit.data.shards import ShardStream
 from ssl_vit.data.synthetic import SyntheticShapes
 from ssl_vit.data.views import VIEW_KINDS, ViewBuilder
 
-DATASETS = ("synthetic", "folder")
+DATASETS = ("synthetic", "folder", "fashion_mnist", "digits", "wds")
 
 
 def build_dataset(cfg, img_size: int):
@@ -16,10 +19,27 @@ def build_dataset(cfg, img_size: int):
         return SyntheticShapes(cfg.num_samples, img_size, cfg.seed)
     if cfg.name == "folder":
         return FolderDataset(cfg.root)
+    if cfg.name == "fashion_mnist":
+        return FashionMNIST(cfg.root, cfg.split)
+    if cfg.name == "digits":
+        return Digits(cfg.split)
+    if cfg.name == "wds":
+        return ShardStream(cfg.urls, cfg.num_classes, cfg.resampled, cfg.shuffle_buffer)
     raise ValueError(f"unknown dataset {cfg.name!r}; valid choices: {list(DATASETS)}")
 
 
+def make_loader(dataset, views: ViewBuilder, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
+                start: int = 0, num_workers: int = 0, pin_memory: bool = False):
+    """Batches for one rank from micro-step `start` on (exactly resumable for map-style datasets)."""
+    if isinstance(dataset, ShardStream):
+        return dataset.loader(views, batch_size, seed=seed, start=start, num_workers=num_workers,
+                              pin_memory=pin_memory, need_label="label" in views.views,
+                              need_text="text" in views.views)
+    return build_loader(dataset, views, batch_size, rank=rank, world_size=world_size, seed=seed, start=start,
+                        num_workers=num_workers, pin_memory=pin_memory)
+
+
 __all__ = [
-    "DATASETS", "VIEW_KINDS", "FolderDataset", "StepBatchSampler", "SyntheticShapes", "ViewBuilder",
-    "build_dataset", "build_loader",
+    "DATASETS", "VIEW_KINDS", "Digits", "FashionMNIST", "FolderDataset", "ShardStream", "StepBatchSampler",
+    "SyntheticShapes", "ViewBuilder", "build_dataset", "build_loader", "make_loader",
 ]

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from objectives import OBJECTIVES, DataInfo, build_objective
 from ssl_vit.config import ConfigError, Precision, model_kwargs, to_container
-from ssl_vit.data import ViewBuilder, build_dataset, build_loader
+from ssl_vit.data import ViewBuilder, build_dataset, make_loader
 from ssl_vit.export import save_encoder
 from ssl_vit.train.checkpoint import resolve_resume, save_checkpoint
 from ssl_vit.train.optim import apply_schedule, build_optimizer, schedule
@@ -44,6 +44,7 @@ class TrainState:
     step: int = 0
     nonfinite_steps: int = 0
     consecutive_nonfinite: int = 0
+    skipped_samples: int = 0  # bad samples the data stream skipped (corrupt images, missing keys)
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -70,6 +71,9 @@ def build_components(cfg):
         dataset = build_dataset(cfg.data, img_size)
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(f"data={cfg.data.name}: {err}") from err
+    if "label" in OBJECTIVES[cfg.objective.name].views and not dataset.classes:
+        raise ConfigError(f"objective={cfg.objective.name} needs class labels but data={cfg.data.name} declares no "
+                          "classes: set data.num_classes")
     info = DataInfo(len(dataset.classes), img_size, list(cfg.data.mean), list(cfg.data.std))
     try:
         objective = build_objective(cfg.objective, backbone, info)
@@ -177,9 +181,9 @@ def pretrain(cfg) -> dict:
         set_seed(cfg.seed + accelerator.process_index)  # from here on, ranks draw different masks / dropout
 
     world = accelerator.num_processes
-    loader = build_loader(dataset, views, cfg.data.batch_size, rank=accelerator.process_index, world_size=world,
-                          seed=cfg.seed, start=state.step * accumulation, num_workers=cfg.data.num_workers,
-                          pin_memory=accelerator.device.type == "cuda")
+    loader = make_loader(dataset, views, cfg.data.batch_size, rank=accelerator.process_index, world_size=world,
+                         seed=cfg.seed, start=state.step * accumulation, num_workers=cfg.data.num_workers,
+                         pin_memory=accelerator.device.type == "cuda")
     batches = iter(loader)
     end_step = min(tcfg.max_steps, tcfg.stop_at_step or tcfg.max_steps)
     global_batch = cfg.data.batch_size * world * accumulation
@@ -204,7 +208,10 @@ def pretrain(cfg) -> dict:
         apply_schedule(optimizer, float(lrs[state.step]), cfg.optim.weight_decay)
         finite = torch.ones((), device=accelerator.device)
         for _ in range(accumulation):
-            batch = _to_device(next(batches), accelerator.device)
+            batch = next(batches)
+            if "skipped" in batch:
+                state.skipped_samples += int(batch.pop("skipped").sum())
+            batch = _to_device(batch, accelerator.device)
             with accelerator.accumulate(model):
                 outputs = model(batch)
                 finite = finite * torch.isfinite(outputs["loss"].detach())
@@ -233,7 +240,7 @@ def pretrain(cfg) -> dict:
             now = time.perf_counter()
             record = {"step": state.step, **meter.summary(accelerator), "lr": float(lrs[state.step - 1]),
                       "images_per_s": global_batch * (state.step - interval_step) / max(now - interval_start, 1e-9),
-                      "nonfinite_steps": state.nonfinite_steps}
+                      "nonfinite_steps": state.nonfinite_steps, "skipped_samples": state.skipped_samples}
             interval_start, interval_step = now, state.step
             if is_main:
                 with open(out_dir / "metrics.jsonl", "a") as f:
@@ -267,7 +274,7 @@ def pretrain(cfg) -> dict:
         "step": state.step, "max_steps": tcfg.max_steps, "finished": state.step >= tcfg.max_steps,
         "world_size": world, "threads_per_process": threads, "global_batch": global_batch,
         "images_per_s": global_batch * (state.step - start_step) / max(elapsed, 1e-9), "wall_s": elapsed,
-        "nonfinite_steps": state.nonfinite_steps, "last": record,
+        "nonfinite_steps": state.nonfinite_steps, "skipped_samples": state.skipped_samples, "last": record,
         "param_digests": digests, "replicas_in_sync": len(set(digests)) == 1,
         "checkpoint": str(checkpoint) if checkpoint else None,
         "encoder": str(out_dir / "encoder.safetensors"),

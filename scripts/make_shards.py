@@ -1,0 +1,53 @@
+"""Write WebDataset shards (.tar) from an image source, and print a summary.
+
+    python scripts/make_shards.py synthetic --out data/shapes --num-samples 20000 --img-size 64
+    python scripts/make_shards.py folder --root /data/train --out data/train-shards --samples-per-shard 5000
+    python scripts/make_shards.py captions --root /usr/share/tuxpaint/stamps --out data/tuxpaint
+    python scripts/make_shards.py fashion_mnist --split train --out data/fmnist-train
+    python scripts/make_shards.py digits --out data/digits
+
+Each sample holds the image (png for images up to 64 px, jpg above; --format to choose), `cls` when labelled,
+`txt` when captioned, and a `json` with its source metadata. Then train on them:
+    accelerate launch scripts/pretrain.py data=wds data.urls=data/shapes
+"""
+
+import argparse
+import json
+import sys
+
+from ssl_vit.data.shards import FORMATS, write_shards
+from ssl_vit.data.sources import SOURCES, open_source
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", choices=SOURCES)
+    parser.add_argument("--out", required=True, help="output directory for the .tar shards")
+    parser.add_argument("--root", help="input directory (folder, captions) or idx directory (fashion_mnist)")
+    parser.add_argument("--split", default="train", help="train or test (fashion_mnist, digits)")
+    parser.add_argument("--num-samples", type=int, default=10000, help="synthetic: how many images")
+    parser.add_argument("--img-size", type=int, default=64, help="synthetic: image size in pixels")
+    parser.add_argument("--seed", type=int, default=0, help="synthetic: seed")
+    parser.add_argument("--samples-per-shard", type=int, default=1000)
+    parser.add_argument("--format", default="auto", choices=FORMATS)
+    parser.add_argument("--prefix", default="shard")
+    args = parser.parse_args(argv)
+    try:
+        samples, classes = open_source(args.source, root=args.root, split=args.split, num_samples=args.num_samples,
+                                       img_size=args.img_size, seed=args.seed)
+        summary = write_shards(samples, args.out, source=args.source, prefix=args.prefix,
+                               samples_per_shard=args.samples_per_shard, image_format=args.format, classes=classes)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"make_shards: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {summary['samples']} samples from {args.source} into {len(summary['shards'])} shard(s), "
+          f"{summary['bytes'] / 1e6:.1f} MB, formats {summary['formats']}")
+    if summary["classes"]:
+        print(f"classes: {len(summary['classes'])} ({json.dumps(summary['classes'])})")
+    print(f"train on them: accelerate launch scripts/pretrain.py data=wds data.urls={summary['out_dir']}"
+          + (f" data.num_classes={len(classes)}" if classes else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

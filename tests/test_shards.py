@@ -1,0 +1,177 @@
+import gzip
+import io
+import json
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from conftest import launch, read_metrics
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from ssl_vit.data import Digits, FashionMNIST, ShardStream, SyntheticShapes
+from ssl_vit.data.real import read_idx
+from ssl_vit.data.shards import expand_urls, write_shards
+from ssl_vit.data.sources import open_source
+
+
+def _identity(sample):
+    return sample
+
+
+def _synthetic_shards(out_dir, count=40, per_shard=16, img_size=16):
+    samples, classes = open_source("synthetic", num_samples=count, img_size=img_size, seed=3)
+    return write_shards(samples, out_dir, source="synthetic", samples_per_shard=per_shard, classes=classes)
+
+
+def test_round_trip_is_pixel_exact_in_a_shuffled_order(tmp_path):
+    summary = _synthetic_shards(tmp_path)
+    assert summary["samples"] == 40 and len(summary["shards"]) == 3 and summary["formats"] == {"png": 40}
+    stream = ShardStream(str(tmp_path), resampled=False, shuffle_buffer=10)
+    pipeline, decode = stream.pipeline(_identity, batch_size=None, seed=1, need_label=True, need_text=True)
+    samples = list(pipeline)
+    source = SyntheticShapes(40, 16, seed=3)
+    keys = [int(s["key"]) for s in samples]
+    assert sorted(keys) == list(range(40)) and keys != list(range(40))
+    for sample in samples:
+        original = source[int(sample["key"])]
+        assert torch.equal(sample["image"], original["image"])
+        assert sample["label"] == original["label"] and sample["text"] == original["text"]
+    assert decode.skipped == 0 and all(s["skipped"] == 0 for s in samples)
+
+
+def test_shard_metadata_json_names_the_source_and_class(tmp_path):
+    _synthetic_shards(tmp_path, count=4)
+    with tarfile.open(tmp_path / "shard-000000.tar") as tar:
+        meta = json.loads(tar.extractfile("000000002.json").read())
+    assert meta["source"] == "synthetic" and meta["index"] == 2 and meta["class_name"] in SyntheticShapes.classes
+
+
+def _keys(batch):
+    return tuple(batch["key"])
+
+
+def test_resampled_streams_differ_between_workers_and_ranks(tmp_path, monkeypatch):
+    _synthetic_shards(tmp_path, count=64)
+    stream = ShardStream(str(tmp_path), resampled=True, shuffle_buffer=8)
+    pipeline, _ = stream.pipeline(_identity, batch_size=8, seed=0)
+    loader = DataLoader(pipeline, batch_size=None, num_workers=2)
+    batches = [b for _, b in zip(range(6), loader, strict=False)]  # workers take turns: 0, 1, 0, 1, ...
+    worker0, worker1 = [_keys(b) for b in batches[0::2]], [_keys(b) for b in batches[1::2]]
+    assert worker0 != worker1
+    streams = {}
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        pipeline, _ = stream.pipeline(_identity, batch_size=8, seed=0)
+        streams[rank] = [_keys(b) for _, b in zip(range(3), pipeline, strict=False)]
+    assert streams[0] != streams[1]
+    pipeline, _ = stream.pipeline(_identity, batch_size=8, seed=0)
+    assert [_keys(b) for _, b in zip(range(3), pipeline, strict=False)] == streams[1]  # deterministic per seed
+
+
+def _png(colour=(10, 200, 30), size=8):
+    buffer = io.BytesIO()
+    Image.new("RGB", (size, size), colour).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _write_tar(path, samples):
+    with tarfile.open(path, "w") as tar:
+        for key, files in samples:
+            for extension, data in files.items():
+                info = tarfile.TarInfo(f"{key}.{extension}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def test_bad_samples_are_skipped_and_counted_exactly(tmp_path):
+    good = _png()
+    _write_tar(tmp_path / "bad-000000.tar", [
+        ("a", {"png": good, "cls": b"1"}),
+        ("b", {"png": good[: len(good) // 2], "cls": b"2"}),  # truncated image
+        ("c", {"png": b"this is not an image", "cls": b"3"}),  # non-image payload
+        ("d", {"png": good}),  # missing cls
+        ("e", {"png": _png((255, 0, 0)), "cls": b"4"}),
+        ("f", {"cls": b"5"}),  # no image at all
+        ("g", {"jpg": b"\xff\xd8\xff\xe0 broken", "cls": b"6"}),  # corrupt jpeg, last in the shard
+    ])
+    stream = ShardStream(str(tmp_path / "bad-000000.tar"), resampled=False, shuffle_buffer=0)
+    pipeline, decode = stream.pipeline(_identity, batch_size=None, need_label=True)
+    samples = list(pipeline)
+    assert [s["key"] for s in samples] == ["a", "e"] and [s["label"] for s in samples] == [1, 4]
+    assert decode.skipped == 5
+    assert sum(s["skipped"] for s in samples) + decode.trailing == 5  # carried counts + the tail
+    # without labels needed, the sample missing cls is fine
+    pipeline, decode = stream.pipeline(_identity, batch_size=None, need_label=False)
+    assert [s["key"] for s in pipeline] == ["a", "d", "e"] and decode.skipped == 4
+
+
+def test_missing_or_empty_shards_fail_at_start_up(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        expand_urls(str(tmp_path / "shard-{000000..000002}.tar"))
+    (tmp_path / "empty.tar").write_bytes(b"")
+    with pytest.raises(ValueError, match="is empty"):
+        expand_urls([str(tmp_path / "empty.tar")])
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(FileNotFoundError, match="no .tar shards in directory"):
+        expand_urls(str(tmp_path / "nothing"))
+
+
+def test_pretraining_on_shards_through_the_cli(tmp_path):
+    _synthetic_shards(tmp_path / "shards", count=64, img_size=16)
+    out = tmp_path / "run"
+    proc = launch("objective=supervised", "model=vit_test", "data=wds", f"data.urls={tmp_path / 'shards'}",
+                  "data.num_classes=8", "data.num_workers=1", "data.batch_size=16", "trainer.max_steps=6",
+                  "trainer.log_every=2", f"hydra.run.dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [2, 4, 6] and metrics[-1]["skipped_samples"] == 0
+    proc = launch("objective=supervised", "model=vit_test", "data=wds", f"data.urls={tmp_path / 'shards'}",
+                  f"hydra.run.dir={tmp_path / 'run2'}")
+    assert proc.returncode != 0 and "set data.num_classes" in proc.stderr
+
+
+def _write_idx(path, array, gz):
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    data = header + array.astype(np.uint8).tobytes()
+    (gzip.open if gz else open)(path, "wb").write(data)
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_fashion_mnist_reader_on_a_tiny_idx_file(tmp_path, gz):
+    images = np.arange(3 * 28 * 28).reshape(3, 28, 28) % 256
+    suffix = ".gz" if gz else ""
+    _write_idx(tmp_path / f"t10k-images-idx3-ubyte{suffix}", images, gz)
+    _write_idx(tmp_path / f"t10k-labels-idx1-ubyte{suffix}", np.array([9, 0, 4]), gz)
+    data = FashionMNIST(tmp_path, split="test")
+    assert len(data) == 3 and data[0]["label"] == 9 and data.classes[9] == "Ankle boot"
+    assert data[1]["image"].shape == (3, 28, 28) and torch.equal(data[1]["image"][2], torch.from_numpy(
+        images[1].astype(np.uint8)))
+    np.testing.assert_array_equal(read_idx(tmp_path / f"t10k-labels-idx1-ubyte{suffix}"), [9, 0, 4])
+
+
+def test_fashion_mnist_missing_names_the_install_command(tmp_path):
+    with pytest.raises(FileNotFoundError, match="apt-get install -y dataset-fashion-mnist"):
+        FashionMNIST(tmp_path, split="train")
+    (tmp_path / "x-idx1-ubyte").write_bytes(b"\x01\x02\x03\x04")
+    with pytest.raises(ValueError, match="not an idx file"):
+        read_idx(tmp_path / "x-idx1-ubyte")
+
+
+def test_the_installed_fashion_mnist_package():
+    """.ci/run installs Debian's dataset-fashion-mnist (scripts/get_data.sh), so this reads the real files."""
+    test = FashionMNIST(split="test")
+    assert len(test) == 10_000 and np.bincount(test.labels).tolist() == [1000] * 10
+    assert test[0]["image"].shape == (3, 28, 28) and test[0]["image"].dtype == torch.uint8
+
+
+def test_digits_splits_and_scaling():
+    train, test = Digits("train"), Digits("test")
+    assert (len(train), len(test)) == (1438, 359) and set(train.labels) == set(range(10))
+    from sklearn.datasets import load_digits
+    image = train[0]["image"]
+    assert image.shape == (3, 8, 8) and torch.equal(image[0], image[2]) and train.images.max() == 255
+    expected = np.round(load_digits().images[0] * 255 / 16).astype(np.uint8)  # sample 0 is in the train split
+    assert torch.equal(image[0], torch.from_numpy(expected))
