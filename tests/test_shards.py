@@ -175,3 +175,40 @@ def test_digits_splits_and_scaling():
     assert image.shape == (3, 8, 8) and torch.equal(image[0], image[2]) and train.images.max() == 255
     expected = np.round(load_digits().images[0] * 255 / 16).astype(np.uint8)  # sample 0 is in the train split
     assert torch.equal(image[0], torch.from_numpy(expected))
+
+
+def _make_shards(*args):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "make_shards.py"), *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_make_shards_from_image_caption_pairs_and_class_folders(tmp_path):
+    pairs = tmp_path / "pairs"
+    (pairs / "sub").mkdir(parents=True)
+    for name, colour, caption in (("a", (255, 0, 0), "a red square"), ("sub/b", (0, 0, 255), "a blue square")):
+        Image.new("RGB", (12, 10), colour).save(pairs / f"{name}.png")
+        (pairs / f"{name}.txt").write_text(caption + "\n")
+    Image.new("RGB", (12, 10)).save(pairs / "no_caption.png")  # skipped: no .txt beside it
+    proc = _make_shards("captions", "--root", pairs, "--out", tmp_path / "cap")
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote 2 samples from captions into 1 shard(s)" in proc.stdout
+    pipeline, _ = ShardStream(str(tmp_path / "cap"), resampled=False, shuffle_buffer=0).pipeline(
+        _identity, batch_size=None, need_text=True)
+    samples = list(pipeline)
+    assert [s["text"] for s in samples] == ["a red square", "a blue square"]
+    assert samples[1]["image"][:, 0, 0].tolist() == [0, 0, 255] and "label" not in samples[0]
+
+    folder = tmp_path / "folder"
+    for cls in ("cat", "dog"):
+        (folder / cls).mkdir(parents=True)
+        Image.new("RGB", (80, 80), (9, 9, 9)).save(folder / cls / "x.png")
+    proc = _make_shards("folder", "--root", folder, "--out", tmp_path / "fol", "--samples-per-shard", 1)
+    assert proc.returncode == 0, proc.stderr
+    assert "into 2 shard(s)" in proc.stdout and "formats {'jpg': 2}" in proc.stdout  # 80 px > 64: jpg
+    assert "data.num_classes=2" in proc.stdout
+    proc = _make_shards("folder", "--out", tmp_path / "x")
+    assert proc.returncode == 2 and "needs --root" in proc.stderr
