@@ -397,6 +397,18 @@ class VisionTransformer(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(images))
 
+    def forward_intermediates(self, images: torch.Tensor, last_k: int = 1) -> list[torch.Tensor]:
+        """Token outputs (B, n, D) of the last `last_k` blocks, each through the final norm (DINO's eval features)."""
+        if not 1 <= last_k <= len(self.blocks):
+            raise ValueError(f"last_k must be in [1, {len(self.blocks)}], got {last_k}")
+        x = self.norm_pre(self.embed(images))
+        outputs = []
+        for index, block in enumerate(self.blocks):
+            x = block(x)
+            if index >= len(self.blocks) - last_k:
+                outputs.append(self.norm(x))
+        return outputs
+
     @torch.no_grad()
     def attention_maps(self, images: torch.Tensor) -> list[torch.Tensor]:
         """Softmax attention weights (B, heads, n, n) of every block, through the explicit attention path."""

@@ -1,0 +1,91 @@
+"""Frozen features, extracted once per (encoder, data, options) and cached on disk.
+
+Feature kinds: `cls` (the class token after the final norm), `avg` (mean of the patch tokens), `cls_avg` (both
+concatenated), `last_k` (the class tokens of the last k blocks concatenated, as DINO's linear evaluation; the
+average patch token per block for models without a class token), and `pooled` (the encoder's own embedding).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+
+FEATURE_KINDS = ("cls", "avg", "cls_avg", "last_k", "pooled")
+
+
+class _Views(Dataset):
+    def __init__(self, dataset, views):
+        self.dataset, self.views = dataset, views
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        out = self.views(self.dataset[index])
+        return out["image"], out["label"]
+
+
+def features_from_tokens(encoder, images: torch.Tensor, kind: str, last_k: int = 4) -> torch.Tensor:
+    if kind not in FEATURE_KINDS:
+        raise ValueError(f"unknown feature kind {kind!r}; valid choices: {list(FEATURE_KINDS)}")
+    prefix = encoder.num_prefix_tokens
+    has_cls = encoder.cls_token is not None
+    if kind in ("cls", "cls_avg") and not has_cls:
+        raise ValueError(f"feature kind {kind!r} needs a class token; this encoder has none (use 'avg' or 'pooled')")
+    if kind == "last_k":
+        blocks = encoder.forward_intermediates(images, last_k)
+        return torch.cat([t[:, 0] if has_cls else t[:, prefix:].mean(dim=1) for t in blocks], dim=-1)
+    tokens = encoder.forward_features(images)
+    if kind == "pooled":
+        return encoder.pool(tokens)
+    average = tokens[:, prefix:].mean(dim=1)
+    return {"cls": lambda: tokens[:, 0], "avg": lambda: average,
+            "cls_avg": lambda: torch.cat([tokens[:, 0], average], dim=-1)}[kind]()
+
+
+@torch.no_grad()
+def extract_features(encoder, dataset, views, kind: str = "cls", last_k: int = 4, batch_size: int = 256,
+                     num_workers: int = 0, device: str | torch.device = "cpu", progress: bool = True,
+                     desc: str = "features") -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, F) float32 features and (N,) labels of a map-style dataset, in dataset order, encoder in eval mode."""
+    was_training = encoder.training
+    encoder.eval().to(device)
+    loader = DataLoader(_Views(dataset, views), batch_size=batch_size, shuffle=False, num_workers=num_workers)
+    features, labels = [], []
+    for images, targets in tqdm(loader, desc=desc, disable=not progress, leave=False):
+        features.append(features_from_tokens(encoder, images.to(device), kind, last_k).float().cpu())
+        labels.append(targets)
+    encoder.train(was_training)
+    return torch.cat(features), torch.cat(labels)
+
+
+def cache_key(**parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def file_fingerprint(path: str | Path) -> dict:
+    """Identify a checkpoint file by path, size and modification time (cheap; changes when it is rewritten)."""
+    stat = Path(path).stat()
+    return {"path": str(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def cached(cache_dir: str | Path | None, key: str, compute):
+    """Load (features, labels) from cache_dir/<key>.pt, or compute and store them (atomically)."""
+    if cache_dir is None:
+        return compute()
+    path = Path(cache_dir) / f"{key}.pt"
+    if path.exists():
+        saved = torch.load(path)
+        return saved["features"], saved["labels"]
+    features, labels = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save({"features": features, "labels": labels}, tmp)
+    os.replace(tmp, path)
+    return features, labels
