@@ -92,6 +92,7 @@ class SyntheticDataConfig(DataConfig):
 class FolderDataConfig(DataConfig):
     name: str = "folder"
     root: str = MISSING
+    test_root: str | None = None  # held-out images in the same layout, for evaluation
     augment: bool = True
 
 
@@ -153,6 +154,33 @@ class TrainerConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Which evaluators run on the frozen features, and their settings."""
+
+    evaluators: list[str] = field(default_factory=lambda: ["linear", "knn", "fewshot"])
+    features: str = "cls_avg"  # cls | avg | cls_avg | last_k | pooled (ssl_vit.eval.features)
+    last_k: int = 4
+    batch_size: int = 256
+    l2_values: list[float] = field(default_factory=lambda: [1e-5, 1e-4, 1e-3, 1e-2, 1e-1])
+    val_fraction: float = 0.2
+    knn_k: int = 20
+    knn_temperature: float = 0.07
+    fewshot_shots: list[int] = field(default_factory=lambda: [1, 5, 10, 25])
+    fewshot_draws: int = 5
+    fewshot_l2: float = 1.0
+
+
+@dataclass
+class ProbeConfig:
+    checkpoint: str = MISSING  # encoder.safetensors, a run directory, or timm:<model name> (random init)
+    data: Any = MISSING
+    eval: EvalConfig = MISSING
+    cache_dir: str | None = "outputs/feature_cache"
+    seed: int = 0
+    output_dir: str = MISSING
+
+
+@dataclass
 class PretrainConfig:
     model: ModelConfig = MISSING
     objective: Any = MISSING
@@ -190,6 +218,8 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True)
     store = ConfigStore.instance()
     store.store(name="pretrain_schema", node=PretrainConfig)
+    store.store(name="probe_schema", node=ProbeConfig)
+    store.store(group="schema/eval", name="eval", node=EvalConfig)
     # Schemas live in their own groups (schema/<group>/<option>) so that Hydra's list of valid options for a
     # group shows only the real options; each option file pulls its schema in with `/schema/...@_here_`.
     store.store(group="schema/optim", name="adamw", node=OptimConfig)

@@ -1,0 +1,125 @@
+"""Evaluate a frozen encoder on a labelled dataset with the evaluators a config names; JSON + a printed table."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ssl_vit.config import ConfigError
+from ssl_vit.data import DATASETS, Digits, FashionMNIST, FolderDataset, SyntheticShapes, ViewBuilder
+from ssl_vit.eval.features import FEATURE_KINDS, cache_key, cached, extract_features, file_fingerprint
+from ssl_vit.eval.fewshot import fewshot_eval
+from ssl_vit.eval.knn import knn_eval
+from ssl_vit.eval.linear import linear_probe
+from ssl_vit.export import from_timm, load_encoder
+
+EVALUATORS = ("linear", "knn", "fewshot")
+
+
+def load_any_encoder(spec: str):
+    """An encoder from `encoder.safetensors`, a run directory holding one, or `timm:<name>` (random weights: no
+    model hub here). Returns (encoder, identity for the feature cache)."""
+    if spec.startswith("timm:"):
+        import timm
+
+        name = spec.removeprefix("timm:")
+        try:
+            model = timm.create_model(name, pretrained=False, num_classes=0)
+        except RuntimeError as err:
+            raise ConfigError(f"checkpoint={spec}: {err}") from err
+        return from_timm(model), {"timm": name, "seed": torch.initial_seed()}
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "encoder.safetensors"
+    if not path.is_file():
+        raise ConfigError(f"checkpoint={spec!r} is not an encoder file, a run directory with encoder.safetensors, "
+                          "or timm:<model name>")
+    return load_encoder(path), file_fingerprint(path)
+
+
+def eval_datasets(cfg, img_size: int):
+    """(train, test) datasets of a data config."""
+    if cfg.name in ("fashion_mnist", "digits"):
+        make = (lambda split: FashionMNIST(cfg.root, split)) if cfg.name == "fashion_mnist" else Digits
+        return make("train"), make("test")
+    if cfg.name == "synthetic":
+        return (SyntheticShapes(cfg.num_samples, img_size, cfg.seed),
+                SyntheticShapes(max(cfg.num_samples // 4, 1), img_size, cfg.seed + 1))
+    if cfg.name == "folder":
+        if not cfg.test_root:
+            raise ConfigError("data=folder evaluation needs data.test_root (held-out images, same layout)")
+        return FolderDataset(cfg.root), FolderDataset(cfg.test_root)
+    raise ConfigError(f"data={cfg.name} cannot be evaluated; valid choices: "
+                      f"{[d for d in DATASETS if d != 'wds']} (write shards' images to a folder for data=folder)")
+
+
+def evaluate(cfg, progress: bool = True) -> dict:
+    unknown = [e for e in cfg.eval.evaluators if e not in EVALUATORS]
+    if unknown:
+        raise ConfigError(f"unknown evaluator(s) {unknown}; valid choices: {list(EVALUATORS)}")
+    if cfg.eval.features not in FEATURE_KINDS:
+        raise ConfigError(f"unknown eval.features {cfg.eval.features!r}; valid choices: {list(FEATURE_KINDS)}")
+    torch.manual_seed(cfg.seed)
+    encoder, identity = load_any_encoder(cfg.checkpoint)
+    img_size = encoder.patch_embed.img_size[0]
+    try:
+        train_set, test_set = eval_datasets(cfg.data, img_size)
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(f"data={cfg.data.name}: {err}") from err
+    views = ViewBuilder(("image", "label"), img_size, cfg.data.mean, cfg.data.std)
+    timings, features = {}, {}
+    for split, dataset in (("train", train_set), ("test", test_set)):
+        key = cache_key(encoder=identity, data=dict(cfg.data), split=split, kind=cfg.eval.features,
+                        last_k=cfg.eval.last_k, img_size=img_size)
+        start = time.perf_counter()
+        features[split] = cached(cfg.cache_dir, key, lambda d=dataset, s=split: extract_features(
+            encoder, d, views, cfg.eval.features, cfg.eval.last_k, cfg.eval.batch_size, progress=progress,
+            desc=f"{s} features"))
+        timings[f"features_{split}_s"] = time.perf_counter() - start
+    (train_x, train_y), (test_x, test_y) = features["train"], features["test"]
+    results = {}
+    runners = {
+        "linear": lambda: linear_probe(train_x, train_y, test_x, test_y, list(cfg.eval.l2_values),
+                                       cfg.eval.val_fraction, cfg.seed),
+        "knn": lambda: knn_eval(train_x, train_y, test_x, test_y, cfg.eval.knn_k, cfg.eval.knn_temperature),
+        "fewshot": lambda: fewshot_eval(train_x, train_y, test_x, test_y, list(cfg.eval.fewshot_shots),
+                                        cfg.eval.fewshot_draws, cfg.eval.fewshot_l2, cfg.seed),
+    }
+    for name in cfg.eval.evaluators:
+        start = time.perf_counter()
+        results[name] = runners[name]()
+        timings[f"{name}_s"] = time.perf_counter() - start
+    return {"checkpoint": cfg.checkpoint, "data": cfg.data.name, "features": cfg.eval.features,
+            "num_train": len(train_y), "num_test": len(test_y), "feature_dim": train_x.shape[1],
+            "results": results, "timings": timings}
+
+
+def result_rows(report: dict) -> list[tuple[str, float, float]]:
+    """(metric, accuracy, seconds) rows for the table."""
+    rows = []
+    for name, result in report["results"].items():
+        seconds = report["timings"][f"{name}_s"]
+        if isinstance(result["accuracy"], dict):
+            rows += [(f"{name} {shot.replace('_', '-')}", value, seconds) for shot, value in result["accuracy"].items()]
+        else:
+            rows.append((name, result["accuracy"], seconds))
+    return rows
+
+
+def print_table(report: dict) -> None:
+    print(f"{report['checkpoint']} on {report['data']} ({report['num_train']} train / {report['num_test']} test, "
+          f"{report['features']} features of dim {report['feature_dim']}; extraction "
+          f"{report['timings']['features_train_s'] + report['timings']['features_test_s']:.1f} s)")
+    print(f"{'evaluator':<18}{'accuracy':>10}{'time s':>9}")
+    for metric, value, seconds in result_rows(report):
+        print(f"{metric:<18}{100 * value:>9.2f}%{seconds:>9.2f}")
+
+
+def write_report(report: dict, out_dir: str | Path) -> Path:
+    path = Path(out_dir) / "results.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return path
