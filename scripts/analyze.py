@@ -1,0 +1,75 @@
+"""Inspect a trained ViT as in the paper (section 4.5); writes four PNGs.
+
+    python scripts/analyze.py outputs/<run>/encoder.safetensors
+    python scripts/analyze.py outputs/<run> --images digits --num-images 6 --out figures/
+
+  pos_embed_similarity.png   cosine similarity of each patch position's embedding with every other, on the grid
+  attention_distance.png     mean attention distance (pixels) per head and layer
+  attention_rollout.png      class-token attention rolled out onto a few images
+  patch_filters_pca.png      principal components of the patch-embedding filters
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from ssl_vit.analysis.inspect import (
+    class_token_rollout_maps,
+    mean_attention_distance,
+    patch_embedding_components,
+    pos_embed_similarity,
+)
+from ssl_vit.analysis.plots import (
+    plot_attention_distance,
+    plot_filter_components,
+    plot_pos_embed_similarity,
+    plot_rollout,
+)
+from ssl_vit.config import IMAGENET_MEAN, IMAGENET_STD, ConfigError
+from ssl_vit.data import Digits, SyntheticShapes, ViewBuilder
+from ssl_vit.eval.run import load_any_encoder
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="encoder.safetensors, a run directory, or timm:<model name>")
+    parser.add_argument("--images", default="synthetic", choices=("synthetic", "digits"))
+    parser.add_argument("--num-images", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=None, help="default: beside the checkpoint")
+    args = parser.parse_args(argv)
+    try:
+        encoder, _ = load_any_encoder(args.checkpoint)
+    except ConfigError as err:
+        parser.error(str(err))
+    encoder.eval()
+    size, patch = encoder.patch_embed.img_size[0], encoder.patch_embed.patch_size[0]
+    dataset = SyntheticShapes(args.num_images, size, seed=7) if args.images == "synthetic" else Digits("test")
+    views = ViewBuilder(("image", "pixels"), size, IMAGENET_MEAN, IMAGENET_STD)
+    samples = [views(dataset[i]) for i in range(args.num_images)]
+    images, pixels = torch.stack([s["image"] for s in samples]), torch.stack([s["pixels"] for s in samples])
+    attentions = encoder.attention_maps(images)
+    grid, prefix = encoder.grid_size, encoder.num_prefix_tokens
+
+    checkpoint = Path(args.checkpoint)
+    out = args.out or (checkpoint if checkpoint.is_dir() else checkpoint.parent if checkpoint.exists()
+                       else Path("outputs")) / "analysis"
+    written = [
+        plot_pos_embed_similarity(pos_embed_similarity(encoder), out / "pos_embed_similarity.png"),
+        plot_attention_distance(mean_attention_distance(attentions, grid, patch, prefix),
+                                out / "attention_distance.png", size),
+        plot_filter_components(*patch_embedding_components(encoder), out / "patch_filters_pca.png"),
+    ]
+    if prefix and encoder.cls_token is not None:
+        maps = class_token_rollout_maps(attentions, grid, prefix)
+        written.append(plot_rollout(pixels, maps, out / "attention_rollout.png"))
+    else:
+        print("no class token: attention rollout skipped", file=sys.stderr)
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
