@@ -149,6 +149,9 @@ class TrainerConfig:
     stop_at_step: int | None = None  # end this invocation early (e.g. a job time limit); resume continues it
     max_consecutive_nonfinite: int = 5
     cpu_threads: int | None = None  # None: the machine's cores divided among the local processes
+    eval_every: int = 0  # > 0: frozen-feature evaluation of the encoder every N steps (main process), logged
+    eval_evaluators: list[str] = field(default_factory=lambda: ["knn"])
+    eval_max_samples: int = 2000  # per split, the first N samples of the data's train / test sets
     progress: bool = True
     tensorboard: bool = True
 
@@ -168,6 +171,12 @@ class EvalConfig:
     fewshot_shots: list[int] = field(default_factory=lambda: [1, 5, 10, 25])
     fewshot_draws: int = 5
     fewshot_l2: float = 1.0
+    finetune_steps: int = 300
+    finetune_batch_size: int = 64
+    finetune_lr: float = 1e-3
+    finetune_layer_decay: float | None = 0.75
+    finetune_img_size: int | None = None  # None: the encoder's own; larger resamples the position embeddings
+    finetune_augment: bool = False  # random resized crops + flips: for long runs; slows short ones
 
 
 @dataclass

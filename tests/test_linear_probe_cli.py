@@ -25,15 +25,16 @@ def tiny_checkpoint(tmp_path):
 def test_cli_end_to_end_writes_results_and_reuses_cached_features(tmp_path, tiny_checkpoint):
     out, cache = tmp_path / "eval", tmp_path / "cache"
     args = [f"checkpoint={tiny_checkpoint.parent}", "data=digits", "eval=all", f"cache_dir={cache}",
-            "eval.fewshot_draws=2", f"hydra.run.dir={out}"]
+            "eval.fewshot_draws=2", "eval.finetune_steps=20", f"hydra.run.dir={out}"]
     proc = _probe(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "results.json").read_text())
-    assert set(report["results"]) == {"linear", "knn", "fewshot"}
+    assert set(report["results"]) == {"linear", "knn", "fewshot", "finetune"}
+    assert report["results"]["finetune"]["steps"] == 20
     assert report["num_train"] == 1438 and report["num_test"] == 359 and report["feature_dim"] == 64
     assert set(report["results"]["fewshot"]["accuracy"]) == {"1_shot", "5_shot", "10_shot", "25_shot"}
     assert 0.5 < report["results"]["linear"]["accuracy"] <= 1.0  # random tiny encoder on digits, chance 0.1
-    for line in ("evaluator", "linear", "knn", "fewshot 10-shot"):
+    for line in ("evaluator", "linear", "knn", "fewshot 10-shot", "finetune"):
         assert line in proc.stdout
     assert len(list(cache.glob("*.pt"))) == 2  # train and test features
     proc = _probe(*args[:-1], "eval=knn", f"hydra.run.dir={tmp_path / 'again'}")

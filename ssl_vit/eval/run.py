@@ -12,11 +12,13 @@ from ssl_vit.config import ConfigError
 from ssl_vit.data import DATASETS, Digits, FashionMNIST, FolderDataset, SyntheticShapes, ViewBuilder
 from ssl_vit.eval.features import FEATURE_KINDS, cache_key, cached, extract_features, file_fingerprint
 from ssl_vit.eval.fewshot import fewshot_eval
+from ssl_vit.eval.finetune import finetune
 from ssl_vit.eval.knn import knn_eval
 from ssl_vit.eval.linear import linear_probe
 from ssl_vit.export import from_timm, load_encoder
 
-EVALUATORS = ("linear", "knn", "fewshot")
+EVALUATORS = ("linear", "knn", "fewshot", "finetune")
+FEATURE_EVALUATORS = EVALUATORS[:3]
 
 
 def load_any_encoder(spec: str):
@@ -69,32 +71,49 @@ def evaluate(cfg, progress: bool = True) -> dict:
         train_set, test_set = eval_datasets(cfg.data, img_size)
     except (FileNotFoundError, ValueError) as err:
         raise ConfigError(f"data={cfg.data.name}: {err}") from err
-    views = ViewBuilder(("image", "label"), img_size, cfg.data.mean, cfg.data.std)
-    timings, features = {}, {}
-    for split, dataset in (("train", train_set), ("test", test_set)):
-        key = cache_key(encoder=identity, data=dict(cfg.data), split=split, kind=cfg.eval.features,
-                        last_k=cfg.eval.last_k, img_size=img_size)
-        start = time.perf_counter()
-        features[split] = cached(cfg.cache_dir, key, lambda d=dataset, s=split: extract_features(
-            encoder, d, views, cfg.eval.features, cfg.eval.last_k, cfg.eval.batch_size, progress=progress,
-            desc=f"{s} features"))
-        timings[f"features_{split}_s"] = time.perf_counter() - start
-    (train_x, train_y), (test_x, test_y) = features["train"], features["test"]
-    results = {}
+    identity = {"encoder": identity, "data": dict(cfg.data), "img_size": img_size}
+    results, timings, feature_dim = run_evaluators(encoder, train_set, test_set, cfg.eval, cfg.data.mean,
+                                                   cfg.data.std, cfg.cache_dir, identity, cfg.seed, progress)
+    return {"checkpoint": cfg.checkpoint, "data": cfg.data.name, "features": cfg.eval.features,
+            "num_train": len(train_set), "num_test": len(test_set), "feature_dim": feature_dim,
+            "results": results, "timings": timings}
+
+
+def run_evaluators(encoder, train_set, test_set, ecfg, mean, std, cache_dir=None, identity=None, seed: int = 0,
+                   progress: bool = True) -> tuple[dict, dict, int | None]:
+    """The evaluators `ecfg.evaluators` names, on one encoder; features are extracted once (cached when
+    `cache_dir` and `identity` are given). Returns (results, timings in seconds, feature dimension)."""
+    img_size = encoder.patch_embed.img_size[0]
+    results, timings, feature_dim = {}, {}, None
+    if any(name in FEATURE_EVALUATORS for name in ecfg.evaluators):
+        views = ViewBuilder(("image", "label"), img_size, mean, std)
+        features = {}
+        for split, dataset in (("train", train_set), ("test", test_set)):
+            key = cache_key(**(identity or {}), split=split, kind=ecfg.features, last_k=ecfg.last_k)
+            start = time.perf_counter()
+            features[split] = cached(cache_dir if identity else None, key, lambda d=dataset, s=split: extract_features(
+                encoder, d, views, ecfg.features, ecfg.last_k, ecfg.batch_size, progress=progress,
+                desc=f"{s} features"))
+            timings[f"features_{split}_s"] = time.perf_counter() - start
+        (train_x, train_y), (test_x, test_y) = features["train"], features["test"]
+        feature_dim = train_x.shape[1]
     runners = {
-        "linear": lambda: linear_probe(train_x, train_y, test_x, test_y, list(cfg.eval.l2_values),
-                                       cfg.eval.val_fraction, cfg.seed),
-        "knn": lambda: knn_eval(train_x, train_y, test_x, test_y, cfg.eval.knn_k, cfg.eval.knn_temperature),
-        "fewshot": lambda: fewshot_eval(train_x, train_y, test_x, test_y, list(cfg.eval.fewshot_shots),
-                                        cfg.eval.fewshot_draws, cfg.eval.fewshot_l2, cfg.seed),
+        "linear": lambda: linear_probe(train_x, train_y, test_x, test_y, list(ecfg.l2_values), ecfg.val_fraction,
+                                       seed),
+        "knn": lambda: knn_eval(train_x, train_y, test_x, test_y, ecfg.knn_k, ecfg.knn_temperature),
+        "fewshot": lambda: fewshot_eval(train_x, train_y, test_x, test_y, list(ecfg.fewshot_shots),
+                                        ecfg.fewshot_draws, ecfg.fewshot_l2, seed),
+        "finetune": lambda: finetune(encoder, train_set, test_set, mean=list(mean), std=list(std),
+                                     img_size=ecfg.finetune_img_size, steps=ecfg.finetune_steps,
+                                     batch_size=ecfg.finetune_batch_size, lr=ecfg.finetune_lr,
+                                     layer_decay=ecfg.finetune_layer_decay, augment=ecfg.finetune_augment,
+                                     seed=seed, progress=progress),
     }
-    for name in cfg.eval.evaluators:
+    for name in ecfg.evaluators:
         start = time.perf_counter()
         results[name] = runners[name]()
         timings[f"{name}_s"] = time.perf_counter() - start
-    return {"checkpoint": cfg.checkpoint, "data": cfg.data.name, "features": cfg.eval.features,
-            "num_train": len(train_y), "num_test": len(test_y), "feature_dim": train_x.shape[1],
-            "results": results, "timings": timings}
+    return results, timings, feature_dim
 
 
 def result_rows(report: dict) -> list[tuple[str, float, float]]:
@@ -110,9 +129,9 @@ def result_rows(report: dict) -> list[tuple[str, float, float]]:
 
 
 def print_table(report: dict) -> None:
+    extraction = report["timings"].get("features_train_s", 0) + report["timings"].get("features_test_s", 0)
     print(f"{report['checkpoint']} on {report['data']} ({report['num_train']} train / {report['num_test']} test, "
-          f"{report['features']} features of dim {report['feature_dim']}; extraction "
-          f"{report['timings']['features_train_s'] + report['timings']['features_test_s']:.1f} s)")
+          f"{report['features']} features of dim {report['feature_dim']}; extraction {extraction:.1f} s)")
     print(f"{'evaluator':<18}{'accuracy':>10}{'time s':>9}")
     for metric, value, seconds in result_rows(report):
         print(f"{metric:<18}{100 * value:>9.2f}%{seconds:>9.2f}")

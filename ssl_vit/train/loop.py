@@ -84,6 +84,39 @@ def build_components(cfg):
     return objective, dataset, views
 
 
+def periodic_eval_sets(cfg, dataset, img_size: int):
+    """The (train, test) subsets that `trainer.eval_every` evaluates on: the first eval_max_samples of each."""
+    from torch.utils.data import Subset
+
+    from ssl_vit.eval.run import EVALUATORS, eval_datasets  # lazily: the evaluators import the engine's optim
+
+    unknown = [e for e in cfg.trainer.eval_evaluators if e not in EVALUATORS or e == "finetune"]
+    if unknown:
+        raise ConfigError(f"unknown trainer.eval_evaluators {unknown}; valid choices: ['linear', 'knn', 'fewshot']")
+    try:
+        train, test = eval_datasets(cfg.data, img_size)
+    except ConfigError as err:
+        raise ConfigError(f"trainer.eval_every needs labelled train/test data: {err}") from err
+    limit = cfg.trainer.eval_max_samples
+    return tuple(Subset(d, range(min(limit, len(d)))) if len(d) > limit else d for d in (train, test))
+
+
+def periodic_eval(encoder, eval_sets, cfg) -> dict[str, float]:
+    from ssl_vit.config import EvalConfig
+    from ssl_vit.eval.run import run_evaluators
+
+    ecfg = EvalConfig(evaluators=list(cfg.trainer.eval_evaluators), fewshot_shots=[5], fewshot_draws=2)
+    was_training = encoder.training
+    results, _, _ = run_evaluators(encoder, *eval_sets, ecfg, cfg.data.mean, cfg.data.std, progress=False)
+    encoder.train(was_training)
+    scores = {}
+    for name, result in results.items():
+        accuracy = result["accuracy"]
+        scores.update({f"eval/{name}_{k}": v for k, v in accuracy.items()} if isinstance(accuracy, dict)
+                      else {f"eval/{name}": accuracy})
+    return scores
+
+
 def configure_threads(requested: int | None, accelerator: Accelerator) -> int:
     """`accelerate launch` sets OMP_NUM_THREADS=1 for CPU runs; give each local process its share of the cores."""
     if requested is None and accelerator.device.type != "cpu":
@@ -171,6 +204,7 @@ def pretrain(cfg) -> dict:
     optimizer = build_optimizer(objective, cfg.optim, num_layers=len(encoder.blocks))
     lrs = schedule(cfg.optim.lr, cfg.optim.min_lr, tcfg.max_steps, cfg.optim.warmup_steps, cfg.optim.schedule)
 
+    eval_sets = periodic_eval_sets(cfg, dataset, encoder.patch_embed.img_size[0]) if tcfg.eval_every > 0 else None
     model, optimizer = accelerator.prepare(objective, optimizer)
     state = TrainState()
     accelerator.register_for_checkpointing(state)
@@ -261,6 +295,15 @@ def pretrain(cfg) -> dict:
                 f"the limit is trainer.max_consecutive_nonfinite={tcfg.max_consecutive_nonfinite}."
             )
 
+        if eval_sets is not None and (state.step % tcfg.eval_every == 0 or state.step == end_step):
+            if is_main:
+                scores = periodic_eval(accelerator.unwrap_model(model).encoder, eval_sets, cfg)
+                with open(out_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps({"step": state.step, **scores}) + "\n")
+                if tcfg.tensorboard:
+                    accelerator.log(scores, step=state.step)
+                log.info("step %d: %s", state.step, ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
+            accelerator.wait_for_everyone()
         if state.step % tcfg.checkpoint_every == 0 or state.step == end_step:
             checkpoint = save_checkpoint(accelerator, out_dir, state.step, tcfg.keep_checkpoints)
             if is_main:
