@@ -84,7 +84,7 @@ def build_components(cfg):
     return objective, dataset, views
 
 
-def periodic_eval_sets(cfg, dataset, img_size: int):
+def periodic_eval_sets(cfg, img_size: int):
     """The (train, test) subsets that `trainer.eval_every` evaluates on: the first eval_max_samples of each."""
     from torch.utils.data import Subset
 
@@ -204,7 +204,7 @@ def pretrain(cfg) -> dict:
     optimizer = build_optimizer(objective, cfg.optim, num_layers=len(encoder.blocks))
     lrs = schedule(cfg.optim.lr, cfg.optim.min_lr, tcfg.max_steps, cfg.optim.warmup_steps, cfg.optim.schedule)
 
-    eval_sets = periodic_eval_sets(cfg, dataset, encoder.patch_embed.img_size[0]) if tcfg.eval_every > 0 else None
+    eval_sets = periodic_eval_sets(cfg, encoder.patch_embed.img_size[0]) if tcfg.eval_every > 0 else None
     model, optimizer = accelerator.prepare(objective, optimizer)
     state = TrainState()
     accelerator.register_for_checkpointing(state)
