@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 from objectives import DataInfo, build_objective
 from objectives.mae import MAEConfig
 from objectives.masked_patch import MaskedPatchConfig
+from objectives.patches import per_sample_shuffle
 from ssl_vit.vit import build_vit
 
 
@@ -40,7 +41,7 @@ class EncoderOnly(torch.nn.Module):
         vit = self.backbone
         tokens = vit.add_pos(vit.patch_embed(batch["image"]))
         keep = round(tokens.shape[1] * self.keep_fraction)
-        order = torch.rand(tokens.shape[:2]).argsort(dim=1)[:, :keep]
+        order = per_sample_shuffle(*tokens.shape[:2])[0][:, :keep]
         visible = torch.gather(tokens, 1, order[..., None].expand(-1, -1, tokens.shape[-1]))
         return {"loss": vit.run_blocks(vit.prepend_tokens(visible)).pow(2).mean()}
 

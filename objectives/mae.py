@@ -72,6 +72,8 @@ class MAE(Objective):
             for _ in range(cfg.decoder_depth)
         ])
         self.decoder_norm = nn.LayerNorm(dim, eps=1e-6)
+        self.register_buffer("decoder_pos_embed", sincos_pos_embed_2d(backbone.grid_size, dim,
+                                                                      backbone.num_prefix_tokens), persistent=False)
         self.decoder_pred = nn.Linear(dim, self.patch_size**2 * in_chans)
         for part in (self.decoder_embed, self.decoder_blocks, self.decoder_pred):  # MAE's decoder init
             for module in part.modules():
@@ -110,7 +112,9 @@ class MAE(Objective):
         patches = torch.cat([x[:, prefix:], self.mask_token.to(x.dtype).expand(B, N - x.shape[1] + prefix, dim)], 1)
         patches = torch.gather(patches, 1, restore[..., None].expand(-1, -1, dim))  # unshuffle
         x = torch.cat([x[:, :prefix], patches], dim=1)
-        x = x + sincos_pos_embed_2d(grid, dim, prefix).to(x.device, x.dtype)
+        pos = self.decoder_pos_embed if tuple(grid) == self.backbone.grid_size else sincos_pos_embed_2d(
+            grid, dim, prefix).to(x.device)
+        x = x + pos.to(x.dtype)
         for block in self.decoder_blocks:
             x = block(x)
         return self.decoder_pred(self.decoder_norm(x))[:, prefix:]

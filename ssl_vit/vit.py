@@ -430,15 +430,3 @@ def build_vit(name: str, **overrides) -> VisionTransformer:
 def count_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
-
-def model_flops_per_image(model: VisionTransformer, img_size: Sequence[int] | None = None) -> float:
-    """Forward FLOPs (2 per multiply-add) of the linear layers and attention products for one image."""
-    grid = model.patch_embed.grid_for(*_pair(img_size)) if img_size is not None else model.grid_size
-    n = grid[0] * grid[1] + model.num_prefix_tokens
-    dim = model.embed_dim
-    patch = model.patch_embed.proj
-    macs = grid[0] * grid[1] * patch.weight.numel()
-    for block in model.blocks:
-        linear = sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear))
-        macs += n * linear + 2 * n * n * dim
-    return 2.0 * macs

@@ -188,11 +188,6 @@ def _shuffle(samples: Iterator, buffer_size: int, seed: int) -> Iterator:
     yield from buffer
 
 
-def _tar_samples(urls: Iterator) -> Iterator[dict]:
-    """tar members -> samples; a broken tar stream is logged and the rest of that shard skipped."""
-    return wds.tarfile_to_samples(handler=wds.warn_and_continue)(urls)
-
-
 class ShardStream:
     """Training batches from WebDataset shards (see the module docstring)."""
 
@@ -208,7 +203,7 @@ class ShardStream:
             stages = [wds.ResampledShards(self.urls, seed=seed, deterministic=True)]
         else:
             stages = [wds.SimpleShardList(self.urls), wds.split_by_node, wds.split_by_worker]
-        stages.append(_tar_samples)
+        stages.append(wds.tarfile_to_samples(handler=wds.warn_and_continue))  # a broken tar: logged, skipped
         if self.shuffle_buffer > 1:
             stages.append(lambda samples: _shuffle(samples, self.shuffle_buffer, seed))
         stages.append(decode)

@@ -44,9 +44,10 @@ def features_from_tokens(encoder, images: torch.Tensor, kind: str, last_k: int =
     tokens = encoder.forward_features(images)
     if kind == "pooled":
         return encoder.pool(tokens)
+    if kind == "cls":
+        return tokens[:, 0]
     average = tokens[:, prefix:].mean(dim=1)
-    return {"cls": lambda: tokens[:, 0], "avg": lambda: average,
-            "cls_avg": lambda: torch.cat([tokens[:, 0], average], dim=-1)}[kind]()
+    return average if kind == "avg" else torch.cat([tokens[:, 0], average], dim=-1)
 
 
 @torch.no_grad()

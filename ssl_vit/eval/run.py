@@ -65,13 +65,13 @@ def evaluate(cfg, progress: bool = True) -> dict:
     if cfg.eval.features not in FEATURE_KINDS:
         raise ConfigError(f"unknown eval.features {cfg.eval.features!r}; valid choices: {list(FEATURE_KINDS)}")
     torch.manual_seed(cfg.seed)
-    encoder, identity = load_any_encoder(cfg.checkpoint)
+    encoder, encoder_identity = load_any_encoder(cfg.checkpoint)
     img_size = encoder.patch_embed.img_size[0]
     try:
         train_set, test_set = eval_datasets(cfg.data, img_size)
     except (FileNotFoundError, ValueError) as err:
         raise ConfigError(f"data={cfg.data.name}: {err}") from err
-    identity = {"encoder": identity, "data": dict(cfg.data), "img_size": img_size}
+    identity = {"encoder": encoder_identity, "data": dict(cfg.data), "img_size": img_size}
     results, timings, feature_dim = run_evaluators(encoder, train_set, test_set, cfg.eval, cfg.data.mean,
                                                    cfg.data.std, cfg.cache_dir, identity, cfg.seed, progress)
     return {"checkpoint": cfg.checkpoint, "data": cfg.data.name, "features": cfg.eval.features,
