@@ -23,6 +23,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 GLOBAL_POOLS = ("token", "avg")
+# Interpolation modes for resampling position embeddings to a new grid (the ones F.interpolate can antialias).
+# Conventions differ: timm resamples bicubic with antialiasing (its `resample_abs_pos_embed` default); DINOv2 and HF
+# transformers resample bicubic without it; FlexiViT / RADIO bilinear without it.
+POS_EMBED_INTERP_MODES = ("bicubic", "bilinear")
 
 # Presets are plain keyword arguments; anything not given takes the VisionTransformer default.
 PRESETS: dict[str, dict] = {
@@ -62,6 +66,11 @@ def _check_divisible(size: tuple[int, int], patch: tuple[int, int]) -> None:
         )
 
 
+def _check_pos_embed_interp(mode: str) -> None:
+    if mode not in POS_EMBED_INTERP_MODES:
+        raise ValueError(f"pos_embed_interp {mode!r} is not one of {list(POS_EMBED_INTERP_MODES)}")
+
+
 def resample_pos_embed(
     pos_embed: torch.Tensor,
     new_grid: Sequence[int],
@@ -72,9 +81,12 @@ def resample_pos_embed(
 ) -> torch.Tensor:
     """Resample (1, prefix + H*W, D) position embeddings to a new (H', W') grid by 2-D interpolation.
 
-    The prefix slots (class token, registers) are kept as they are; grids may be non-square. Same convention as
-    timm's `resample_abs_pos_embed` (bicubic, antialiased, computed in fp32).
+    The prefix slots (class token, registers) are kept as they are; grids may be non-square; computed in fp32.
+    The defaults (bicubic, antialiased) are timm's `resample_abs_pos_embed`; `antialias=False` is DINOv2's and HF
+    transformers' `interpolate_pos_encoding` (F.interpolate to the target size, no antialiasing). The two differ when
+    growing too: PyTorch's antialiased bicubic uses PIL's kernel (a = -0.5), the plain one a = -0.75.
     """
+    _check_pos_embed_interp(mode)
     new_grid, old_grid = _pair(tuple(new_grid)), _pair(tuple(old_grid))
     prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
     if grid.shape[1] != old_grid[0] * old_grid[1]:
@@ -259,6 +271,8 @@ class VisionTransformer(nn.Module):
         global_pool: str = "token",
         num_registers: int = 0,
         no_embed_class: bool = False,
+        pos_embed_interp: str = "bicubic",
+        pos_embed_antialias: bool = True,
         qkv_bias: bool = True,
         qk_norm: bool = False,
         norm_bias: bool = True,
@@ -278,6 +292,7 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"global_pool {global_pool!r} is not one of {list(GLOBAL_POOLS)}")
         if global_pool == "token" and not class_token:
             raise ValueError("global_pool='token' needs class_token=True; use global_pool='avg' without one")
+        _check_pos_embed_interp(pos_embed_interp)
 
         def norm_layer(dim):
             return nn.LayerNorm(dim, eps=norm_eps, bias=norm_bias)
@@ -287,6 +302,9 @@ class VisionTransformer(nn.Module):
         self.num_prefix_tokens = int(class_token) + num_registers
         self.num_pos_prefix = 0 if no_embed_class else self.num_prefix_tokens
         self.grad_checkpointing = False
+        # How position embeddings are resampled for another grid (set_img_size and on the fly): timm's default is
+        # bicubic + antialias; DINOv2 / HF transformers weights expect bicubic without antialiasing.
+        self.pos_embed_interp, self.pos_embed_antialias = pos_embed_interp, bool(pos_embed_antialias)
 
         # CLIP-style pre-norm models have no patch-embedding bias (as in timm).
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, bias=not pre_norm)
@@ -335,22 +353,26 @@ class VisionTransformer(nn.Module):
     def grid_size(self) -> tuple[int, int]:
         return self.patch_embed.grid_size
 
+    def _resample_pos_embed(self, pos_embed: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:
+        return resample_pos_embed(pos_embed, grid, self.grid_size, self.num_pos_prefix,
+                                  mode=self.pos_embed_interp, antialias=self.pos_embed_antialias)
+
     def set_img_size(self, img_size: int | Sequence[int]) -> None:
         """Permanently resample the position embeddings for a new image size (fine-tuning at higher resolution)."""
         img_size = _pair(img_size)
         new_grid = self.patch_embed.grid_for(*img_size)
-        self.pos_embed = nn.Parameter(
-            resample_pos_embed(self.pos_embed.data, new_grid, self.grid_size, self.num_pos_prefix)
-        )
+        self.pos_embed = nn.Parameter(self._resample_pos_embed(self.pos_embed.data, new_grid),
+                                      requires_grad=self.pos_embed.requires_grad)
         self.patch_embed.img_size, self.patch_embed.grid_size = img_size, new_grid
         self.patch_embed.num_patches = new_grid[0] * new_grid[1]
+        self.config["img_size"] = list(img_size)  # so that a saved encoder rebuilds with this grid
 
     # ----- composable forward steps -----
     def patch_pos_embed(self, grid: Sequence[int] | None = None) -> torch.Tensor:
         """(1, H*W, D) position embeddings of the patch slots, resampled when `grid` differs from the native one."""
         pos = self.pos_embed
         if grid is not None and tuple(grid) != self.grid_size:
-            pos = resample_pos_embed(pos, grid, self.grid_size, self.num_pos_prefix)
+            pos = self._resample_pos_embed(pos, grid)
         return pos[:, self.num_pos_prefix:]
 
     def add_pos(self, tokens: torch.Tensor, grid: Sequence[int] | None = None) -> torch.Tensor:
