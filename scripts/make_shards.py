@@ -7,12 +7,18 @@
     python scripts/make_shards.py digits --out data/digits
 
 Each sample holds the image (png for images up to 64 px, jpg above; --format to choose), `cls` when labelled,
-`txt` when captioned, and a `json` with its source metadata. Then train on them:
+`txt` when captioned, and a `json` with its source metadata; `sizes.json` beside the shards counts each shard's
+samples (so a reader can count what a broken shard lost). Unreadable source images are left out, named in the log
+(the first few) and counted in the summary. Then train on them (a directory, a quoted glob, or a brace pattern
+quoted twice: once for the shell, once for Hydra, whose parser reads bare braces as a dict):
     accelerate launch scripts/pretrain.py data=wds data.urls=data/shapes
+    accelerate launch scripts/pretrain.py data=wds 'data.urls=data/shapes/*.tar'
+    accelerate launch scripts/pretrain.py data=wds 'data.urls="data/shapes/shard-{000000..000019}.tar"'
 """
 
 import argparse
 import json
+import logging
 import sys
 
 from ssl_vit.data.shards import FORMATS, write_shards
@@ -32,6 +38,7 @@ def main(argv=None) -> int:
     parser.add_argument("--format", default="auto", choices=FORMATS)
     parser.add_argument("--prefix", default="shard")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="make_shards: %(levelname)s: %(message)s")
     try:
         samples, classes = open_source(args.source, root=args.root, split=args.split, num_samples=args.num_samples,
                                        img_size=args.img_size, seed=args.seed)
@@ -42,10 +49,14 @@ def main(argv=None) -> int:
         return 2
     print(f"wrote {summary['samples']} samples from {args.source} into {len(summary['shards'])} shard(s), "
           f"{summary['bytes'] / 1e6:.1f} MB, formats {summary['formats']}")
+    if getattr(samples, "skipped", 0):
+        print(f"left out {samples.skipped} unreadable image(s) (the first ones are named above)")
     if summary["classes"]:
         print(f"classes: {len(summary['classes'])} ({json.dumps(summary['classes'])})")
     print(f"train on them: accelerate launch scripts/pretrain.py data=wds data.urls={summary['out_dir']}"
           + (f" data.num_classes={len(classes)}" if classes else ""))
+    if summary["pattern"]:
+        print(f"  or name these shards (quoted for the shell, then for Hydra): 'data.urls=\"{summary['pattern']}\"'")
     return 0
 
 

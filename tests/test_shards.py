@@ -10,7 +10,7 @@ from conftest import launch, read_metrics
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from ssl_vit.data import Digits, FashionMNIST, ShardStream, SyntheticShapes
+from ssl_vit.data import Digits, FashionMNIST, NoUsableShardsError, ShardStream, SyntheticShapes
 from ssl_vit.data.real import read_idx
 from ssl_vit.data.shards import expand_urls, write_shards
 from ssl_vit.data.sources import open_source
@@ -29,7 +29,7 @@ def test_round_trip_is_pixel_exact_in_a_shuffled_order(tmp_path):
     summary = _synthetic_shards(tmp_path)
     assert summary["samples"] == 40 and len(summary["shards"]) == 3 and summary["formats"] == {"png": 40}
     stream = ShardStream(str(tmp_path), resampled=False, shuffle_buffer=10)
-    pipeline, decode = stream.pipeline(_identity, batch_size=None, seed=1, need_label=True, need_text=True)
+    pipeline, decode = stream.pipeline(_identity, batch_size=None, seed=1, need_label=True, need_text=True, epochs=1)
     samples = list(pipeline)
     source = SyntheticShapes(40, 16, seed=3)
     keys = [int(s["key"]) for s in samples]
@@ -98,13 +98,13 @@ def test_bad_samples_are_skipped_and_counted_exactly(tmp_path):
         ("g", {"jpg": b"\xff\xd8\xff\xe0 broken", "cls": b"6"}),  # corrupt jpeg, last in the shard
     ])
     stream = ShardStream(str(tmp_path / "bad-000000.tar"), resampled=False, shuffle_buffer=0)
-    pipeline, decode = stream.pipeline(_identity, batch_size=None, need_label=True)
+    pipeline, decode = stream.pipeline(_identity, batch_size=None, need_label=True, epochs=1)
     samples = list(pipeline)
     assert [s["key"] for s in samples] == ["a", "e"] and [s["label"] for s in samples] == [1, 4]
     assert decode.skipped == 5
     assert sum(s["skipped"] for s in samples) + decode.trailing == 5  # carried counts + the tail
     # without labels needed, the sample missing cls is fine
-    pipeline, decode = stream.pipeline(_identity, batch_size=None, need_label=False)
+    pipeline, decode = stream.pipeline(_identity, batch_size=None, need_label=False, epochs=1)
     assert [s["key"] for s in pipeline] == ["a", "d", "e"] and decode.skipped == 4
 
 
@@ -112,7 +112,7 @@ def test_missing_or_empty_shards_fail_at_start_up(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         expand_urls(str(tmp_path / "shard-{000000..000002}.tar"))
     (tmp_path / "empty.tar").write_bytes(b"")
-    with pytest.raises(ValueError, match="is empty"):
+    with pytest.raises(NoUsableShardsError, match=r"every shard of data.urls is empty \(0 bytes\).*empty.tar"):
         expand_urls([str(tmp_path / "empty.tar")])
     (tmp_path / "nothing").mkdir()
     with pytest.raises(FileNotFoundError, match="no .tar shards in directory"):
@@ -193,11 +193,14 @@ def test_make_shards_from_image_caption_pairs_and_class_folders(tmp_path):
         Image.new("RGB", (12, 10), colour).save(pairs / f"{name}.png")
         (pairs / f"{name}.txt").write_text(caption + "\n")
     Image.new("RGB", (12, 10)).save(pairs / "no_caption.png")  # skipped: no .txt beside it
+    (pairs / "broken.png").write_bytes(b"\x89PNG broken")  # unreadable: left out, named, counted
+    (pairs / "broken.txt").write_text("never seen")
     proc = _make_shards("captions", "--root", pairs, "--out", tmp_path / "cap")
     assert proc.returncode == 0, proc.stderr
     assert "wrote 2 samples from captions into 1 shard(s)" in proc.stdout
+    assert "left out 1 unreadable image(s)" in proc.stdout and "broken.png: cannot decode" in proc.stderr
     pipeline, _ = ShardStream(str(tmp_path / "cap"), resampled=False, shuffle_buffer=0).pipeline(
-        _identity, batch_size=None, need_text=True)
+        _identity, batch_size=None, need_text=True, epochs=1)
     samples = list(pipeline)
     assert [s["text"] for s in samples] == ["a red square", "a blue square"]
     assert samples[1]["image"][:, 0, 0].tolist() == [0, 0, 255] and "label" not in samples[0]
@@ -206,8 +209,10 @@ def test_make_shards_from_image_caption_pairs_and_class_folders(tmp_path):
     for cls in ("cat", "dog"):
         (folder / cls).mkdir(parents=True)
         Image.new("RGB", (80, 80), (9, 9, 9)).save(folder / cls / "x.png")
+    (folder / "dog" / "empty.jpg").write_bytes(b"")
     proc = _make_shards("folder", "--root", folder, "--out", tmp_path / "fol", "--samples-per-shard", 1)
     assert proc.returncode == 0, proc.stderr
+    assert "left out 1 unreadable image(s)" in proc.stdout and "empty.jpg: empty file (0 bytes)" in proc.stderr
     assert "into 2 shard(s)" in proc.stdout and "formats {'jpg': 2}" in proc.stdout  # 80 px > 64: jpg
     assert "data.num_classes=2" in proc.stdout
     proc = _make_shards("folder", "--out", tmp_path / "x")

@@ -1,8 +1,13 @@
 """Datasets, views and loaders. `build_dataset(cfg)` maps a data config to a dataset by its name, and
-`make_loader` gives the training batches of either kind (map-style datasets, or WebDataset shard streams)."""
+`make_loader` gives the training batches of either kind (map-style datasets, or WebDataset shard streams).
+
+Bad samples are skipped and counted (the batch's `skipped` entry), never silently lost; data that cannot be used at
+all raises a `DataError` (see ssl_vit/data/errors.py) with a message that names the problem."""
 
 from __future__ import annotations
 
+from ssl_vit.data.decode import decode_rgb
+from ssl_vit.data.errors import BadSampleError, DataError, NoUsableSamplesError, NoUsableShardsError
 from ssl_vit.data.folder import FolderDataset
 from ssl_vit.data.loader import StepBatchSampler, build_loader
 from ssl_vit.data.real import Digits, FashionMNIST
@@ -40,6 +45,7 @@ def make_loader(dataset, views: ViewBuilder, batch_size: int, *, rank: int = 0, 
 
 
 __all__ = [
-    "DATASETS", "VIEW_KINDS", "Digits", "FashionMNIST", "FolderDataset", "ShardStream", "StepBatchSampler",
-    "SyntheticShapes", "ViewBuilder", "build_dataset", "build_loader", "make_loader",
+    "DATASETS", "VIEW_KINDS", "BadSampleError", "DataError", "Digits", "FashionMNIST", "FolderDataset",
+    "NoUsableSamplesError", "NoUsableShardsError", "ShardStream", "StepBatchSampler", "SyntheticShapes",
+    "ViewBuilder", "build_dataset", "build_loader", "decode_rgb", "make_loader",
 ]

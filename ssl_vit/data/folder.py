@@ -1,4 +1,5 @@
-"""Images in class subfolders (root/<class>/<image>), read with torchvision's ImageFolder."""
+"""Images in class subfolders (root/<class>/<image>), listed with torchvision's ImageFolder, decoded by
+`ssl_vit.data.decode.decode_rgb` (8-bit RGB from any format ImageFolder lists, 16-bit scaled by its range)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,15 @@ from pathlib import Path
 
 from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
-from torchvision.io import ImageReadMode, decode_image
+
+from ssl_vit.data.decode import decode_rgb
 
 
 class FolderDataset(Dataset):
-    """root/<class>/<image> -> {"image": uint8 (3, H, W), "label": int}; classes sorted by folder name."""
+    """root/<class>/<image> -> {"image": uint8 (3, H, W), "label": int}; classes sorted by folder name.
+
+    An unreadable file (corrupt, empty, vanished) raises BadSampleError naming it; the loaders skip and count it
+    (`SeededViews` for training, `extract_features` for evaluation)."""
 
     def __init__(self, root: str | Path):
         root = Path(root).expanduser()
@@ -20,11 +25,16 @@ class FolderDataset(Dataset):
             self.folder = ImageFolder(str(root), loader=str)  # defer decoding to __getitem__
         except FileNotFoundError as err:
             raise FileNotFoundError(f"no images in class subfolders of {str(root)!r}: {err}") from err
+        self.root = root
         self.classes = self.folder.classes
+        self.targets = list(self.folder.targets)  # every label without decoding (stratified subsets)
 
     def __len__(self) -> int:
         return len(self.folder)
 
     def __getitem__(self, index: int) -> dict:
         path, label = self.folder.samples[index]
-        return {"image": decode_image(path, mode=ImageReadMode.RGB), "label": label}
+        return {"image": decode_rgb(path), "label": label}
+
+    def describe(self) -> str:
+        return f"image folder {str(self.root)!r}"

@@ -3,15 +3,25 @@
 Each epoch is a seeded permutation of the dataset cut into global batches of batch_size x world_size; rank r takes
 its slice. Every sample also gets its own seed, under which its random augmentation runs, so the stream is the
 same with any number of workers and a resumed run continues exactly where an uninterrupted one would be.
+
+A sample that cannot be read (a corrupt or empty image file: `BadSampleError`) is replaced by the next readable
+index, augmented under the bad sample's seed, and marked `skipped=1`; the batch stays full and remains a pure function
+of (seed, m, rank). Every sample carries `skipped` (0 or 1), so the batch's `skipped` tensor counts them; the
+training loop sums and pops it. The first few bad files of each process are logged by path.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ssl_vit.data.errors import BadSampleError, NoUsableSamplesError, SkipLog
+
+log = logging.getLogger(__name__)
+MAX_SUBSTITUTE_SEARCH = 64  # how many following indices a bad sample's substitute is looked for among
 _MIX = 0x9E3779B97F4A7C15  # large odd constant to spread (seed, epoch, index) over the 63-bit seed space
 
 
@@ -53,19 +63,43 @@ class StepBatchSampler(Sampler):
 
 
 class SeededViews(Dataset):
-    """Apply `views` to `dataset[index]` under the sample's own torch seed (keys are (index, seed) pairs)."""
+    """Apply `views` to `dataset[index]` under the sample's own torch seed (keys are (index, seed) pairs); a bad
+    sample is replaced by the next readable one (see the module docstring) and the output carries `skipped`."""
 
-    def __init__(self, dataset: Dataset, views):
-        self.dataset, self.views = dataset, views
+    def __init__(self, dataset: Dataset, views, max_search: int = MAX_SUBSTITUTE_SEARCH):
+        self.dataset, self.views, self.max_search = dataset, views, max_search
+        self.bad: dict[int, str] = {}  # index -> reason, known in this process (each bad file is read once)
+        self.skip_log = SkipLog(log, "sample")
 
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def _read(self, index: int) -> dict | None:
+        if index in self.bad:
+            return None
+        try:
+            return self.dataset[index]
+        except BadSampleError as err:
+            self.bad[index] = str(err)
+            self.skip_log(f"{err} (replaced by the next readable sample)")
+            return None
+
     def __getitem__(self, key: tuple[int, int]) -> dict:
         index, seed = key
+        size = len(self.dataset)
+        searched = min(size, self.max_search)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return self.views(self.dataset[index])
+            for offset in range(searched):
+                torch.manual_seed(seed)
+                sample = self._read((index + offset) % size)
+                if sample is not None:
+                    out = self.views(sample)
+                    out["skipped"] = int(offset > 0)
+                    return out
+        describe = getattr(self.dataset, "describe", lambda: type(self.dataset).__name__)()
+        scope = ("no sample of it is readable" if searched == size else
+                 f"samples {index}..{(index + searched - 1) % size} (of {size}) are all unreadable")
+        raise NoUsableSamplesError(f"{describe}: {scope}; first error: {self.bad.get(index, '?')}")
 
 
 def build_loader(dataset: Dataset, views, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,

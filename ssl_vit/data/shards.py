@@ -2,20 +2,32 @@
 
 A sample in a shard: `<key>.png` or `<key>.jpg` (the image), `<key>.cls` (class index, when labelled),
 `<key>.txt` (caption, when there is one) and `<key>.json` (source metadata). This is the layout open_clip and
-img2dataset use, so their shards read here too.
+img2dataset use, so their shards read here too. Beside the shards, `sizes.json` maps each shard's file name to its
+number of samples (open_clip's convention), so a reader can tell how many samples a broken shard lost.
 
 Reading (`ShardStream`): `resampled=True` draws shards with replacement for step-based training, seeded per
-rank and per worker so no two workers feed the same sample order; a shuffle buffer mixes samples; corrupt or
-undecodable samples and samples missing a key the objective needs are skipped and counted. The count rides along
-with the next good sample (`skipped` in the batch), so it reaches the training loop from any worker process.
+rank and per worker so no two workers feed the same sample order; `resampled=False` reads every shard once per
+epoch (split over ranks and workers, reshuffled each epoch) and starts the next epoch by itself, so both are
+endless. A shuffle buffer mixes samples. Nothing is lost silently:
+- corrupt or undecodable samples and samples missing a key the objective needs are skipped and counted;
+- a truncated or corrupt tar (read errors, and Python's tarfile ending an archive quietly at an invalid header) is
+  logged by name and its lost samples counted: expected (sizes.json) minus delivered, else 1 per broken shard;
+- a stream that cannot deliver anything (every shard unreadable, every sample bad, or a worker without shards)
+  raises `NoUsableShardsError` instead of hanging.
+The counts ride along with the next good sample (`skipped` in the batch), so they reach the training loop from any
+worker process. The first few bad samples and shards of each process are logged with their reason.
 """
 
 from __future__ import annotations
 
+import glob
 import io
+import itertools
+import json
 import logging
 import os
 import random
+import tarfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -25,12 +37,18 @@ import webdataset as wds
 from braceexpand import braceexpand
 from PIL import Image
 from torch.utils.data import DataLoader, default_collate
-from torchvision.io import ImageReadMode, decode_image
+from webdataset.tariterators import base_plus_ext, valid_sample
+
+from ssl_vit.data.decode import decode_rgb
+from ssl_vit.data.errors import BadSampleError, MissingKeyError, NoUsableShardsError, SkipLog
 
 log = logging.getLogger(__name__)
-IMAGE_KEYS = ("png", "jpg", "jpeg", "webp", "ppm", "bmp")
+IMAGE_KEYS = ("png", "jpg", "jpeg", "webp", "ppm", "bmp", "tif", "tiff", "gif")
 FORMATS = ("auto", "png", "jpg")
 PNG_MAX_SIDE = 64  # "auto": lossless png up to this size, jpg above
+SIZES_FILE = "sizes.json"
+MAX_CONSECUTIVE_BAD = 10_000  # bad samples in a row (no good one between) after which a stream is declared unusable
+SHARD_END = "__shard_end__"  # marker item a shard reader yields after each shard: its url, delivered and lost counts
 
 
 # ----- writing -----
@@ -49,14 +67,17 @@ def encode_image(image: torch.Tensor | np.ndarray, image_format: str = "auto", q
 def write_shards(samples: Iterable[dict], out_dir: str | Path, *, source: str, prefix: str = "shard",
                  samples_per_shard: int = 1000, image_format: str = "auto", classes=None) -> dict:
     """Write samples ({"image": uint8 (3, H, W), "label"?, "text"?, "meta"?}) to out_dir/prefix-000000.tar, ...
+    and their counts to out_dir/sizes.json (merged with the entries of other prefixes already there).
 
     Returns a summary: shard paths, sample count, bytes written, counts per class.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pattern = str(out_dir / f"{prefix}-%06d.tar")
-    count, per_class, formats = 0, {}, {}
-    with wds.ShardWriter(pattern, maxcount=samples_per_shard, verbose=0) as sink:
+    count, per_class, formats, sizes = 0, {}, {}, {}
+    sink = wds.ShardWriter(pattern, maxcount=samples_per_shard, verbose=0,
+                           post=lambda fname: sizes.__setitem__(Path(fname).name, sink.count))
+    with sink:
         for index, sample in enumerate(samples):
             extension, data = encode_image(sample["image"], image_format)
             meta = {"source": source, "index": index, **sample.get("meta", {})}
@@ -72,10 +93,19 @@ def write_shards(samples: Iterable[dict], out_dir: str | Path, *, source: str, p
             sink.write(record)
             count += 1
             formats[extension] = formats.get(extension, 0) + 1
+    _write_sizes(out_dir, sizes)
     shards = sorted(out_dir.glob(f"{prefix}-*.tar"))
     return {"out_dir": str(out_dir), "shards": [str(p) for p in shards], "samples": count,
-            "bytes": sum(p.stat().st_size for p in shards), "formats": formats,
+            "bytes": sum(p.stat().st_size for p in shards), "formats": formats, "sizes": sizes,
             "classes": dict(sorted(per_class.items())), "pattern": _brace_pattern(shards)}
+
+
+def _write_sizes(out_dir: Path, sizes: dict) -> None:
+    path = out_dir / SIZES_FILE
+    merged = {**_load_sizes_file(path), **sizes}
+    tmp = path.with_name(f".{SIZES_FILE}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(dict(sorted(merged.items())), indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 def _brace_pattern(shards: list[Path]) -> str | None:
@@ -85,88 +115,253 @@ def _brace_pattern(shards: list[Path]) -> str | None:
     return str(shards[0].parent / f"{stem}-{{000000..{len(shards) - 1:06d}}}.tar")
 
 
-def caption_pairs(root: str | Path) -> Iterator[dict]:
-    """Images with a caption file of the same stem (photo.jpg + photo.txt), found recursively, sorted by path."""
-    root = Path(root)
-    if not root.is_dir():
-        raise FileNotFoundError(f"caption folder {str(root)!r} does not exist")
-    for path in sorted(p for p in root.rglob("*") if p.suffix.lower().lstrip(".") in IMAGE_KEYS):
-        caption = path.with_suffix(".txt")
-        if not caption.exists():
-            continue
-        yield {"image": decode_image(str(path), mode=ImageReadMode.RGB), "text": caption.read_text().strip(),
-               "meta": {"path": str(path.relative_to(root))}}
+class CaptionPairs:
+    """Images with a caption file of the same stem (photo.jpg + photo.txt), found recursively, sorted by path, as
+    samples {"image", "text", "meta"}. Unreadable images are left out: logged (the first few by name) and counted in
+    `skipped`."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"caption folder {str(self.root)!r} does not exist")
+        self.skipped = 0
+
+    def __iter__(self) -> Iterator[dict]:
+        skip_log = SkipLog(log, "image")
+        for path in sorted(p for p in self.root.rglob("*") if p.suffix.lower().lstrip(".") in IMAGE_KEYS):
+            caption = path.with_suffix(".txt")
+            if not caption.exists():
+                continue
+            try:
+                image = decode_rgb(path)
+            except BadSampleError as err:
+                self.skipped += 1
+                skip_log(str(err))
+                continue
+            yield {"image": image, "text": caption.read_text().strip(),
+                   "meta": {"path": str(path.relative_to(self.root))}}
 
 
-# ----- reading -----
+caption_pairs = CaptionPairs
+
+
+# ----- finding shards -----
+def _is_remote(url: str) -> bool:
+    return "://" in url or url.startswith("pipe:")
+
+
 def expand_urls(urls: str | list[str]) -> list[str]:
-    """Brace patterns, lists and local directories (all their *.tar, sorted) -> shard URLs. Local shards must exist
-    and be non-empty: a clear start-up error otherwise."""
+    """Brace patterns, globs (`data/shapes/*.tar`), `::`-joined lists, lists and local directories (all their *.tar,
+    sorted) -> shard URLs. Local shards must exist (a clear start-up error otherwise); zero-byte shards are left out
+    with a warning naming them, and only if none is left is that an error."""
     items = [urls] if isinstance(urls, str) else list(urls)
     expanded = []
     for url in (url for item in items for part in str(item).split("::") for url in braceexpand(part)):
-        if os.path.isdir(url):
+        if not _is_remote(url) and os.path.isdir(url):
             found = sorted(str(p) for p in Path(url).glob("*.tar"))
             if not found:
                 raise FileNotFoundError(f"no .tar shards in directory {url!r} (data.urls)")
             expanded.extend(found)
+        elif not _is_remote(url) and glob.has_magic(url):
+            found = sorted(p for p in glob.glob(url) if os.path.isfile(p))
+            if not found:
+                raise FileNotFoundError(f"no shard matches the pattern {url!r} (data.urls)")
+            expanded.extend(found)
         else:
             expanded.append(url)
     if not expanded:
-        raise ValueError("data.urls is empty: give a brace pattern such as /data/shard-{000000..000099}.tar")
+        raise ValueError("data.urls is empty: give a directory, a glob such as 'data/shapes/*.tar' or a brace pattern "
+                         "such as 'data.urls=\"/data/shard-{000000..000099}.tar\"'")
+    usable, empty = [], []
     for url in expanded:
-        if "://" in url or url.startswith("pipe:"):
+        if _is_remote(url):
+            usable.append(url)
             continue
         if not os.path.isfile(url):
             raise FileNotFoundError(f"shard {url!r} does not exist (data.urls)")
         if os.path.getsize(url) == 0:
-            raise ValueError(f"shard {url!r} is empty (data.urls)")
-    return expanded
+            log.warning("shard %r is empty (0 bytes): left out", url)
+            empty.append(url)
+        else:
+            usable.append(url)
+    if not usable:
+        raise NoUsableShardsError(f"every shard of data.urls is empty (0 bytes): {empty[:5]}"
+                                  + (f" and {len(empty) - 5} more" if len(empty) > 5 else ""))
+    return usable
 
 
-class MissingKeyError(KeyError):
-    pass
+def _load_sizes_file(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        sizes = json.loads(path.read_text())
+        return {str(name): int(count) for name, count in sizes.items()}
+    except (OSError, ValueError, TypeError, AttributeError) as err:
+        log.warning("ignoring %s: not a {shard name: sample count} JSON object (%s)", path, err)
+        return {}
 
 
+def read_sizes(urls: list[str]) -> dict[str, int]:
+    """{url: samples} for the local shards whose directory has a sizes.json naming them."""
+    tables = {folder: _load_sizes_file(Path(folder) / SIZES_FILE)
+              for folder in {os.path.dirname(url) for url in urls if not _is_remote(url)}}
+    return {url: tables[os.path.dirname(url)][os.path.basename(url)] for url in urls
+            if not _is_remote(url) and os.path.basename(url) in tables[os.path.dirname(url)]}
+
+
+# ----- reading one shard -----
+class _TailWatch:
+    """A read-only file wrapper that remembers where the last non-zero byte read was, and the last few chunks, so
+    that after tarfile stops one can tell a clean end (zero padding) from a broken header or data beyond the end."""
+
+    def __init__(self, raw):
+        self.raw, self.pos, self.last_nonzero = raw, 0, -1
+        self.recent: list[tuple[int, bytes]] = []  # (start position, chunk) of the last reads
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.raw.read(size)
+        kept = len(data.rstrip(b"\0"))
+        if kept:
+            self.last_nonzero = self.pos + kept - 1
+        self.recent = [*self.recent[-3:], (self.pos, data)]
+        self.pos += len(data)
+        return data
+
+    def block(self, start: int) -> bytes | None:
+        """The bytes [start, start + 512) if still among the recent chunks (b"" at the end of the file)."""
+        data = b"".join(chunk for chunk_start, chunk in self.recent if chunk_start + len(chunk) > start)
+        first = next((chunk_start for chunk_start, chunk in self.recent if chunk_start + len(chunk) > start), None)
+        if first is None:
+            return b"" if start >= self.pos else None
+        return data[start - first: start - first + tarfile.BLOCKSIZE] if first <= start else None
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+def _end_problem(tar: tarfile.TarFile, watch: _TailWatch) -> str | None:
+    """Why an archive that tarfile finished without an error is broken, or None. (Python's tarfile ends an archive
+    quietly at an invalid or truncated header after the first member.)"""
+    if getattr(tar.fileobj, "comptype", "tar") != "tar":
+        return None  # compressed: offsets are in the decompressed stream; rely on read errors only
+    end = tar.offset  # where tarfile stopped: the end-of-archive block, or the header it could not read
+    block = watch.block(end)
+    if block is not None and block.strip(b"\0"):
+        return f"invalid tar header at byte {end}; the rest of the file was not read"
+    if block == b"":
+        return f"the file ends at byte {end} without the end-of-archive marker (truncated?)"
+    while watch.last_nonzero < end and watch.read(1 << 20):
+        pass  # read on: a clean end has only zero padding after the end-of-archive marker
+    if watch.last_nonzero >= end:
+        return (f"data after the end-of-archive marker at byte {end} (a concatenated archive or trailing junk) was "
+                "not read")
+    return None
+
+
+def read_shard(url: str, expected: int | None = None, skip_log: SkipLog | None = None) -> Iterator[dict]:
+    """The samples of one shard (dicts of {"__key__", "__url__", extension: bytes}, grouped by key as webdataset
+    does), then a SHARD_END marker {SHARD_END: url, "delivered", "lost", "error"}.
+
+    Never raises for a broken shard: a read error or an early end is reported in the marker (and logged), with
+    `lost` = expected - delivered when the shard's size is known, else 1 (at least one sample is cut off)."""
+    delivered, error, current = 0, None, None
+    raw = None
+    try:
+        raw = wds.gopen(url) if _is_remote(url) else open(url, "rb")
+        watch = _TailWatch(raw)
+        with tarfile.open(fileobj=watch, mode="r|*") as tar:
+            for info in tar:
+                if not info.isreg():
+                    continue
+                data = tar.extractfile(info).read()
+                tar.members = []  # stream mode keeps every header otherwise
+                prefix, suffix = base_plus_ext(info.name)
+                if prefix is None or os.path.basename(info.name).startswith("__"):
+                    continue  # no extension, or webdataset's __meta__ files
+                if current is None or prefix != current["__key__"]:
+                    if valid_sample(current):
+                        yield current
+                        delivered += 1
+                    current = {"__key__": prefix, "__url__": url}
+                current.setdefault(suffix.lower(), data)  # a duplicate file of a key: the first one wins
+            error = _end_problem(tar, watch)
+    except Exception as err:  # tarfile.ReadError, OSError, EOFError, zlib.error, ...: a broken shard, not a crash
+        error = f"{type(err).__name__}: {err}"
+    finally:
+        if raw is not None:
+            raw.close()
+    if valid_sample(current):  # the files of the last key read (before any error): if it lacks a file the objective
+        yield current          # needs, decoding skips and counts it
+        delivered += 1
+    if expected is not None:
+        lost = max(expected - delivered, 0)
+        if lost and error is None:
+            error = f"holds {delivered} samples but {SIZES_FILE} says {expected}"
+    else:
+        lost = 1 if error else 0
+    if error and skip_log is not None:
+        skip_log(f"{url}: {error}; {lost} sample(s) lost"
+                 + ("" if expected is not None else f" (at least; no {SIZES_FILE} entry for it)"), count=1)
+    yield {SHARD_END: url, "delivered": delivered, "lost": lost, "error": error}
+
+
+# ----- the stream -----
 def decode_sample(sample: dict, need_label: bool, need_text: bool) -> dict:
-    """A raw shard sample -> {"image": uint8 (3, H, W), "key", "label"?, "text"?}; raises on anything unusable."""
+    """A raw shard sample -> {"image": uint8 (3, H, W), "key", "label"?, "text"?}; raises BadSampleError (or its
+    MissingKeyError) naming the sample and its shard on anything unusable."""
+    key, where = sample.get("__key__"), f"sample {sample.get('__key__')} of {sample.get('__url__')}"
     image_key = next((k for k in IMAGE_KEYS if k in sample), None)
     if image_key is None:
-        raise MissingKeyError(f"sample {sample.get('__key__')} has no image (keys: {sorted(sample)})")
-    data = torch.frombuffer(bytearray(sample[image_key]), dtype=torch.uint8)
-    out = {"image": decode_image(data, mode=ImageReadMode.RGB), "key": sample.get("__key__")}
-    if "cls" in sample:
-        out["label"] = int(sample["cls"])
-    elif need_label:
-        raise MissingKeyError(f"sample {sample.get('__key__')} has no 'cls' (keys: {sorted(sample)})")
-    if "txt" in sample:
-        out["text"] = sample["txt"].decode("utf-8") if isinstance(sample["txt"], bytes) else sample["txt"]
-    elif need_text:
-        raise MissingKeyError(f"sample {sample.get('__key__')} has no 'txt' (keys: {sorted(sample)})")
+        raise MissingKeyError(f"{where} has no image (keys: {sorted(k for k in sample if not k.startswith('__'))})")
+    if need_label and "cls" not in sample:
+        raise MissingKeyError(f"{where} has no 'cls' (keys: {sorted(k for k in sample if not k.startswith('__'))})")
+    if need_text and "txt" not in sample:
+        raise MissingKeyError(f"{where} has no 'txt' (keys: {sorted(k for k in sample if not k.startswith('__'))})")
+    try:
+        out = {"image": decode_rgb(sample[image_key]), "key": key}
+        if "cls" in sample:
+            out["label"] = int(sample["cls"])
+        if "txt" in sample:
+            out["text"] = sample["txt"].decode("utf-8") if isinstance(sample["txt"], bytes) else sample["txt"]
+    except ValueError as err:  # BadSampleError from the decoder, a bad cls number, a caption that is not utf-8
+        raise BadSampleError(f"{where}: {err}") from None
     return out
 
 
 class DecodeAndCount:
-    """Pipeline stage: decode every sample; skip and count the bad ones. Each good sample carries `skipped`, the
-    number of bad samples seen since the previous good one (so totals survive worker processes); `skipped` and
-    `trailing` on this object hold the in-process totals (num_workers=0)."""
+    """Pipeline stage: decode every sample; skip and count the bad ones, and the samples lost in broken shards
+    (SHARD_END markers). Each good sample carries `skipped`, the number of bad or lost samples since the previous
+    good one (so totals survive worker processes); `skipped` and `trailing` on this object hold the in-process
+    totals (num_workers=0). `max_consecutive_bad` bad samples in a row raise NoUsableShardsError."""
 
-    def __init__(self, views, need_label: bool, need_text: bool):
+    def __init__(self, views, need_label: bool, need_text: bool, max_consecutive_bad: int = MAX_CONSECUTIVE_BAD):
         self.views, self.need_label, self.need_text = views, need_label, need_text
+        self.max_consecutive_bad = max_consecutive_bad
         self.skipped = self.trailing = 0
+        self.skip_log = SkipLog(log, "sample")
 
     def __call__(self, samples: Iterator[dict]) -> Iterator[dict]:
-        pending = 0
+        pending = in_a_row = 0
         for sample in samples:
+            if SHARD_END in sample:
+                pending += sample["lost"]
+                self.skipped += sample["lost"]
+                continue
             try:
                 out = self.views(decode_sample(sample, self.need_label, self.need_text))
-            except (MissingKeyError, RuntimeError, ValueError, OSError) as err:
+            except BadSampleError as err:
                 pending += 1
                 self.skipped += 1
-                log.debug("skipping bad sample: %s", err)
+                in_a_row += 1
+                self.skip_log(str(err))
+                if in_a_row >= self.max_consecutive_bad:
+                    raise NoUsableShardsError(
+                        f"the last {in_a_row} samples of the shard stream were all unusable (the last: {err}); check "
+                        "data.urls, and that the shards hold what the objective needs (labels: 'cls', captions: "
+                        "'txt')") from None
                 continue
             out["skipped"] = pending
-            pending = 0
+            pending = in_a_row = 0
             yield out
         self.trailing = pending
 
@@ -177,10 +372,14 @@ def _worker_seed(seed: int) -> int:
 
 
 def _shuffle(samples: Iterator, buffer_size: int, seed: int) -> Iterator:
-    """Shuffle through a buffer, seeded per rank and worker (webdataset's own shuffle seeds all workers alike)."""
+    """Shuffle through a buffer, seeded per rank and worker (webdataset's own shuffle seeds all workers alike).
+    SHARD_END markers pass straight through (they carry counts, not data)."""
     rng = random.Random(_worker_seed(seed))
     buffer = []
     for sample in samples:
+        if SHARD_END in sample:
+            yield sample
+            continue
         buffer.append(sample)
         if len(buffer) >= buffer_size:
             yield buffer.pop(rng.randrange(len(buffer)))
@@ -188,32 +387,95 @@ def _shuffle(samples: Iterator, buffer_size: int, seed: int) -> Iterator:
     yield from buffer
 
 
+def _examples(errors: dict[str, str], limit: int = 3) -> str:
+    shown = "; ".join(f"{url}: {error}" for url, error in list(errors.items())[:limit])
+    return shown + (f"; and {len(errors) - limit} more" if len(errors) > limit else "")
+
+
 class ShardStream:
     """Training batches from WebDataset shards (see the module docstring)."""
 
-    def __init__(self, urls, num_classes: int | None = None, resampled: bool = True, shuffle_buffer: int = 1000):
+    def __init__(self, urls, num_classes: int | None = None, resampled: bool = True, shuffle_buffer: int = 1000,
+                 max_consecutive_bad: int = MAX_CONSECUTIVE_BAD):
         self.urls = expand_urls(urls)
+        self.sizes = read_sizes(self.urls)
         self.classes = tuple(range(num_classes)) if num_classes else ()
         self.resampled, self.shuffle_buffer = resampled, shuffle_buffer
+        self.max_consecutive_bad = max_consecutive_bad
+
+    def _read(self, url: str, skip_log: SkipLog) -> Iterator[dict]:
+        yield from read_shard(url, self.sizes.get(url), skip_log)
+
+    def _resampled(self, seed: int) -> Iterator[dict]:
+        """Shards drawn with replacement, seeded per rank and worker; NoUsableShardsError once every distinct shard
+        has failed (delivered nothing) since the last sample that came through."""
+        rng, skip_log = random.Random(_worker_seed(seed)), SkipLog(log, "shard")
+        distinct, failed = set(self.urls), {}
+        while True:
+            url = rng.choice(self.urls)
+            for item in self._read(url, skip_log):
+                if SHARD_END in item and item["delivered"] == 0:
+                    failed[url] = item["error"] or "no samples"
+                elif SHARD_END not in item:
+                    failed.clear()
+                yield item
+            if len(failed) == len(distinct):
+                raise NoUsableShardsError(f"none of the {len(distinct)} shard(s) of data.urls delivered a sample: "
+                                          f"{_examples(failed)}")
+
+    def _epochs(self, seed: int, epochs: int | None) -> Iterator[dict]:
+        """Every shard once per epoch, split over ranks then workers after a per-epoch shuffle that all of them share;
+        endless when epochs is None. NoUsableShardsError if this worker's share of an epoch delivers nothing."""
+        rank, world, worker, workers = wds.utils.pytorch_worker_info()
+        skip_log = SkipLog(log, "shard")
+        for epoch in itertools.count() if epochs is None else range(epochs):
+            order = list(self.urls)
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+            of_rank = order[rank::world]
+            if not of_rank:
+                raise NoUsableShardsError(
+                    f"data.resampled=false splits the {len(order)} shard(s) over {world} ranks, and rank {rank} got "
+                    f"none (each rank needs at least one shard, each of its {workers} worker(s) one too to be busy); "
+                    "set data.resampled=true (shards drawn with replacement) or write more shards")
+            share = of_rank[worker::workers]
+            if not share:
+                log.warning("data.resampled=false: rank %d has %d shard(s) for %d workers; worker %d idles (set "
+                            "data.resampled=true or write more shards)", rank, len(of_rank), workers, worker)
+                return
+            delivered, errors = 0, {}
+            for url in share:
+                for item in self._read(url, skip_log):
+                    if SHARD_END in item:
+                        delivered += item["delivered"]
+                        if item["error"]:
+                            errors[url] = item["error"]
+                    yield item
+            if delivered == 0:
+                raise NoUsableShardsError(
+                    f"epoch {epoch}: none of the {len(share)} shard(s) of rank {rank} worker {worker} delivered a "
+                    f"sample ({_examples(errors) or 'they hold no samples'})")
 
     def pipeline(self, views, batch_size: int | None, seed: int = 0, need_label: bool = False,
-                 need_text: bool = False) -> tuple[wds.DataPipeline, DecodeAndCount]:
-        decode = DecodeAndCount(views, need_label, need_text)
+                 need_text: bool = False, epochs: int | None = None) -> tuple[wds.DataPipeline, DecodeAndCount]:
+        """The sample (batch_size None) or batch stream; endless unless `epochs` (resampled=False only) is given."""
+        if epochs is not None and self.resampled:
+            raise ValueError("epochs applies to resampled=False only (resampled draws have no epochs)")
+        decode = DecodeAndCount(views, need_label, need_text, self.max_consecutive_bad)
         if self.resampled:
-            stages = [wds.ResampledShards(self.urls, seed=seed, deterministic=True)]
+            stages = [lambda: self._resampled(seed)]
         else:
-            stages = [wds.SimpleShardList(self.urls), wds.split_by_node, wds.split_by_worker]
-        stages.append(wds.tarfile_to_samples(handler=wds.warn_and_continue))  # a broken tar: logged, skipped
+            stages = [lambda: self._epochs(seed, epochs)]
         if self.shuffle_buffer > 1:
             stages.append(lambda samples: _shuffle(samples, self.shuffle_buffer, seed))
         stages.append(decode)
         if batch_size:
-            stages.append(wds.batched(batch_size, collation_fn=default_collate, partial=not self.resampled))
+            stages.append(wds.batched(batch_size, collation_fn=default_collate, partial=epochs is not None))
         return wds.DataPipeline(*stages), decode
 
     def loader(self, views, batch_size: int, *, seed: int = 0, start: int = 0, num_workers: int = 0,
                pin_memory: bool = False, need_label: bool = False, need_text: bool = False) -> DataLoader:
-        # A resumed run continues with fresh draws (seeded by the step) rather than replaying the start.
+        """Endless batches. A resumed run continues with fresh draws (seeded by the step) rather than replaying the
+        start."""
         pipeline, _ = self.pipeline(views, batch_size, seed * 1_000_003 + start, need_label, need_text)
         return DataLoader(pipeline, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
                           persistent_workers=num_workers > 0)

@@ -92,6 +92,11 @@ class SyntheticShapes(Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
+    @property
+    def targets(self) -> list[int]:
+        """Every sample's label without rendering it (the label is the first draw of the sample's generator)."""
+        return [int(np.random.default_rng([self.seed, i]).integers(len(SHAPES))) for i in range(self.num_samples)]
+
     def __getitem__(self, index: int) -> dict:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"index {index} out of range for {self.num_samples} samples")

@@ -14,18 +14,25 @@ VIEW_KINDS = ("image", "pixels", "label", "text")
 
 
 class ViewBuilder:
-    def __init__(self, views, img_size: int, mean, std, augment: bool = False, crop_scale=(0.35, 1.0)):
+    """Without augmentation: resize the shorter side to img_size / crop_pct, centre-crop img_size (timm's eval
+    transform; `ssl_vit.preprocess`)."""
+
+    def __init__(self, views, img_size: int, mean, std, augment: bool = False, crop_scale=(0.35, 1.0),
+                 interpolation: str = "bilinear", crop_pct: float = 1.0):
         unknown = [v for v in views if v not in VIEW_KINDS]
         if unknown:
             raise ValueError(f"unknown view(s) {unknown}; valid choices: {list(VIEW_KINDS)}")
         self.views = tuple(views)
+        mode = v2.InterpolationMode(interpolation)
         if augment:
             self.spatial = v2.Compose([
-                v2.RandomResizedCrop(img_size, scale=tuple(crop_scale), antialias=True),
+                v2.RandomResizedCrop(img_size, scale=tuple(crop_scale), interpolation=mode, antialias=True),
                 v2.RandomHorizontalFlip(),
             ])
         else:
-            self.spatial = v2.Compose([v2.Resize(img_size, antialias=True), v2.CenterCrop(img_size)])
+            resize = int(img_size / crop_pct) if crop_pct < 1 else img_size
+            self.spatial = v2.Compose([v2.Resize(resize, interpolation=mode, antialias=True),
+                                       v2.CenterCrop(img_size)])
         self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
 

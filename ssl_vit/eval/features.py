@@ -9,26 +9,44 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 from tqdm.auto import tqdm
 
+from ssl_vit.data.errors import BadSampleError, NoUsableSamplesError, SkipLog
+
+log = logging.getLogger(__name__)
 FEATURE_KINDS = ("cls", "avg", "cls_avg", "last_k", "pooled")
 
 
 class _Views(Dataset):
+    """(image, label) per index; None for a sample that cannot be read (the first few are logged by name)."""
+
     def __init__(self, dataset, views):
         self.dataset, self.views = dataset, views
+        self.skip_log = SkipLog(log, "sample")
 
     def __len__(self):
         return len(self.dataset)
 
     def __getitem__(self, index):
-        out = self.views(self.dataset[index])
+        try:
+            out = self.views(self.dataset[index])
+        except BadSampleError as err:
+            self.skip_log(f"{err} (left out of the features)")
+            return None
         return out["image"], out["label"]
+
+
+def _collate_readable(items):
+    """A batch of the readable items: (images, labels, number dropped); images and labels are None if none is."""
+    readable = [item for item in items if item is not None]
+    images, labels = default_collate(readable) if readable else (None, None)
+    return images, labels, len(items) - len(readable)
 
 
 def features_from_tokens(encoder, images: torch.Tensor, kind: str, last_k: int = 4) -> torch.Tensor:
@@ -54,15 +72,26 @@ def features_from_tokens(encoder, images: torch.Tensor, kind: str, last_k: int =
 def extract_features(encoder, dataset, views, kind: str = "cls", last_k: int = 4, batch_size: int = 256,
                      num_workers: int = 0, device: str | torch.device = "cpu", progress: bool = True,
                      desc: str = "features") -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, F) float32 features and (N,) labels of a map-style dataset, in dataset order, encoder in eval mode."""
+    """(N, F) float32 features and (N,) labels of a map-style dataset, in dataset order, encoder in eval mode.
+
+    Samples that cannot be read (BadSampleError: a corrupt or empty image file) are left out with their labels, so
+    N can be smaller than len(dataset); the first few are logged by name and the total at the end."""
     was_training = encoder.training
     encoder.eval().to(device)
-    loader = DataLoader(_Views(dataset, views), batch_size=batch_size, shuffle=False, num_workers=num_workers)
-    features, labels = [], []
-    for images, targets in tqdm(loader, desc=desc, disable=not progress, leave=False):
-        features.append(features_from_tokens(encoder, images.to(device), kind, last_k).float().cpu())
-        labels.append(targets)
+    loader = DataLoader(_Views(dataset, views), batch_size=batch_size, shuffle=False, num_workers=num_workers,
+                        collate_fn=_collate_readable)
+    features, labels, dropped = [], [], 0
+    for images, targets, bad in tqdm(loader, desc=desc, disable=not progress, leave=False):
+        dropped += bad
+        if images is not None:
+            features.append(features_from_tokens(encoder, images.to(device), kind, last_k).float().cpu())
+            labels.append(targets)
     encoder.train(was_training)
+    if dropped:
+        log.warning("%s: dropped %d of %d samples that could not be read (the first ones are named above)", desc,
+                    dropped, len(dataset))
+    if not features:
+        raise NoUsableSamplesError(f"{desc}: none of the {len(dataset)} samples could be read")
     return torch.cat(features), torch.cat(labels)
 
 

@@ -1,0 +1,98 @@
+"""One image decoder for every reader (folders, shards, caption pairs): encoded bytes or a file path -> uint8
+(3, H, W) RGB.
+
+torchvision decodes png / jpeg / gif / webp (fast, libjpeg-turbo / libpng); anything it cannot read (bmp, ppm,
+tiff, ... which ImageFolder lists) falls back to PIL. Whatever the source, the result is 8-bit RGB scaled by the
+image's true range: 16-bit images (png or PIL's I;16 / I modes) are scaled to 0..255 as torchvision's
+`to_dtype(..., scale=True)` does (the high byte), never clipped and never left as uint16 for a later /255. Grey,
+grey + alpha, palette, RGBA and CMYK become RGB (alpha dropped, as PIL's convert("RGB") does); animated images give
+their first frame. EXIF orientation is not applied (the pixels as stored). Undecodable data raises
+`BadSampleError` with the reason (and the file, when given a path).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms.v2 import functional as F
+
+from ssl_vit.data.errors import BadSampleError
+
+_TORCHVISION_PREFIX = re.compile(r"^\w+, \S+\.cpp:\d+, ")  # "decode_jpeg, /path/decode_jpeg.cpp:171, <reason>"
+
+
+def _reason(err: Exception) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return _TORCHVISION_PREFIX.sub("", text)
+
+
+def to_uint8_rgb(image: torch.Tensor) -> torch.Tensor:
+    """(C, H, W) or (frames, C, H, W) of any integer / float dtype -> uint8 (3, H, W): first frame, true-range
+    scaling (uint16 by its 16 bits, floats from [0, 1]), grey repeated to 3 channels, alpha dropped."""
+    if image.ndim == 4:
+        image = image[0]
+    if image.ndim == 2:
+        image = image[None]
+    if image.dtype != torch.uint8:
+        image = F.to_dtype(image, torch.uint8, scale=True)
+    channels = image.shape[0]
+    if channels in (1, 2):
+        image = image[:1].expand(3, -1, -1)
+    elif channels == 4:
+        image = image[:3]
+    elif channels != 3:
+        raise BadSampleError(f"image has {channels} channels; expected 1 (grey), 2, 3 (RGB) or 4")
+    return image.contiguous()
+
+
+def _pil_to_uint8_rgb(image: Image.Image) -> torch.Tensor:
+    if image.mode.startswith("I;16"):  # 16-bit grey, either byte order
+        return to_uint8_rgb(torch.from_numpy(np.asarray(image).astype(np.uint16)))
+    if image.mode == "I":  # 32-bit signed ints: 16-bit data (old PIL png / tiff) unless it goes beyond
+        array = np.asarray(image).astype(np.int64)
+        bits = 16 if array.max(initial=0) <= 0xFFFF else 32
+        scaled = (np.clip(array, 0, 2**bits - 1) >> (bits - 8)).astype(np.uint8)
+        return to_uint8_rgb(torch.from_numpy(scaled))
+    if image.mode == "F":  # float: [0, 1] if it stays there, else 0..255
+        array = np.nan_to_num(np.asarray(image, dtype=np.float32))
+        scale = 255.0 if array.max(initial=0.0) <= 1.0 else 1.0
+        return to_uint8_rgb(torch.from_numpy(np.clip(np.rint(array * scale), 0, 255).astype(np.uint8)))
+    array = np.asarray(image.convert("RGB"))
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+
+
+def decode_rgb(source: bytes | bytearray | memoryview | torch.Tensor | str | Path) -> torch.Tensor:
+    """Encoded image bytes (or a uint8 tensor of them, or a file path) -> uint8 (3, H, W).
+
+    Raises BadSampleError naming the reason (and the path) when the data is empty, unreadable or undecodable."""
+    where = ""
+    if isinstance(source, (str, Path)):
+        where = f"{source}: "
+        try:
+            with open(source, "rb") as f:
+                source = f.read()
+        except OSError as err:
+            raise BadSampleError(f"{where}cannot read the file ({err.strerror or err})") from err
+    if len(source) == 0:
+        raise BadSampleError(f"{where}empty file (0 bytes)")
+    data = source.flatten() if isinstance(source, torch.Tensor) else torch.frombuffer(bytearray(source),
+                                                                                    dtype=torch.uint8)
+    try:
+        return to_uint8_rgb(decode_image(data, mode=ImageReadMode.RGB))
+    except RuntimeError as err:
+        torchvision_reason = _reason(err)
+    try:
+        with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
+            image.load()
+            return _pil_to_uint8_rgb(image)
+    except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...
+        pil_reason = _reason(err)
+    if "Unsupported image file" in torchvision_reason:
+        raise BadSampleError(f"{where}cannot decode the image ({pil_reason})")
+    raise BadSampleError(f"{where}cannot decode the image ({torchvision_reason}; PIL: {pil_reason})")
