@@ -71,7 +71,7 @@ def main() -> None:
 
     encoders, pretraining = {}, {}
     torch.manual_seed(0)
-    random_objective, _, _ = build_components(_config(work / "random", *OBJECTIVES["masked_patch"]))
+    random_objective, _, _, preprocess = build_components(_config(work / "random", *OBJECTIVES["masked_patch"]))
     encoders["random init"] = random_objective.encoder
     for name in OBJECTIVES:
         path, summary = pretrain_for(name, args.budget_minutes, work)
@@ -79,11 +79,10 @@ def main() -> None:
         pretraining[name] = {k: summary[k] for k in ("step", "images_per_s", "pretrain_wall_s")}
         pretraining[name]["final_loss"] = summary["last"].get("loss")
 
-    mean, std = [0.286] * 3, [0.353] * 3
     ecfg = EvalConfig(evaluators=["linear", "knn", "fewshot"], features="cls_avg", fewshot_shots=[10])
     rows = {}
     for name, encoder in encoders.items():
-        results, timings, dim = run_evaluators(encoder, train_set, test_set, ecfg, mean, std)
+        results, timings, dim = run_evaluators(encoder, train_set, test_set, ecfg, preprocess)
         rows[name] = {"linear": results["linear"]["accuracy"], "knn": results["knn"]["accuracy"],
                       "10_shot": results["fewshot"]["accuracy"]["10_shot"], "feature_dim": dim, "timings": timings}
     start = time.perf_counter()

@@ -17,16 +17,17 @@ from torch import nn
 
 from objectives.base import DataInfo, Objective, ObjectiveConfig
 from objectives.patches import patchify, per_sample_shuffle, unpatchify
+from ssl_vit.config import checked
 from ssl_vit.vit import Block, sincos_pos_embed_2d
 
 
 @dataclass
 class MAEConfig(ObjectiveConfig):
     name: str = "mae"
-    mask_ratio: float = 0.75
-    decoder_dim: int = 512
-    decoder_depth: int = 8
-    decoder_heads: int = 16
+    mask_ratio: float = checked(0.75, ge=0, lt=1)
+    decoder_dim: int = checked(512, ge=1)
+    decoder_depth: int = checked(8, ge=1)
+    decoder_heads: int = checked(16, ge=1)
     norm_pix_loss: bool = True
     fixed_pos_embed: bool = True  # encoder position embeddings: fixed 2-D sin-cos (MAE) instead of learned
 

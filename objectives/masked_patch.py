@@ -24,6 +24,7 @@ from torch import nn
 
 from objectives.base import DataInfo, Objective, ObjectiveConfig
 from objectives.patches import patchify, per_sample_shuffle
+from ssl_vit.config import checked
 
 
 class Target(str, Enum):
@@ -35,13 +36,13 @@ class Target(str, Enum):
 @dataclass
 class MaskedPatchConfig(ObjectiveConfig):
     name: str = "masked_patch"
-    mask_ratio: float = 0.5
-    mask_token_prob: float = 0.8
-    random_patch_prob: float = 0.1
-    keep_prob: float = 0.1
+    mask_ratio: float = checked(0.5, gt=0, le=1)
+    mask_token_prob: float = checked(0.8, ge=0, le=1)
+    random_patch_prob: float = checked(0.1, ge=0, le=1)
+    keep_prob: float = checked(0.1, ge=0, le=1)
     target: Target = Target.mean_colour
-    bits: int = 3
-    subpatch_grid: int = 4
+    bits: int = checked(3, ge=1, le=8)  # per channel: 2**(3 * bits) colour classes
+    subpatch_grid: int = checked(4, ge=1)
 
 
 def quantise_colour(colour: torch.Tensor, bits: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from objectives.base import DataInfo, Objective, ObjectiveConfig
+from ssl_vit.config import checked
 
 
 class HeadKind(str, Enum):
@@ -24,8 +25,8 @@ class HeadKind(str, Enum):
 class SupervisedConfig(ObjectiveConfig):
     name: str = "supervised"
     head: HeadKind = HeadKind.mlp
-    hidden_dim: int | None = None  # the tanh layer's width; None: the backbone's width
-    label_smoothing: float = 0.0
+    hidden_dim: int | None = checked(None, ge=1)  # the tanh layer's width; None: the backbone's width
+    label_smoothing: float = checked(0.0, ge=0, lt=1)
 
 
 def build_head(kind: str, dim: int, num_classes: int, hidden_dim: int | None = None) -> nn.Module:

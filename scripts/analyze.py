@@ -27,9 +27,10 @@ from ssl_vit.analysis.plots import (
     plot_pos_embed_similarity,
     plot_rollout,
 )
-from ssl_vit.config import IMAGENET_MEAN, IMAGENET_STD, ConfigError
-from ssl_vit.data import Digits, SyntheticShapes, ViewBuilder
+from ssl_vit.config import ConfigError
+from ssl_vit.data import Digits, SyntheticShapes
 from ssl_vit.eval.run import load_any_encoder
+from ssl_vit.preprocess import Preprocess
 
 
 def main(argv=None) -> int:
@@ -40,13 +41,14 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="default: beside the checkpoint")
     args = parser.parse_args(argv)
     try:
-        encoder, _ = load_any_encoder(args.checkpoint)
+        encoder, _, recorded = load_any_encoder(args.checkpoint)
     except ConfigError as err:
         parser.error(str(err))
     encoder.eval()
     size, patch = encoder.patch_embed.img_size[0], encoder.patch_embed.patch_size[0]
     dataset = SyntheticShapes(args.num_images, size, seed=7) if args.images == "synthetic" else Digits("test")
-    views = ViewBuilder(("image", "pixels"), size, IMAGENET_MEAN, IMAGENET_STD)
+    preprocess = recorded or Preprocess(size)  # the encoder's own normalisation (ImageNet's if it records none)
+    views = preprocess.view_builder(("image", "pixels"))
     samples = [views(dataset[i]) for i in range(args.num_images)]
     images, pixels = torch.stack([s["image"] for s in samples]), torch.stack([s["pixels"] for s in samples])
     attentions = encoder.attention_maps(images)

@@ -4,14 +4,15 @@
     python scripts/linear_probe.py checkpoint=outputs/run data=digits eval=knn eval.knn_k=10
     python scripts/linear_probe.py checkpoint=timm:vit_small_patch16_224 data=digits   # random-init baseline
 
-Writes results.json to the run directory and prints one table. Features are cached under cache_dir.
+The encoder's recorded preprocessing (image size, mean, std, resize rule) is the default; data.img_size,
+data.mean and data.std override it. Writes results.json to the run directory and prints one table. Features are
+cached under cache_dir.
 """
-
-import sys
 
 import hydra
 
-from ssl_vit.config import ConfigError, register_configs
+from ssl_vit.cli import run_reporting_errors
+from ssl_vit.config import register_configs
 from ssl_vit.eval.run import evaluate, print_table, write_report
 
 register_configs()
@@ -19,11 +20,7 @@ register_configs()
 
 @hydra.main(config_path="../configs", config_name="linear_probe", version_base="1.3")
 def main(cfg) -> None:
-    try:
-        report = evaluate(cfg)
-    except ConfigError as err:
-        print(f"ssl-vit: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    report = run_reporting_errors(evaluate, cfg)
     print_table(report)
     print(f"-> {write_report(report, cfg.output_dir)}")
 

@@ -4,14 +4,14 @@
     accelerate launch scripts/pretrain.py objective=supervised model=vit_s16 data=folder data.root=/data/train
     ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/accelerate/cpu_ddp2.yaml scripts/pretrain.py
 
-Hydra overrides select and change everything in configs/; see configs/pretrain.yaml.
+Hydra overrides select and change everything in configs/; see configs/pretrain.yaml. A bad value ends in one line,
+`ssl-vit: error: ...`, with exit status 2; a run that stops (divergence, unusable data, a full disk) with 1.
 """
-
-import sys
 
 import hydra
 
-from ssl_vit.config import ConfigError, register_configs
+from ssl_vit.cli import run_reporting_errors
+from ssl_vit.config import register_configs
 from ssl_vit.train import pretrain
 
 register_configs()
@@ -19,11 +19,7 @@ register_configs()
 
 @hydra.main(config_path="../configs", config_name="pretrain", version_base="1.3")
 def main(cfg) -> None:
-    try:
-        pretrain(cfg)
-    except ConfigError as err:
-        print(f"ssl-vit: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_reporting_errors(pretrain, cfg)
 
 
 if __name__ == "__main__":

@@ -41,12 +41,12 @@ def main(argv=None) -> int:
     if checkpoint is None:
         parser.error(f"no checkpoints under {args.run_dir / 'checkpoints'}")
 
-    objective, dataset, views = build_components(cfg)
+    objective, dataset, views, preprocess = build_components(cfg)
     assert isinstance(objective, MAE)
     objective.load_state_dict(load_file(str(Path(checkpoint) / "model.safetensors")))
     images = torch.stack([views(dataset[i])["image"] for i in range(min(args.num_images, len(dataset)))])
     torch.manual_seed(args.seed)
-    out = save_reconstruction_png(objective, images, cfg.data.mean, cfg.data.std,
+    out = save_reconstruction_png(objective, images, preprocess.mean, preprocess.std,
                                   args.out or args.run_dir / "mae_reconstructions.png", scale=args.scale)
     print(f"wrote {out} ({len(images)} images, checkpoint {checkpoint})")
     return 0

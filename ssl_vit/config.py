@@ -11,21 +11,87 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from ssl_vit.preprocess import IMAGENET_MEAN, IMAGENET_STD  # noqa: F401 (re-exported)
 from ssl_vit.vit import PRESETS
-
-IMAGENET_MEAN = [0.485, 0.456, 0.406]
-IMAGENET_STD = [0.229, 0.224, 0.225]
 
 
 class ConfigError(ValueError):
     """A bad configuration value, reported at start-up with the valid choices."""
+
+
+def checked(default: Any = MISSING, *, factory=None, ge=None, gt=None, le=None, lt=None, length=None,
+            example: str | None = None):
+    """A dataclass field with range rules that `validate_config` enforces: bounds apply to a number or to every
+    item of a list, `length` to a list; None always passes (optional fields). `example` completes the message when a
+    mandatory value is missing."""
+    rules = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, length=length, example=example).items()
+             if v is not None}
+    if factory is not None:
+        return field(default_factory=factory, metadata=rules)
+    return field(default=default, metadata=rules)
+
+
+_BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
+           "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
+
+
+def _rule_violation(value, rules: dict) -> str | None:
+    """What `value` breaks of `rules` ("must be >= 1", "must have 3 values"), or None."""
+    if value is None:
+        return None
+    allowed = " and ".join(f"{symbol} {rules[key]}" for key, (symbol, _) in _BOUNDS.items() if key in rules)
+    if isinstance(value, list | tuple | ListConfig):
+        if "length" in rules and len(value) != rules["length"]:
+            return f"must have {rules['length']} values, got {len(value)}"
+        bad = [v for v in value if not all(test(v, rules[k]) for k, (_, test) in _BOUNDS.items() if k in rules)]
+        return f"every value must be {allowed}" if bad else None
+    if not all(test(value, rules[key]) for key, (_, test) in _BOUNDS.items() if key in rules):
+        return f"must be {allowed}"
+    return None
+
+
+def validate_config(cfg) -> None:
+    """One pass over a composed config: every mandatory value is set, every `checked` rule holds. Raises ConfigError
+    naming the key, the value and what is allowed."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        key = missing[0]
+        example = _field_rules(cfg, key).get("example")
+        raise ConfigError(f"{key} is not set" + (f" (data={cfg.data.name})" if key.startswith("data.") else "")
+                          + f"; give it on the command line, e.g. {example or key + '=...'}")
+    _check_node(cfg, "")
+
+
+def _field_rules(cfg, dotted_key: str) -> dict:
+    parent_key, _, name = dotted_key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    schema = OmegaConf.get_type(parent) if isinstance(parent, DictConfig) else None
+    if schema is not None and is_dataclass(schema):
+        return dict(next((f.metadata for f in fields(schema) if f.name == name), {}))
+    return {}
+
+
+def _check_node(node: DictConfig, prefix: str) -> None:
+    schema = OmegaConf.get_type(node)
+    rules = {f.name: f.metadata for f in fields(schema)} if schema is not None and is_dataclass(schema) else {}
+    for key in node:
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            _check_node(child, f"{prefix}{key}.")
+            continue
+        if rules.get(key):
+            value = node[key]
+            problem = _rule_violation(value, rules[key])
+            if problem:
+                shown = list(value) if isinstance(value, ListConfig) else value
+                raise ConfigError(f"{prefix}{key}={shown} is invalid: {problem}")
 
 
 class Precision(str, Enum):
@@ -49,6 +115,8 @@ class ModelConfig:
     class_token: bool | None = None
     num_registers: int | None = None
     no_embed_class: bool | None = None
+    pos_embed_interp: str | None = None  # "bicubic" | "bilinear", for resampling to another grid
+    pos_embed_antialias: bool | None = None  # timm antialiases (default); DINOv2 / HF transformers do not
     qkv_bias: bool | None = None
     qk_norm: bool | None = None
     norm_bias: bool | None = None
@@ -72,26 +140,30 @@ MODEL_OVERRIDE_FIELDS = tuple(f.name for f in fields(ModelConfig) if f.name not 
 @dataclass
 class DataConfig:
     name: str = MISSING
-    img_size: int | None = None  # None: the model preset's native size
-    batch_size: int = 64  # per process and micro-step; the global batch is this x processes x grad_accum_steps
-    num_workers: int = 0
+    img_size: int | None = checked(None, ge=1)  # None: the model preset's (or, evaluating, the encoder's) size
+    batch_size: int = checked(64, ge=1)  # per process and micro-step; global = this x processes x grad_accum_steps
+    num_workers: int = checked(0, ge=0)
     augment: bool = False  # random resized crop + horizontal flip
-    crop_scale: list[float] = field(default_factory=lambda: [0.35, 1.0])
-    mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
-    std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))
+    crop_scale: list[float] = checked(factory=lambda: [0.35, 1.0], gt=0, le=1, length=2)
+    # Normalisation per colour channel. None: the encoder's own when evaluating one that records it, else the
+    # dataset's statistics (ImageNet's for natural images).
+    mean: list[float] | None = checked(None, length=3)
+    std: list[float] | None = checked(None, gt=0, length=3)
+    max_train_samples: int | None = checked(None, ge=1)  # a stratified subset of the training set
+    max_test_samples: int | None = checked(None, ge=1)  # a stratified subset of the test set (evaluation)
 
 
 @dataclass
 class SyntheticDataConfig(DataConfig):
     name: str = "synthetic"
-    num_samples: int = 4096
+    num_samples: int = checked(4096, ge=1)
     seed: int = 0
 
 
 @dataclass
 class FolderDataConfig(DataConfig):
     name: str = "folder"
-    root: str = MISSING
+    root: str = checked(MISSING, example="data.root=/path/to/images (class subfolders of images)")
     test_root: str | None = None  # held-out images in the same layout, for evaluation
     augment: bool = True
 
@@ -101,57 +173,58 @@ class FashionMNISTDataConfig(DataConfig):
     name: str = "fashion_mnist"
     root: str = "/usr/share/datasets/fashion-mnist"
     split: str = "train"
-    mean: list[float] = field(default_factory=lambda: [0.286] * 3)
-    std: list[float] = field(default_factory=lambda: [0.353] * 3)
 
 
 @dataclass
 class DigitsDataConfig(DataConfig):
     name: str = "digits"
     split: str = "train"
-    mean: list[float] = field(default_factory=lambda: [0.3] * 3)
-    std: list[float] = field(default_factory=lambda: [0.4] * 3)
 
 
 @dataclass
 class ShardDataConfig(DataConfig):
     name: str = "wds"
-    urls: Any = MISSING  # a brace pattern ("/data/shard-{000000..000099}.tar"), or a list of them
-    num_classes: int | None = None  # needed by objectives that use labels (shards carry no class list)
+    urls: Any = checked(MISSING, example="data.urls=data/shapes (a directory of .tar shards)")
+    num_classes: int | None = checked(None, ge=2)  # for objectives that use labels (shards carry no class list)
     resampled: bool = True  # draw shards with replacement (step-based training, as open_clip)
-    shuffle_buffer: int = 1000
+    shuffle_buffer: int = checked(1000, ge=0)
 
 
 @dataclass
 class OptimConfig:
     name: str = "adamw"
-    lr: float = 1e-3
-    min_lr: float = 1e-5
-    warmup_steps: int = 30
+    lr: float = checked(1e-3, gt=0)
+    min_lr: float = checked(1e-5, ge=0)
+    warmup_steps: int = checked(30, ge=0)
     schedule: Schedule = Schedule.cosine
-    weight_decay: float = 0.05
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    grad_clip: float | None = 1.0
-    layer_decay: float | None = None  # layer-wise lr decay (fine-tuning); None = off
+    weight_decay: float = checked(0.05, ge=0)
+    beta1: float = checked(0.9, ge=0, lt=1)
+    beta2: float = checked(0.999, ge=0, lt=1)
+    eps: float = checked(1e-8, gt=0)
+    grad_clip: float | None = checked(1.0, ge=0)  # global gradient-norm clipping; None or 0: off
+    layer_decay: float | None = checked(None, gt=0, le=1)  # layer-wise lr decay (fine-tuning); None = off
 
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 300
-    grad_accum_steps: int = 1
+    max_steps: int = checked(300, ge=1)
+    grad_accum_steps: int = checked(1, ge=1)
     precision: Precision = Precision.fp32
-    log_every: int = 10
-    checkpoint_every: int = 100  # also at the end of the run
-    keep_checkpoints: int = 2
+    log_every: int = checked(10, ge=1)
+    checkpoint_every: int = checked(100, ge=1)  # also at the end of the run
+    keep_checkpoints: int = checked(2, ge=0)  # 0: keep all
     resume: str | None = None  # "auto": the newest checkpoint in the output dir; or a checkpoint directory
-    stop_at_step: int | None = None  # end this invocation early (e.g. a job time limit); resume continues it
-    max_consecutive_nonfinite: int = 5
-    cpu_threads: int | None = None  # None: the machine's cores divided among the local processes
-    eval_every: int = 0  # > 0: frozen-feature evaluation of the encoder every N steps (main process), logged
+    # Resuming needs every rank's RNG state for an exact continuation; true accepts a checkpoint without them (e.g.
+    # written by a different number of processes) with a warning that the run no longer reproduces.
+    allow_inexact_resume: bool = False
+    stop_at_step: int | None = checked(None, ge=1)  # end this invocation early (a job time limit); resume continues
+    max_consecutive_nonfinite: int = checked(5, ge=1)
+    # Stop when one update multiplies the parameter norm by more than this (the weights are then ruined).
+    max_param_norm_growth: float = checked(2.0, gt=1)
+    cpu_threads: int | None = checked(None, ge=1)  # None: the machine's cores divided among the local processes
+    eval_every: int = checked(0, ge=0)  # > 0: frozen-feature evaluation every N steps (main process), logged
     eval_evaluators: list[str] = field(default_factory=lambda: ["knn"])
-    eval_max_samples: int = 2000  # per split, the first N samples of the data's train / test sets
+    eval_max_samples: int = checked(2000, ge=1)  # per split, a stratified subset of the train / test sets
     progress: bool = True
     tensorboard: bool = True
 
@@ -162,30 +235,33 @@ class EvalConfig:
 
     evaluators: list[str] = field(default_factory=lambda: ["linear", "knn", "fewshot"])
     features: str = "cls_avg"  # cls | avg | cls_avg | last_k | pooled (ssl_vit.eval.features)
-    last_k: int = 4
-    batch_size: int = 256
-    l2_values: list[float] = field(default_factory=lambda: [1e-5, 1e-4, 1e-3, 1e-2, 1e-1])
-    val_fraction: float = 0.2
-    knn_k: int = 20
-    knn_temperature: float = 0.07
-    fewshot_shots: list[int] = field(default_factory=lambda: [1, 5, 10, 25])
-    fewshot_draws: int = 5
-    fewshot_l2: float = 1.0
-    finetune_steps: int = 300
-    finetune_batch_size: int = 64
-    finetune_lr: float = 1e-3
-    finetune_layer_decay: float | None = 0.75
-    finetune_img_size: int | None = None  # None: the encoder's own; larger resamples the position embeddings
+    last_k: int = checked(4, ge=1)
+    batch_size: int = checked(256, ge=1)
+    l2_values: list[float] = checked(factory=lambda: [1e-5, 1e-4, 1e-3, 1e-2, 1e-1], gt=0)
+    val_fraction: float = checked(0.2, gt=0, lt=1)
+    knn_k: int = checked(20, ge=1)
+    knn_temperature: float = checked(0.07, gt=0)
+    fewshot_shots: list[int] = checked(factory=lambda: [1, 5, 10, 25], ge=1)
+    fewshot_draws: int = checked(5, ge=1)
+    fewshot_l2: float = checked(1.0, gt=0)
+    finetune_steps: int = checked(300, ge=1)
+    finetune_batch_size: int = checked(64, ge=1)
+    finetune_lr: float = checked(1e-3, gt=0)
+    finetune_layer_decay: float | None = checked(0.75, gt=0, le=1)
+    finetune_img_size: int | None = checked(None, ge=1)  # None: the encoder's own; larger resamples pos. embeddings
     finetune_augment: bool = False  # random resized crops + flips: for long runs; slows short ones
 
 
 @dataclass
 class ProbeConfig:
-    checkpoint: str = MISSING  # encoder.safetensors, a run directory, or timm:<model name> (random init)
+    # encoder.safetensors, a run directory, or timm:<model name> (random init)
+    checkpoint: str = checked(MISSING, example="checkpoint=outputs/<run>/encoder.safetensors (or a run directory, "
+                                               "or timm:<model name>)")
     data: Any = MISSING
     eval: EvalConfig = MISSING
     cache_dir: str | None = "outputs/feature_cache"
     seed: int = 0
+    threads: int | None = checked(None, ge=1)  # torch CPU threads; None: torch's default (all cores)
     output_dir: str = MISSING
 
 

@@ -16,14 +16,32 @@ def _seed():
     torch.manual_seed(0)
 
 
-def launch(*overrides, config="cpu", env=None, timeout=300) -> subprocess.CompletedProcess:
-    """Run scripts/pretrain.py through the real `accelerate launch` in a subprocess (env: None unsets)."""
+def launch(*overrides, config="cpu", env=None, timeout=300, **popen) -> subprocess.CompletedProcess:
+    """Run scripts/pretrain.py through the real `accelerate launch` in a subprocess (env: None unsets; popen: more
+    subprocess.run arguments, e.g. preexec_fn)."""
     cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs" / "accelerate" / f"{config}.yaml"),
            str(ROOT / "scripts" / "pretrain.py"), "trainer.progress=false", *overrides]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env = {k: v for k, v in full_env.items() if v is not None}  # None removes a variable
-    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout, **popen)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+TINY = ["model=vit_test", "data.num_samples=32", "data.batch_size=16", "trainer.log_every=1",
+        "optim.lr=3e-3", "optim.warmup_steps=3", "trainer.checkpoint_every=10"]
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """An uninterrupted 30-step run of TINY through the CLI (shared by the resume and fault-injection tests)."""
+    out = tmp_path_factory.mktemp("reference")
+    check_ok(launch(*TINY, "trainer.max_steps=30", f"hydra.run.dir={out}"))
+    return out

@@ -9,7 +9,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
 from objectives import OBJECTIVES
-from ssl_vit.config import MODEL_OVERRIDE_FIELDS, launch_time, register_configs
+from ssl_vit.config import MODEL_OVERRIDE_FIELDS, ConfigError, launch_time, register_configs, validate_config
 from ssl_vit.vit import PRESETS, VisionTransformer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -73,3 +73,37 @@ def test_launch_time_is_shared_by_the_children_of_one_launcher(monkeypatch):
     assert launch_time() == epoch  # a single process uses the current time
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert launch_time() != epoch  # under a launcher: the parent process's start time, whatever "now" is
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["data.batch_size=0"], "data.batch_size=0 is invalid: must be >= 1"),
+    (["data.batch_size=-4"], "data.batch_size=-4 is invalid: must be >= 1"),
+    (["trainer.checkpoint_every=0"], "trainer.checkpoint_every=0 is invalid: must be >= 1"),
+    (["trainer.log_every=0"], "trainer.log_every=0 is invalid: must be >= 1"),
+    (["optim.lr=-1"], "optim.lr=-1.0 is invalid: must be > 0"),
+    (["optim.warmup_steps=-10"], "optim.warmup_steps=-10 is invalid: must be >= 0"),
+    (["data.num_workers=-1"], "data.num_workers=-1 is invalid: must be >= 0"),
+    (["trainer.cpu_threads=-1"], "trainer.cpu_threads=-1 is invalid: must be >= 1"),
+    (["trainer.stop_at_step=0"], "trainer.stop_at_step=0 is invalid: must be >= 1"),
+    (["trainer.eval_every=-5"], "trainer.eval_every=-5 is invalid: must be >= 0"),
+    (["objective=masked_patch", "objective.bits=0"], "objective.bits=0 is invalid: must be >= 1 and <= 8"),
+    (["objective=mae", "objective.mask_ratio=1.0"], "objective.mask_ratio=1.0 is invalid: must be >= 0 and < 1"),
+    (["data.mean=[0.5]"], "data.mean=[0.5] is invalid: must have 3 values, got 1"),
+    (["data.std=[0.2,0,0.2]"], "data.std=[0.2, 0.0, 0.2] is invalid: every value must be > 0"),
+    (["data.crop_scale=[0,1]"], "data.crop_scale=[0.0, 1.0] is invalid: every value must be > 0 and <= 1"),
+    (["data=folder"], "data.root is not set (data=folder); give it on the command line, e.g. data.root="),
+    (["data=wds"], "data.urls is not set (data=wds); give it on the command line, e.g. data.urls="),
+])
+def test_out_of_range_and_missing_values_are_one_clear_error(overrides, expected):
+    cfg = _compose(*overrides, "output_dir=unused")
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    assert str(err.value).startswith(expected), str(err.value)
+
+
+def test_every_shipped_config_passes_validation():
+    validate_config(_compose("output_dir=unused"))
+    for objective in OBJECTIVES:
+        validate_config(_compose(f"objective={objective}", "output_dir=unused"))
+    for data in ("synthetic", "digits", "fashion_mnist"):
+        validate_config(_compose(f"data={data}", "output_dir=unused"))

@@ -44,10 +44,57 @@ def test_cli_end_to_end_writes_results_and_reuses_cached_features(tmp_path, tiny
 
 
 def test_cli_bad_checkpoint_and_evaluator_are_clear_errors(tmp_path, tiny_checkpoint):
-    proc = _probe(f"checkpoint={tmp_path / 'missing.safetensors'}", f"hydra.run.dir={tmp_path / 'a'}")
-    assert proc.returncode == 2 and "is not an encoder file" in proc.stderr
-    proc = _probe(f"checkpoint={tiny_checkpoint}", "eval.evaluators=[svm]", f"hydra.run.dir={tmp_path / 'b'}")
-    assert proc.returncode == 2 and "unknown evaluator(s) ['svm']" in proc.stderr and "'linear'" in proc.stderr
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\x07" * 300)
+    cases = [
+        ([f"checkpoint={tmp_path / 'missing.safetensors'}"], "is not an encoder file"),
+        ([], "ssl-vit: error: checkpoint is not set; give it on the command line, e.g. checkpoint="),
+        ([f"checkpoint={garbage}"], f"checkpoint='{garbage}' is not a readable ssl_vit encoder file"),
+        ([f"checkpoint={tiny_checkpoint}", "eval.evaluators=[svm]"], "unknown evaluator(s) ['svm']; valid choices"),
+        ([f"checkpoint={tiny_checkpoint}", "data.max_test_samples=0"], "data.max_test_samples=0 is invalid"),
+    ]
+    for index, (args, expected) in enumerate(cases):
+        proc = _probe(*args, f"hydra.run.dir={tmp_path / str(index)}")
+        assert proc.returncode == 2 and expected in proc.stderr, proc.stderr[-2000:]
+        assert proc.stderr.strip().startswith("ssl-vit: error:") and "Traceback" not in proc.stderr
+
+
+def _probe_config(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from ssl_vit.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        return compose("linear_probe", overrides=list(overrides))
+
+
+def test_the_encoders_recorded_preprocessing_is_the_default_and_data_values_override_it(tmp_path):
+    from collections import Counter
+
+    from ssl_vit.eval.run import evaluate
+    from ssl_vit.preprocess import Preprocess
+
+    torch.manual_seed(0)
+    path = save_encoder(build_vit("vit_test"), tmp_path / "encoder.safetensors", step=0,
+                        preprocess=Preprocess(16, mean=[0.1] * 3, std=[0.2] * 3, interpolation="bicubic"))
+    common = [f"checkpoint={path}", "data=digits", "eval=knn", "data.max_train_samples=200",
+              "data.max_test_samples=50", "threads=1", f"cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path}"]
+    report = evaluate(_probe_config(*common), progress=False)
+    assert report["preprocess"] == {"img_size": 16, "mean": [0.1] * 3, "std": [0.2] * 3,
+                                    "interpolation": "bicubic", "crop_pct": 1.0}
+    assert (report["num_train"], report["num_test"]) == (200, 50) and torch.get_num_threads() == 1
+    from ssl_vit.data import Digits
+    from ssl_vit.data.subset import limit_samples
+    full = Digits("train")
+    counts, shares = Counter(int(y) for y in limit_samples(full, 200).targets), Counter(int(y) for y in full.labels)
+    assert all(abs(counts[c] - 200 * shares[c] / len(full)) < 1 for c in shares)  # stratified: each class's share
+
+    overridden = evaluate(_probe_config(*common, "data.mean=[0.3,0.3,0.3]", "data.img_size=24"), progress=False)
+    assert overridden["preprocess"]["mean"] == [0.3] * 3 and overridden["preprocess"]["std"] == [0.2] * 3
+    assert overridden["preprocess"]["img_size"] == 24  # the encoder ran at 24 px (6x6 patches), not at 16
+    assert overridden["results"]["knn"]["accuracy"] != report["results"]["knn"]["accuracy"]
+    assert len(list((tmp_path / "cache").glob("*.pt"))) == 4  # different inputs, different cache entries
 
 
 @pytest.mark.parametrize("name", ["vit_small_patch16_224", "vit_base_patch16_reg4_gap_256"])

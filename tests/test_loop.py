@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from objectives.supervised import Supervised
 from ssl_vit.config import register_configs
-from ssl_vit.train import NonFiniteLossError, pretrain
+from ssl_vit.train import TrainingDiverged, pretrain
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -32,7 +32,13 @@ def _config(tmp_path, *overrides):
             "trainer.progress=false", "trainer.tensorboard=false", f"output_dir={tmp_path}", *overrides])
 
 
-def test_non_finite_losses_are_skipped_counted_then_stop_with_the_last_good_weights(tmp_path, monkeypatch):
+def _strict_json_rows(path):
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def test_non_finite_losses_are_skipped_counted_then_stop_with_the_last_applied_weights(tmp_path, monkeypatch):
     calls = {"n": 0}
     original = Supervised.forward
 
@@ -44,12 +50,39 @@ def test_non_finite_losses_are_skipped_counted_then_stop_with_the_last_good_weig
         return out
 
     monkeypatch.setattr(Supervised, "forward", poisoned)
-    with pytest.raises(NonFiniteLossError, match=r"non-finite for 3 consecutive steps.*max_consecutive_nonfinite"):
+    with pytest.raises(TrainingDiverged, match=r"non-finite for 3 consecutive steps.*max_consecutive_nonfinite=3"):
         pretrain(_config(tmp_path, "trainer.max_steps=20", "trainer.max_consecutive_nonfinite=3"))
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    metrics = _strict_json_rows(tmp_path / "metrics.jsonl")  # NaN is written as null
     assert [m["nonfinite_steps"] for m in metrics] == [0, 0, 1, 2, 3]
+    assert metrics[-1]["loss"] is None and metrics[1]["loss"] > 0
     saved = load_file(str(tmp_path / "checkpoints" / "step_00000005" / "model.safetensors"))
     assert all(torch.isfinite(t).all() for t in saved.values())
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["step"] == 5 and not summary["finished"] and "non-finite" in summary["error"]
+    assert summary["checkpoint"].endswith("step_00000005")
+
+
+def test_an_update_that_wrecks_the_weights_stops_at_once_without_saving_them(tmp_path):
+    """optim.lr=1e6: the first real update has a finite loss but ruins the weights."""
+    with pytest.raises(TrainingDiverged) as caught:
+        pretrain(_config(tmp_path, "trainer.max_steps=20", "optim.lr=1e6", "optim.warmup_steps=0",
+                         "trainer.checkpoint_every=1"))
+    message = str(caught.value)
+    assert "update of step 1" in message and "parameter norm" in message and "not saved" in message
+    assert "lower optim.lr (now 1e+06)" in message and "lengthen optim.warmup_steps (now 0)" in message
+    assert "grad_clip" not in message  # clipping is already on (1.0): no advice to turn it on
+    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["step"] == 1 and "ruined" in summary["error"] and summary["checkpoint"] is None
+
+
+def test_divergence_advice_follows_the_config(tmp_path):
+    with pytest.raises(TrainingDiverged) as caught:
+        pretrain(_config(tmp_path, "trainer.max_steps=100", "optim.lr=1e6", "optim.warmup_steps=50",
+                         "optim.grad_clip=null", "trainer.checkpoint_every=1"))
+    message = str(caught.value)
+    assert "set optim.grad_clip=1.0" in message and "warmup_steps" not in message
+    assert "Last good checkpoint: " + str(tmp_path / "checkpoints" / "step_00000001") in message  # lr 0 at step 1
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
@@ -81,3 +114,43 @@ def test_training_on_an_image_folder(tmp_path):
     assert summary["finished"] and summary["global_batch"] == 4
     with pytest.raises(Exception, match="does not exist"):
         pretrain(_config(tmp_path / "bad", "data=folder", f"data.root={tmp_path / 'nope'}"))
+
+
+def test_resume_refuses_what_cannot_continue_the_run_exactly(tmp_path, caplog):
+    import shutil
+
+    from accelerate.state import AcceleratorState
+
+    from ssl_vit.config import ConfigError
+
+    def attempt(*overrides):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        return pretrain(_config(tmp_path / "resumed", "trainer.max_steps=6", *overrides))
+
+    pretrain(_config(tmp_path / "run", "trainer.max_steps=4", "trainer.checkpoint_every=2"))
+    good = tmp_path / "run" / "checkpoints" / "step_00000004"
+    cases = {"empty": lambda d: [p.unlink() for p in d.iterdir()],
+             "garbage": lambda d: (d / "model.safetensors").write_bytes(b"\x13" * 999),
+             "truncated": lambda d: (d / "optimizer.bin").write_bytes((d / "optimizer.bin").read_bytes()[:500]),
+             "no_rng": lambda d: (d / "random_states_0.pkl").unlink()}
+    for name, damage in cases.items():
+        shutil.copytree(good, tmp_path / name)
+        damage(tmp_path / name)
+    expected = {
+        "missing": r"trainer.resume='.*missing' does not exist or is not a directory; valid values: auto",
+        "empty": r"holds no checkpoint \(no model.safetensors",
+        "garbage": r"model.safetensors is unreadable \(SafetensorError",
+        "truncated": r"truncated cannot be loaded \(RuntimeError: PytorchStreamReader",
+        "no_rng": r"lacks random_states_0.pkl .* set trainer.allow_inexact_resume=true",
+    }
+    for name, pattern in expected.items():
+        with pytest.raises(ConfigError, match=pattern):
+            attempt(f"trainer.resume={tmp_path / name}")
+    with pytest.raises(ConfigError, match=r"holds a different model: backbone.cls_token is \(1, 1, 32\) there, "
+                                          r"\(1, 1, 64\) here.*configuration of that run \(.*run/config.yaml\)"):
+        attempt(f"trainer.resume={good}", "model.embed_dim=64")
+    summary = attempt(f"trainer.resume={tmp_path / 'no_rng'}", "trainer.allow_inexact_resume=true")
+    assert summary["finished"] and summary["step"] == 6
+    assert "RESUME IS NOT EXACT" in caplog.text and "random_states_0.pkl" in caplog.text
+    summary = attempt(f"trainer.resume={tmp_path / 'run'}")  # a run directory: its newest checkpoint
+    assert summary["steps_this_run"] == 2

@@ -1,30 +1,17 @@
 """The real entry point, `accelerate launch scripts/pretrain.py`, end to end on tiny models."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import launch, read_metrics
+from conftest import ROOT, TINY, launch, read_metrics
+from conftest import check_ok as _ok
 from safetensors.torch import load_file
 
 from ssl_vit.export import load_encoder
 from ssl_vit.vit import sincos_pos_embed_2d
-
-TINY = ["model=vit_test", "data.num_samples=32", "data.batch_size=16", "trainer.log_every=1",
-        "optim.lr=3e-3", "optim.warmup_steps=3", "trainer.checkpoint_every=10"]
-
-
-def _ok(proc):
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc
-
-
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory):
-    """An uninterrupted 30-step run."""
-    out = tmp_path_factory.mktemp("reference")
-    _ok(launch(*TINY, "trainer.max_steps=30", f"hydra.run.dir={out}"))
-    return out
 
 
 def test_tiny_supervised_run_lowers_the_loss_and_writes_its_outputs(reference_run):
@@ -104,3 +91,16 @@ def test_mae_pretraining_through_the_cli_lowers_the_loss(tmp_path):
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
     encoder = load_encoder(tmp_path / "encoder.safetensors")
     torch.testing.assert_close(encoder.pos_embed, sincos_pos_embed_2d((4, 4), 32, 1))  # fixed during training
+
+
+def test_a_bad_value_is_one_line_first_then_accelerates_own_report(tmp_path):
+    proc = launch("model=vit_test", "data.batch_size=0", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 1  # accelerate launch turns our exit status 2 into 1 (documented in the README)
+    ours = proc.stderr.index("ssl-vit: error: data.batch_size=0 is invalid: must be >= 1\n")
+    assert "Traceback" not in proc.stderr[:ours]  # only accelerate's own preamble and traceback surround it
+    assert "returned non-zero exit status 2" in proc.stderr[ours:]
+    direct = subprocess.run([sys.executable, "scripts/pretrain.py", "data=folder", f"hydra.run.dir={tmp_path}"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert direct.returncode == 2 and direct.stderr.strip().splitlines() == [
+        "ssl-vit: error: data.root is not set (data=folder); give it on the command line, e.g. "
+        "data.root=/path/to/images (class subfolders of images)"]

@@ -15,8 +15,8 @@ from sklearn.preprocessing import StandardScaler
 from test_loop import CONFIGS, _fresh_accelerator_state  # noqa: F401  (fixture)
 
 from ssl_vit.config import register_configs
-from ssl_vit.data import SyntheticShapes, ViewBuilder
-from ssl_vit.export import load_encoder
+from ssl_vit.data import SyntheticShapes
+from ssl_vit.export import load_encoder, read_preprocess
 from ssl_vit.train import pretrain
 from ssl_vit.vit import build_vit
 
@@ -52,7 +52,7 @@ def test_linear_probe_on_pretrained_encoder_beats_a_random_encoder(tmp_path, obj
             "trainer.progress=false", "trainer.tensorboard=false", "trainer.log_every=50", f"output_dir={tmp_path}",
             *options])
     pretrain(cfg)
-    views = ViewBuilder(("image",), 32, cfg.data.mean, cfg.data.std)
+    views = read_preprocess(tmp_path / "encoder.safetensors").view_builder(("image",))
     pretrained = _probe_accuracy(load_encoder(tmp_path / "encoder.safetensors"), views)
     torch.manual_seed(0)
     random = _probe_accuracy(build_vit("vit_test", img_size=32), views)

@@ -42,7 +42,8 @@ def classification_accuracy(model, dataset, views, batch_size: int = 256) -> flo
     return correct / total
 
 
-def finetune(encoder, train_set, test_set, *, mean, std, img_size: int | None = None, steps: int = 300,
+def finetune(encoder, train_set, test_set, *, mean, std, interpolation: str = "bilinear", crop_pct: float = 1.0,
+             img_size: int | None = None, steps: int = 300,
              batch_size: int = 64, lr: float = 1e-3, min_lr: float = 1e-6, warmup_steps: int = 30,
              weight_decay: float = 0.05, layer_decay: float | None = 0.75, augment: bool = True, seed: int = 0,
              num_workers: int = 0, progress: bool = True) -> dict:
@@ -55,7 +56,8 @@ def finetune(encoder, train_set, test_set, *, mean, std, img_size: int | None = 
     model = Classifier(encoder, len(train_set.classes)).train()
     optimizer = torch.optim.AdamW(param_groups(model, weight_decay, layer_decay, len(encoder.blocks)), lr=lr)
     lrs = schedule(lr, min_lr, steps, warmup_steps)
-    train_views = ViewBuilder(("image", "label"), img_size, mean, std, augment=augment)
+    train_views = ViewBuilder(("image", "label"), img_size, mean, std, augment=augment, interpolation=interpolation,
+                              crop_pct=crop_pct)
     batches = iter(build_loader(train_set, train_views, batch_size, seed=seed, num_workers=num_workers))
     losses = []
     for step in tqdm(range(steps), desc="finetune", disable=not progress, leave=False):
@@ -66,6 +68,6 @@ def finetune(encoder, train_set, test_set, *, mean, std, img_size: int | None = 
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    test_views = ViewBuilder(("image", "label"), img_size, mean, std)
+    test_views = ViewBuilder(("image", "label"), img_size, mean, std, interpolation=interpolation, crop_pct=crop_pct)
     return {"accuracy": classification_accuracy(model, test_set, test_views), "steps": steps, "img_size": img_size,
             "layer_decay": layer_decay, "first_loss": losses[0], "last_loss": sum(losses[-10:]) / len(losses[-10:])}

@@ -4,26 +4,40 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from ssl_vit.config import ConfigError
-from ssl_vit.data import DATASETS, Digits, FashionMNIST, FolderDataset, SyntheticShapes, ViewBuilder
+from ssl_vit.config import ConfigError, validate_config
+from ssl_vit.data import DATASETS, Digits, FashionMNIST, FolderDataset, SyntheticShapes
+from ssl_vit.data.subset import limit_samples
 from ssl_vit.eval.features import FEATURE_KINDS, cache_key, cached, extract_features, file_fingerprint
 from ssl_vit.eval.fewshot import fewshot_eval
 from ssl_vit.eval.finetune import finetune
 from ssl_vit.eval.knn import knn_eval
 from ssl_vit.eval.linear import linear_probe
-from ssl_vit.export import from_timm, load_encoder
+from ssl_vit.export import from_timm, load_encoder, read_preprocess
+from ssl_vit.preprocess import Preprocess, resolve_preprocess
 
 EVALUATORS = ("linear", "knn", "fewshot", "finetune")
 FEATURE_EVALUATORS = EVALUATORS[:3]
 
 
+def timm_preprocess(model) -> Preprocess:
+    """The eval transform timm declares for a model (pretrained_cfg: mean, std, interpolation, crop_pct)."""
+    pcfg = dict(getattr(model, "pretrained_cfg", None) or {})
+    size = model.patch_embed.img_size
+    interpolation = pcfg.get("interpolation", "bicubic")
+    return Preprocess(img_size=int(size[0]), mean=list(pcfg.get("mean", Preprocess(1).mean)),
+                      std=list(pcfg.get("std", Preprocess(1).std)),
+                      interpolation=interpolation if interpolation in ("bilinear", "bicubic", "nearest") else "bicubic",
+                      crop_pct=float(pcfg.get("crop_pct", 1.0)))
+
+
 def load_any_encoder(spec: str):
     """An encoder from `encoder.safetensors`, a run directory holding one, or `timm:<name>` (random weights: no
-    model hub here). Returns (encoder, identity for the feature cache)."""
+    model hub here). Returns (encoder, identity for the feature cache, its recorded preprocessing or None)."""
     if spec.startswith("timm:"):
         import timm
 
@@ -32,61 +46,78 @@ def load_any_encoder(spec: str):
             model = timm.create_model(name, pretrained=False, num_classes=0)
         except RuntimeError as err:
             raise ConfigError(f"checkpoint={spec}: {err}") from err
-        return from_timm(model), {"timm": name, "seed": torch.initial_seed()}
-    path = Path(spec)
+        return from_timm(model), {"timm": name, "seed": torch.initial_seed()}, timm_preprocess(model)
+    path = Path(spec).expanduser()
     if path.is_dir():
         path = path / "encoder.safetensors"
     if not path.is_file():
         raise ConfigError(f"checkpoint={spec!r} is not an encoder file, a run directory with encoder.safetensors, "
                           "or timm:<model name>")
-    return load_encoder(path), file_fingerprint(path)
+    try:
+        return load_encoder(path), file_fingerprint(path), read_preprocess(path)
+    except Exception as err:  # safetensors' own errors for truncated / foreign files, bad metadata
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"checkpoint={spec!r} is not a readable ssl_vit encoder file ({first})") from err
 
 
-def eval_datasets(cfg, img_size: int):
-    """(train, test) datasets of a data config."""
+def eval_datasets(cfg, img_size: int, seed: int = 0):
+    """(train, test) datasets of a data config, limited to stratified subsets of data.max_train_samples /
+    data.max_test_samples."""
     if cfg.name in ("fashion_mnist", "digits"):
         make = (lambda split: FashionMNIST(cfg.root, split)) if cfg.name == "fashion_mnist" else Digits
-        return make("train"), make("test")
-    if cfg.name == "synthetic":
-        return (SyntheticShapes(cfg.num_samples, img_size, cfg.seed),
-                SyntheticShapes(max(cfg.num_samples // 4, 1), img_size, cfg.seed + 1))
-    if cfg.name == "folder":
+        train, test = make("train"), make("test")
+    elif cfg.name == "synthetic":
+        train = SyntheticShapes(cfg.num_samples, img_size, cfg.seed)
+        test = SyntheticShapes(max(cfg.num_samples // 4, 1), img_size, cfg.seed + 1)
+    elif cfg.name == "folder":
         if not cfg.test_root:
             raise ConfigError("data=folder evaluation needs data.test_root (held-out images, same layout)")
-        return FolderDataset(cfg.root), FolderDataset(cfg.test_root)
-    raise ConfigError(f"data={cfg.name} cannot be evaluated; valid choices: "
-                      f"{[d for d in DATASETS if d != 'wds']} (write shards' images to a folder for data=folder)")
+        train, test = FolderDataset(cfg.root), FolderDataset(cfg.test_root)
+    else:
+        raise ConfigError(f"data={cfg.name} cannot be evaluated; valid choices: "
+                          f"{[d for d in DATASETS if d != 'wds']} (write shards' images to a folder for data=folder)")
+    return limit_samples(train, cfg.max_train_samples, seed), limit_samples(test, cfg.max_test_samples, seed)
 
 
 def evaluate(cfg, progress: bool = True) -> dict:
+    validate_config(cfg)
     unknown = [e for e in cfg.eval.evaluators if e not in EVALUATORS]
     if unknown:
         raise ConfigError(f"unknown evaluator(s) {unknown}; valid choices: {list(EVALUATORS)}")
     if cfg.eval.features not in FEATURE_KINDS:
         raise ConfigError(f"unknown eval.features {cfg.eval.features!r}; valid choices: {list(FEATURE_KINDS)}")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    encoder, encoder_identity = load_any_encoder(cfg.checkpoint)
-    img_size = encoder.patch_embed.img_size[0]
+    encoder, encoder_identity, recorded = load_any_encoder(cfg.checkpoint)
+    native = encoder.patch_embed.img_size[0]
+    img_size = cfg.data.img_size or (recorded.img_size if recorded else native)
+    if img_size != native:
+        try:
+            encoder.set_img_size(img_size)  # resamples the position embeddings as the encoder's config says
+        except ValueError as err:
+            raise ConfigError(f"data.img_size={img_size}: {err}") from err
+    preprocess = resolve_preprocess(cfg.data, img_size, recorded)
     try:
-        train_set, test_set = eval_datasets(cfg.data, img_size)
+        train_set, test_set = eval_datasets(cfg.data, img_size, cfg.seed)
     except (FileNotFoundError, ValueError) as err:
         raise ConfigError(f"data={cfg.data.name}: {err}") from err
-    identity = {"encoder": encoder_identity, "data": dict(cfg.data), "img_size": img_size}
-    results, timings, feature_dim = run_evaluators(encoder, train_set, test_set, cfg.eval, cfg.data.mean,
-                                                   cfg.data.std, cfg.cache_dir, identity, cfg.seed, progress)
+    identity = {"encoder": encoder_identity, "data": dict(cfg.data), "preprocess": preprocess.to_json()}
+    results, timings, feature_dim = run_evaluators(encoder, train_set, test_set, cfg.eval, preprocess,
+                                                   cfg.cache_dir, identity, cfg.seed, progress)
     return {"checkpoint": cfg.checkpoint, "data": cfg.data.name, "features": cfg.eval.features,
-            "num_train": len(train_set), "num_test": len(test_set), "feature_dim": feature_dim,
-            "results": results, "timings": timings}
+            "preprocess": asdict(preprocess), "num_train": len(train_set), "num_test": len(test_set),
+            "feature_dim": feature_dim, "results": results, "timings": timings}
 
 
-def run_evaluators(encoder, train_set, test_set, ecfg, mean, std, cache_dir=None, identity=None, seed: int = 0,
-                   progress: bool = True) -> tuple[dict, dict, int | None]:
-    """The evaluators `ecfg.evaluators` names, on one encoder; features are extracted once (cached when
-    `cache_dir` and `identity` are given). Returns (results, timings in seconds, feature dimension)."""
-    img_size = encoder.patch_embed.img_size[0]
+def run_evaluators(encoder, train_set, test_set, ecfg, preprocess: Preprocess, cache_dir=None, identity=None,
+                   seed: int = 0, progress: bool = True) -> tuple[dict, dict, int | None]:
+    """The evaluators `ecfg.evaluators` names, on one encoder, its inputs prepared as `preprocess` says; features
+    are extracted once (cached when `cache_dir` and `identity` are given). Returns (results, timings in seconds,
+    feature dimension)."""
     results, timings, feature_dim = {}, {}, None
     if any(name in FEATURE_EVALUATORS for name in ecfg.evaluators):
-        views = ViewBuilder(("image", "label"), img_size, mean, std)
+        views = preprocess.view_builder()
         features = {}
         for split, dataset in (("train", train_set), ("test", test_set)):
             key = cache_key(**(identity or {}), split=split, kind=ecfg.features, last_k=ecfg.last_k)
@@ -103,7 +134,8 @@ def run_evaluators(encoder, train_set, test_set, ecfg, mean, std, cache_dir=None
         "knn": lambda: knn_eval(train_x, train_y, test_x, test_y, ecfg.knn_k, ecfg.knn_temperature),
         "fewshot": lambda: fewshot_eval(train_x, train_y, test_x, test_y, list(ecfg.fewshot_shots),
                                         ecfg.fewshot_draws, ecfg.fewshot_l2, seed),
-        "finetune": lambda: finetune(encoder, train_set, test_set, mean=list(mean), std=list(std),
+        "finetune": lambda: finetune(encoder, train_set, test_set, mean=preprocess.mean, std=preprocess.std,
+                                     interpolation=preprocess.interpolation, crop_pct=preprocess.crop_pct,
                                      img_size=ecfg.finetune_img_size, steps=ecfg.finetune_steps,
                                      batch_size=ecfg.finetune_batch_size, lr=ecfg.finetune_lr,
                                      layer_decay=ecfg.finetune_layer_decay, augment=ecfg.finetune_augment,

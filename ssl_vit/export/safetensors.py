@@ -9,17 +9,22 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ssl_vit.preprocess import Preprocess
 from ssl_vit.vit import VisionTransformer
 
 FORMAT = "ssl_vit.encoder.v1"
 
 
-def save_encoder(encoder: VisionTransformer, path: str | Path, **metadata) -> Path:
-    """Write atomically (temp file + rename): a reader never sees a half-written file."""
+def save_encoder(encoder: VisionTransformer, path: str | Path, preprocess: Preprocess | None = None,
+                 **metadata) -> Path:
+    """Write atomically (temp file + rename): a reader never sees a half-written file. `preprocess` (image size,
+    normalisation, resize rule) becomes the evaluation default for this encoder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in encoder.state_dict().items()}
     meta = {"format": FORMAT, "model": json.dumps(encoder.config), **{k: str(v) for k, v in metadata.items()}}
+    if preprocess is not None:
+        meta["preprocess"] = preprocess.to_json()
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     save_file(tensors, str(tmp), metadata=meta)
     os.replace(tmp, path)
@@ -29,6 +34,12 @@ def save_encoder(encoder: VisionTransformer, path: str | Path, **metadata) -> Pa
 def read_metadata(path: str | Path) -> dict:
     with safe_open(str(path), framework="pt") as f:
         return dict(f.metadata() or {})
+
+
+def read_preprocess(path: str | Path) -> Preprocess | None:
+    """The preprocessing recorded with an encoder file (None for files written before it was recorded)."""
+    recorded = read_metadata(path).get("preprocess")
+    return Preprocess.from_json(recorded) if recorded else None
 
 
 def load_encoder(path: str | Path, device: str = "cpu") -> VisionTransformer:

@@ -1,3 +1,5 @@
-from ssl_vit.train.loop import NonFiniteLossError, TrainState, build_components, pretrain
+from ssl_vit.train.guard import TrainingDiverged
+from ssl_vit.train.loop import TrainState, build_components, pretrain
+from ssl_vit.train.outputs import OutputError
 
-__all__ = ["NonFiniteLossError", "TrainState", "build_components", "pretrain"]
+__all__ = ["OutputError", "TrainState", "TrainingDiverged", "build_components", "pretrain"]

@@ -1,4 +1,5 @@
-"""Resumable checkpoints: `accelerator.save_state` into a temp directory renamed into place, last K kept.
+"""Resumable checkpoints: `accelerator.save_state` into a temp directory renamed into place, last K kept; and the
+checks that make resuming either exact or a clear error.
 
 Layout under the run's output directory:
     checkpoints/step_00000100/   model, optimizer, RNG states of every rank, the train state (step, counters)
@@ -7,12 +8,25 @@ Layout under the run's output directory:
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 from pathlib import Path
 
+from ssl_vit.config import ConfigError
+from ssl_vit.train.faults import fault_point
+from ssl_vit.train.outputs import OutputError, describe_write_failure
+
+log = logging.getLogger("ssl_vit")
+
 CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"^step_(\d+)$")
+MODEL_FILE = "model.safetensors"
+TRAIN_STATE_FILE = "custom_checkpoint_0.pkl"  # accelerate's name for the first registered object (TrainState)
+
+
+def rng_file(rank: int) -> str:
+    return f"random_states_{rank}.pkl"
 
 
 def list_checkpoints(out_dir: str | Path) -> list[Path]:
@@ -24,30 +38,96 @@ def list_checkpoints(out_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
 
 
+def remove_stale_temps(out_dir: str | Path) -> list[Path]:
+    """Delete the temp directories of saves that were interrupted (a kill, a full disk); returns what it removed."""
+    root = Path(out_dir) / CHECKPOINT_DIR
+    stale = sorted(root.glob(".tmp_step_*")) + sorted(root.glob(".old_step_*")) if root.is_dir() else []
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
 def resolve_resume(resume: str | None, out_dir: str | Path) -> Path | None:
-    """`None` -> no resume; "auto" -> the newest checkpoint in out_dir (None if there is none); else a path."""
+    """`None` -> no resume; "auto" -> the newest checkpoint in out_dir (None if there is none); else a checkpoint
+    directory, which must exist and hold a checkpoint."""
     if not resume:
         return None
     if resume == "auto":
         found = list_checkpoints(out_dir)
         return found[-1] if found else None
-    path = Path(resume)
+    path = Path(resume).expanduser()
+    example = Path(out_dir) / CHECKPOINT_DIR / "step_00000100"
     if not path.is_dir():
-        raise FileNotFoundError(f"trainer.resume={resume!r} is not a checkpoint directory; use 'auto' or a path "
-                                f"such as {Path(out_dir) / CHECKPOINT_DIR / 'step_00000100'}")
+        raise ConfigError(f"trainer.resume={resume!r} does not exist or is not a directory; valid values: auto, or "
+                          f"a checkpoint directory such as {example}")
+    if list_checkpoints(path):  # a run directory: take its newest checkpoint
+        return list_checkpoints(path)[-1]
+    if not (path / MODEL_FILE).is_file() or not (path / TRAIN_STATE_FILE).is_file():
+        raise ConfigError(f"trainer.resume={resume!r} holds no checkpoint (no {MODEL_FILE} and {TRAIN_STATE_FILE}); "
+                          f"valid values: auto, a run directory, or a checkpoint directory such as {example}")
     return path
 
 
+def check_checkpoint(path: Path, model, world_size: int, allow_inexact: bool) -> None:
+    """Refuse, with the reason, a checkpoint that cannot resume this run exactly: unreadable files, another model's
+    weights, or a missing RNG state (unless allow_inexact, which warns instead)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path / MODEL_FILE), framework="pt") as f:
+            saved = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except Exception as err:  # safetensors raises its own error types for truncated or foreign files
+        raise ConfigError(f"trainer.resume: {path / MODEL_FILE} is unreadable ({type(err).__name__}: "
+                          f"{_first_line(err)}); {_other_checkpoints(path)}") from err
+    ours = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+    problems = [f"{k} is {saved[k]} there, {ours[k]} here" for k in ours if k in saved and saved[k] != ours[k]]
+    problems += [f"{k} is missing there" for k in ours if k not in saved]
+    problems += [f"{k} is not in this model" for k in saved if k not in ours]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        config = path.parent.parent / "config.yaml"
+        raise ConfigError(f"trainer.resume: {path} holds a different model: {'; '.join(problems[:3])}{more}. "
+                          f"Resume with the configuration of that run"
+                          + (f" ({config})" if config.is_file() else ""))
+    missing = [rng_file(rank) for rank in range(world_size) if not (path / rng_file(rank)).is_file()]
+    if missing and not allow_inexact:
+        raise ConfigError(f"trainer.resume: {path} lacks {', '.join(missing)} (the RNG state of "
+                          f"{'that rank' if len(missing) == 1 else 'those ranks'}: written by fewer processes, or "
+                          f"damaged), so the run cannot continue exactly; set trainer.allow_inexact_resume=true to "
+                          f"continue anyway")
+    if missing:
+        log.warning("RESUME IS NOT EXACT: %s lacks %s; those ranks start from fresh random states, so this run will "
+                    "not reproduce an uninterrupted one (trainer.allow_inexact_resume=true)", path, ", ".join(missing))
+
+
+def load_checkpoint(accelerator, path: Path, model, allow_inexact: bool = False) -> None:
+    """Check, then load model, optimizer, every rank's RNG state and the registered train state."""
+    check_checkpoint(path, accelerator.unwrap_model(model), accelerator.num_processes, allow_inexact)
+    try:
+        accelerator.load_state(str(path))
+    except Exception as err:  # pickle, zip and shape errors from torch.load / load_state_dict
+        raise ConfigError(f"trainer.resume: {path} cannot be loaded ({type(err).__name__}: {_first_line(err)}); "
+                          f"{_other_checkpoints(path)}") from err
+
+
 def save_checkpoint(accelerator, out_dir: str | Path, step: int, keep: int) -> Path:
-    """Collective: every rank must call it. Returns the final checkpoint directory."""
+    """Collective: every rank must call it. Returns the final checkpoint directory. A failed write (disk full,
+    read-only) removes the temp directory, keeps every complete checkpoint and raises OutputError."""
     root = Path(out_dir) / CHECKPOINT_DIR
     final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
-    if accelerator.is_main_process:
+    try:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+    except Exception as err:  # OSError, torch's RuntimeError, safetensors' own error type
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
+        raise OutputError(f"cannot write checkpoint {final.name} in {root}: {describe_write_failure(root, err)}; "
+                          f"complete checkpoints kept: {[p.name for p in list_checkpoints(out_dir)] or 'none'}"
+                          ) from err
+    fault_point("checkpoint_written", step)
     if accelerator.is_main_process:
         stale = root / f".old_{final.name}"
         if final.exists():  # re-saving a step (e.g. after a stop): swap, so a complete copy always exists
@@ -57,4 +137,21 @@ def save_checkpoint(accelerator, out_dir: str | Path, step: int, keep: int) -> P
         for old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
+    fault_point("checkpoint_saved", step)
     return final
+
+
+def _first_line(err: BaseException) -> str:
+    """The first sentence of an error message (library messages run on for lines)."""
+    text = str(err).strip()
+    if not text:
+        return type(err).__name__
+    line = text.splitlines()[0]
+    return line.split(". ")[0][:200]
+
+
+def _other_checkpoints(path: Path) -> str:
+    others = [p for p in list_checkpoints(path.parent.parent) if p.resolve() != path.resolve()]
+    if not others:
+        return "no other checkpoint of this run exists"
+    return f"an earlier checkpoint of this run may still be good: trainer.resume={others[-1]}"

@@ -1,40 +1,44 @@
 """The pre-training loop. accelerate owns devices, processes, mixed precision and gradient accumulation; the loop
 knows nothing objective-specific: it asks the objective for a loss dict and steps the optimizer.
 
-Outputs in the run directory: `metrics.jsonl` (one JSON line per logged step), TensorBoard events under `tb/`,
-`checkpoints/step_*` (exact resume), `encoder.safetensors` (latest encoder) and `summary.json` (end of the run).
+Outputs in the run directory (see ssl_vit.train.outputs): `metrics.jsonl`, TensorBoard events under `tb/`,
+`checkpoints/step_*` (exact resume), `encoder.safetensors` (the newest checkpoint's encoder) and `summary.json`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
-from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from objectives import OBJECTIVES, DataInfo, build_objective
-from ssl_vit.config import ConfigError, Precision, model_kwargs, to_container
-from ssl_vit.data import ViewBuilder, build_dataset, make_loader
-from ssl_vit.export import save_encoder
-from ssl_vit.train.checkpoint import resolve_resume, save_checkpoint
+from ssl_vit.config import ConfigError, Precision, model_kwargs, to_container, validate_config
+from ssl_vit.data import DataError, build_dataset, make_loader
+from ssl_vit.data.subset import limit_samples
+from ssl_vit.preprocess import resolve_preprocess
+from ssl_vit.train.checkpoint import (
+    list_checkpoints,
+    load_checkpoint,
+    remove_stale_temps,
+    resolve_resume,
+    save_checkpoint,
+)
+from ssl_vit.train.faults import fault_point
+from ssl_vit.train.guard import UpdateGuard, nonfinite_error, ruined_weights_error
 from ssl_vit.train.optim import apply_schedule, build_optimizer, schedule
+from ssl_vit.train.outputs import ENCODER_FILE, OutputError, RunOutputs, check_writable
 from ssl_vit.vit import PRESETS, build_vit, count_parameters
 
 log = logging.getLogger("ssl_vit")
-
-
-class NonFiniteLossError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -45,6 +49,7 @@ class TrainState:
     nonfinite_steps: int = 0
     consecutive_nonfinite: int = 0
     skipped_samples: int = 0  # bad samples the data stream skipped (corrupt images, missing keys)
+    last_record: dict = field(default_factory=dict)  # the newest metrics row, for the summary of a resumed run
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -55,7 +60,8 @@ class TrainState:
 
 
 def build_components(cfg):
-    """The objective (with its backbone), dataset and view builder a config names; ConfigError on a bad value."""
+    """The objective (with its backbone), dataset, view builder and preprocessing a config names; ConfigError on a
+    bad value."""
     preset = cfg.model.name
     if preset not in PRESETS:
         raise ConfigError(f"unknown model {preset!r}; valid choices: {sorted(PRESETS)}")
@@ -67,47 +73,47 @@ def build_components(cfg):
     except ValueError as err:
         raise ConfigError(f"model={preset} at data.img_size={img_size}: {err}") from err
     backbone.set_grad_checkpointing(cfg.model.grad_checkpointing)
+    if cfg.data.name == "wds" and cfg.data.max_train_samples is not None:
+        raise ConfigError("data.max_train_samples does not apply to data=wds (a shard stream has no length); "
+                          "list fewer shards in data.urls instead")
     try:
-        dataset = build_dataset(cfg.data, img_size)
-    except (ValueError, FileNotFoundError) as err:
+        dataset = limit_samples(build_dataset(cfg.data, img_size), cfg.data.max_train_samples, cfg.seed)
+    except (ValueError, FileNotFoundError, DataError) as err:
         raise ConfigError(f"data={cfg.data.name}: {err}") from err
     if "label" in OBJECTIVES[cfg.objective.name].views and not dataset.classes:
         raise ConfigError(f"objective={cfg.objective.name} needs class labels but data={cfg.data.name} declares no "
                           "classes: set data.num_classes")
-    info = DataInfo(len(dataset.classes), img_size, list(cfg.data.mean), list(cfg.data.std))
+    preprocess = resolve_preprocess(cfg.data, img_size)
+    info = DataInfo(len(dataset.classes), img_size, preprocess.mean, preprocess.std)
     try:
         objective = build_objective(cfg.objective, backbone, info)
     except ValueError as err:
         raise ConfigError(f"objective={cfg.objective.name}: {err}") from err
-    views = ViewBuilder(objective.views, img_size, cfg.data.mean, cfg.data.std, cfg.data.augment,
-                        cfg.data.crop_scale)
-    return objective, dataset, views
+    views = preprocess.view_builder(objective.views, cfg.data.augment, cfg.data.crop_scale)
+    return objective, dataset, views, preprocess
 
 
 def periodic_eval_sets(cfg, img_size: int):
-    """The (train, test) subsets that `trainer.eval_every` evaluates on: the first eval_max_samples of each."""
-    from torch.utils.data import Subset
-
+    """The (train, test) sets that `trainer.eval_every` evaluates on: stratified subsets of eval_max_samples."""
     from ssl_vit.eval.run import EVALUATORS, eval_datasets  # lazily: the evaluators import the engine's optim
 
     unknown = [e for e in cfg.trainer.eval_evaluators if e not in EVALUATORS or e == "finetune"]
     if unknown:
         raise ConfigError(f"unknown trainer.eval_evaluators {unknown}; valid choices: ['linear', 'knn', 'fewshot']")
     try:
-        train, test = eval_datasets(cfg.data, img_size)
+        train, test = eval_datasets(cfg.data, img_size, cfg.seed)
     except ConfigError as err:
         raise ConfigError(f"trainer.eval_every needs labelled train/test data: {err}") from err
-    limit = cfg.trainer.eval_max_samples
-    return tuple(Subset(d, range(min(limit, len(d)))) if len(d) > limit else d for d in (train, test))
+    return tuple(limit_samples(d, cfg.trainer.eval_max_samples, cfg.seed) for d in (train, test))
 
 
-def periodic_eval(encoder, eval_sets, cfg) -> dict[str, float]:
+def periodic_eval(encoder, eval_sets, cfg, preprocess) -> dict[str, float]:
     from ssl_vit.config import EvalConfig
     from ssl_vit.eval.run import run_evaluators
 
     ecfg = EvalConfig(evaluators=list(cfg.trainer.eval_evaluators), fewshot_shots=[5], fewshot_draws=2)
     was_training = encoder.training
-    results, _, _ = run_evaluators(encoder, *eval_sets, ecfg, cfg.data.mean, cfg.data.std, progress=False)
+    results, _, _ = run_evaluators(encoder, *eval_sets, ecfg, preprocess, progress=False)
     encoder.train(was_training)
     scores = {}
     for name, result in results.items():
@@ -174,17 +180,11 @@ def _flat_hparams(config: dict, prefix: str = "") -> dict:
     return flat
 
 
-def pretrain(cfg) -> dict:
-    """Run (or resume) pre-training as `cfg` says; returns the run summary (also written to summary.json)."""
+def make_accelerator(cfg, out_dir: Path) -> Accelerator:
     tcfg = cfg.trainer
-    out_dir = Path(cfg.output_dir)
-    accumulation = tcfg.grad_accum_steps
-    if accumulation < 1 or tcfg.max_steps < 1:
-        raise ConfigError(f"trainer.grad_accum_steps ({accumulation}) and trainer.max_steps ({tcfg.max_steps}) "
-                          "must be >= 1")
     accelerator = Accelerator(
         mixed_precision="bf16" if tcfg.precision == Precision.bf16 else "no",
-        gradient_accumulation_steps=accumulation,
+        gradient_accumulation_steps=tcfg.grad_accum_steps,
         log_with="tensorboard" if tcfg.tensorboard else None,
         project_dir=str(out_dir),
     )
@@ -195,142 +195,165 @@ def pretrain(cfg) -> dict:
             f"{accelerator.num_processes}); on CPU launch with ACCELERATE_USE_CPU=1, e.g. ACCELERATE_USE_CPU=1 "
             "accelerate launch --config_file configs/accelerate/cpu_ddp2.yaml scripts/pretrain.py"
         )
-    is_main = accelerator.is_main_process
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-save INFO lines drown the progress bar
+    return accelerator
+
+
+def train_step(model, optimizer, batches, accelerator, state, meter, cfg) -> tuple[bool, bool]:
+    """One optimizer step over grad_accum_steps micro-batches. Returns (applied, loss finite on this rank); the
+    update is skipped when the global gradient norm is non-finite (any rank's non-finite loss makes it so)."""
+    local_finite = torch.ones((), dtype=torch.bool, device=accelerator.device)
+    for _ in range(cfg.trainer.grad_accum_steps):
+        batch = next(batches)
+        if "skipped" in batch:
+            state.skipped_samples += int(batch.pop("skipped").sum())
+        with accelerator.accumulate(model):
+            outputs = model(_to_device(batch, accelerator.device))
+            local_finite &= torch.isfinite(outputs["loss"].detach())
+            accelerator.backward(outputs["loss"])
+            if accelerator.sync_gradients:
+                # max_norm=inf measures without clipping: the norm decides whether the update is usable.
+                outputs["grad_norm"] = accelerator.clip_grad_norm_(model.parameters(),
+                                                                   cfg.optim.grad_clip or math.inf)
+                applied = bool(torch.isfinite(outputs["grad_norm"]))
+                if applied:
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        meter.add(outputs)
+    return applied, bool(local_finite)
+
+
+def pretrain(cfg) -> dict:
+    """Run (or resume) pre-training as `cfg` says; returns the run summary (also written to summary.json)."""
+    validate_config(cfg)
+    tcfg = cfg.trainer
+    out_dir = Path(cfg.output_dir)
+    accelerator = make_accelerator(cfg, out_dir)
+    is_main = accelerator.is_main_process
+    if is_main:
+        check_writable(out_dir)
     threads = configure_threads(tcfg.cpu_threads, accelerator)
     set_seed(cfg.seed)  # identical initialisation on every rank
-    objective, dataset, views = build_components(cfg)
-    encoder = objective.encoder
-    optimizer = build_optimizer(objective, cfg.optim, num_layers=len(encoder.blocks))
+    objective, dataset, views, preprocess = build_components(cfg)
+    optimizer = build_optimizer(objective, cfg.optim, num_layers=len(objective.encoder.blocks))
     lrs = schedule(cfg.optim.lr, cfg.optim.min_lr, tcfg.max_steps, cfg.optim.warmup_steps, cfg.optim.schedule)
+    eval_sets = periodic_eval_sets(cfg, preprocess.img_size) if tcfg.eval_every > 0 else None
 
-    eval_sets = periodic_eval_sets(cfg, encoder.patch_embed.img_size[0]) if tcfg.eval_every > 0 else None
     model, optimizer = accelerator.prepare(objective, optimizer)
+    unwrapped = accelerator.unwrap_model(model)
     state = TrainState()
     accelerator.register_for_checkpointing(state)
     resume_dir = resolve_resume(tcfg.resume, out_dir)
     if resume_dir is not None:
-        accelerator.load_state(str(resume_dir))  # model, optimizer, every rank's RNG, the train state
+        load_checkpoint(accelerator, resume_dir, model, tcfg.allow_inexact_resume)
     else:
         set_seed(cfg.seed + accelerator.process_index)  # from here on, ranks draw different masks / dropout
-
     world = accelerator.num_processes
-    loader = make_loader(dataset, views, cfg.data.batch_size, rank=accelerator.process_index, world_size=world,
-                         seed=cfg.seed, start=state.step * accumulation, num_workers=cfg.data.num_workers,
-                         pin_memory=accelerator.device.type == "cuda")
-    batches = iter(loader)
-    end_step = min(tcfg.max_steps, tcfg.stop_at_step or tcfg.max_steps)
-    global_batch = cfg.data.batch_size * world * accumulation
-
+    global_batch = cfg.data.batch_size * world * tcfg.grad_accum_steps
+    outputs = RunOutputs(accelerator, out_dir, tcfg.tensorboard)
+    removed = remove_stale_temps(out_dir) if is_main else []
+    dropped = outputs.open(state.step, cfg, _flat_hparams(to_container(cfg)))
     if is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, out_dir / "config.yaml", resolve=True)
-        if tcfg.tensorboard:
-            accelerator.init_trackers("tb", config=_flat_hparams(to_container(cfg)))
-        log.info("%s on %s: %s, %d encoder parameters, %d process(es) x %d thread(s), global batch %d; %s",
-                 cfg.objective.name, cfg.data.name, cfg.model.name, count_parameters(encoder), world, threads,
-                 global_batch, f"resumed from {resume_dir} at step {state.step}" if resume_dir else "new run")
+        log.info("%s on %s: %s, %d encoder parameters, %d process(es) x %d thread(s), global batch %d; %s%s",
+                 cfg.objective.name, cfg.data.name, cfg.model.name, count_parameters(unwrapped.encoder), world,
+                 threads, global_batch, f"resumed from {resume_dir} at step {state.step}" if resume_dir else "new run",
+                 f" ({dropped} metrics rows past it, {len(removed)} unfinished checkpoint(s) removed)"
+                 if dropped or removed else "")
+
+    batches = iter(make_loader(dataset, views, cfg.data.batch_size, rank=accelerator.process_index,
+                               world_size=world, seed=cfg.seed, start=state.step * tcfg.grad_accum_steps,
+                               num_workers=cfg.data.num_workers, pin_memory=accelerator.device.type == "cuda"))
+    end_step = min(tcfg.max_steps, tcfg.stop_at_step or tcfg.max_steps)
+    guard = UpdateGuard(model.parameters(), tcfg.max_param_norm_growth)
     progress = tqdm(total=end_step, initial=state.step, disable=not (is_main and tcfg.progress),
                     desc="pretrain", dynamic_ncols=True)
     meter = Meter()
     run_start = interval_start = time.perf_counter()
     start_step = interval_step = state.step
-    record: dict = {}
-    checkpoint = None
+    error = None
 
-    while state.step < end_step:
-        apply_schedule(optimizer, float(lrs[state.step]), cfg.optim.weight_decay)
-        finite = torch.ones((), device=accelerator.device)
-        for _ in range(accumulation):
-            batch = next(batches)
-            if "skipped" in batch:
-                state.skipped_samples += int(batch.pop("skipped").sum())
-            batch = _to_device(batch, accelerator.device)
-            with accelerator.accumulate(model):
-                outputs = model(batch)
-                finite = finite * torch.isfinite(outputs["loss"].detach())
-                accelerator.backward(outputs["loss"])
-                if accelerator.sync_gradients:
-                    stepped = bool(accelerator.gather(finite[None]).min() > 0) if world > 1 else bool(finite)
-                    if stepped:
-                        if cfg.optim.grad_clip:
-                            outputs["grad_norm"] = accelerator.clip_grad_norm_(model.parameters(),
-                                                                               cfg.optim.grad_clip)
-                        optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-            meter.add(outputs)
-        state.step += 1
-        if stepped:
-            state.consecutive_nonfinite = 0
-            accelerator.unwrap_model(model).after_optimizer_step(state.step, tcfg.max_steps)
-        else:
-            state.nonfinite_steps += 1
-            state.consecutive_nonfinite += 1
-            if is_main:
-                log.warning("non-finite loss at step %d: update skipped (%d in a row, %d in all)", state.step,
-                            state.consecutive_nonfinite, state.nonfinite_steps)
-        diverged = state.consecutive_nonfinite >= tcfg.max_consecutive_nonfinite
-        if state.step % tcfg.log_every == 0 or state.step == end_step or diverged:
-            now = time.perf_counter()
-            record = {"step": state.step, **meter.summary(accelerator), "lr": float(lrs[state.step - 1]),
-                      "images_per_s": global_batch * (state.step - interval_step) / max(now - interval_start, 1e-9),
-                      "nonfinite_steps": state.nonfinite_steps, "skipped_samples": state.skipped_samples}
-            interval_start, interval_step = now, state.step
-            if is_main:
-                with open(out_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(record) + "\n")
-                if tcfg.tensorboard:
-                    accelerator.log({f"train/{k}": v for k, v in record.items() if k != "step"}, step=state.step)
-                progress.set_postfix(loss=f"{record.get('loss', math.nan):.4f}", lr=f"{record['lr']:.2e}",
-                                     img_s=f"{record['images_per_s']:.1f}")
-        progress.update(1)
-        if diverged:
-            checkpoint = save_checkpoint(accelerator, out_dir, state.step, tcfg.keep_checkpoints)
-            progress.close()
-            accelerator.end_training()
-            raise NonFiniteLossError(
-                f"the loss was non-finite for {state.consecutive_nonfinite} consecutive steps (up to step "
-                f"{state.step}); every one was skipped, so the weights are the last good ones, saved in "
-                f"{checkpoint}. Lower optim.lr, set optim.grad_clip, use precision fp32, or check the data; "
-                f"the limit is trainer.max_consecutive_nonfinite={tcfg.max_consecutive_nonfinite}."
-            )
+    def save(step: int) -> Path:
+        checkpoint = save_checkpoint(accelerator, out_dir, step, tcfg.keep_checkpoints)
+        outputs.save_encoder(unwrapped.encoder, step, objective=cfg.objective.name, preprocess=preprocess)
+        return checkpoint
 
-        if eval_sets is not None and (state.step % tcfg.eval_every == 0 or state.step == end_step):
-            if is_main:
-                scores = periodic_eval(accelerator.unwrap_model(model).encoder, eval_sets, cfg)
-                with open(out_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps({"step": state.step, **scores}) + "\n")
-                if tcfg.tensorboard:
-                    accelerator.log(scores, step=state.step)
-                log.info("step %d: %s", state.step, ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
-            accelerator.wait_for_everyone()
-        if state.step % tcfg.checkpoint_every == 0 or state.step == end_step:
-            checkpoint = save_checkpoint(accelerator, out_dir, state.step, tcfg.keep_checkpoints)
-            if is_main:
-                save_encoder(accelerator.unwrap_model(model).encoder, out_dir / "encoder.safetensors",
-                             step=state.step, objective=cfg.objective.name)
-    progress.close()
+    try:
+        while state.step < end_step:
+            apply_schedule(optimizer, float(lrs[state.step]), cfg.optim.weight_decay)
+            applied, loss_finite = train_step(model, optimizer, batches, accelerator, state, meter, cfg)
+            state.step += 1
+            if applied:
+                state.consecutive_nonfinite = 0
+                growth = guard.check_update()
+                if growth is not None:
+                    raise ruined_weights_error(state.step, growth, cfg, (list_checkpoints(out_dir) or [None])[-1])
+                unwrapped.after_optimizer_step(state.step, tcfg.max_steps)
+            else:
+                state.nonfinite_steps += 1
+                state.consecutive_nonfinite += 1
+                if is_main:
+                    log.warning("non-finite %s at step %d: update skipped (%d in a row, %d in all)",
+                                "gradients" if loss_finite else "loss", state.step, state.consecutive_nonfinite,
+                                state.nonfinite_steps)
+            diverged = state.consecutive_nonfinite >= tcfg.max_consecutive_nonfinite
+            if state.step % tcfg.log_every == 0 or state.step == end_step or diverged:
+                now = time.perf_counter()
+                state.last_record = {
+                    "step": state.step, **meter.summary(accelerator), "lr": float(lrs[state.step - 1]),
+                    "images_per_s": global_batch * (state.step - interval_step) / max(now - interval_start, 1e-9),
+                    "nonfinite_steps": state.nonfinite_steps, "skipped_samples": state.skipped_samples}
+                interval_start, interval_step = now, state.step
+                outputs.log(state.last_record, tensorboard_prefix="train/")
+                progress.set_postfix(loss=f"{state.last_record.get('loss', math.nan):.4f}",
+                                     lr=f"{state.last_record['lr']:.2e}",
+                                     img_s=f"{state.last_record['images_per_s']:.1f}")
+            progress.update(1)
+            fault_point("step_done", state.step)
+            if diverged:
+                raise nonfinite_error(state.consecutive_nonfinite, state.step, cfg, save(state.step))
+            if eval_sets is not None and (state.step % tcfg.eval_every == 0 or state.step == end_step):
+                if is_main:
+                    scores = periodic_eval(unwrapped.encoder, eval_sets, cfg, preprocess)
+                    outputs.log({"step": state.step, **scores})
+                    log.info("step %d: %s", state.step, ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
+                accelerator.wait_for_everyone()
+            if state.step % tcfg.checkpoint_every == 0 or state.step == end_step:
+                save(state.step)
+        # A run resumed from its final checkpoint skips the loop: its encoder file may predate that checkpoint.
+        if is_main and outputs.encoder_step() != state.step:
+            outputs.save_encoder(unwrapped.encoder, state.step, objective=cfg.objective.name, preprocess=preprocess)
+    except BaseException as err:
+        error = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise
+    finally:
+        progress.close()
+        if hasattr(batches, "_shutdown_workers"):  # now, not at garbage collection (10 s after a data error)
+            batches._shutdown_workers()
+        elapsed = time.perf_counter() - run_start
+        # Collective: only when every rank got here normally.
+        digests = gather_object([parameter_digest(unwrapped)]) if error is None else []
+        checkpoints = list_checkpoints(out_dir)
+        summary = {
+            "step": state.step, "max_steps": tcfg.max_steps, "finished": state.step >= tcfg.max_steps,
+            "error": error, "world_size": world, "threads_per_process": threads, "global_batch": global_batch,
+            "steps_this_run": state.step - start_step, "wall_s": elapsed,
+            "images_per_s": global_batch * (state.step - start_step) / elapsed if state.step > start_step else None,
+            "nonfinite_steps": state.nonfinite_steps, "skipped_samples": state.skipped_samples,
+            "last": state.last_record, "param_digests": digests, "replicas_in_sync": len(set(digests)) <= 1,
+            "checkpoint": str(checkpoints[-1]) if checkpoints else None, "encoder": str(out_dir / ENCODER_FILE),
+            "preprocess": asdict(preprocess),
+        }
+        try:
+            outputs.summary(summary)
+        except OutputError as write_error:
+            log.error("%s", write_error)
+        accelerator.end_training()
 
-    elapsed = time.perf_counter() - run_start
-    digests = gather_object([parameter_digest(accelerator.unwrap_model(model))])
-    summary = {
-        "step": state.step, "max_steps": tcfg.max_steps, "finished": state.step >= tcfg.max_steps,
-        "world_size": world, "threads_per_process": threads, "global_batch": global_batch,
-        "images_per_s": global_batch * (state.step - start_step) / max(elapsed, 1e-9), "wall_s": elapsed,
-        "nonfinite_steps": state.nonfinite_steps, "skipped_samples": state.skipped_samples, "last": record,
-        "param_digests": digests, "replicas_in_sync": len(set(digests)) == 1,
-        "checkpoint": str(checkpoint) if checkpoint else None,
-        "encoder": str(out_dir / "encoder.safetensors"),
-    }
     if is_main:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if not summary["replicas_in_sync"]:
             log.error("model replicas differ across processes after training: %s", digests)
-        if summary["finished"]:
-            log.info("done: %d steps, %.1f images/s; encoder at %s", state.step, summary["images_per_s"],
-                     summary["encoder"])
-        else:
-            log.info("stopped at step %d of %d; continue with trainer.resume=auto hydra.run.dir=%s",
-                     state.step, tcfg.max_steps, out_dir)
-    accelerator.end_training()
+        log.info("done: %d steps, %s images/s; encoder at %s" if summary["finished"] else
+                 "stopped at step %d of %d; continue with trainer.resume=auto hydra.run.dir=%s",
+                 *((state.step, f"{summary['images_per_s'] or 0:.1f}", summary["encoder"]) if summary["finished"]
+                   else (state.step, tcfg.max_steps, out_dir)))
     return summary

@@ -1,0 +1,60 @@
+"""What the entry points share: failures end in one line, `ssl-vit: error: <what, the value, what is allowed>`,
+never a traceback. Exit status 2 for a bad configuration (nothing was trained), 1 for a run that stopped
+(divergence, unusable data, an output that cannot be written). `accelerate launch` reports any failing child with
+its own CalledProcessError traceback and exit status 1 after our line; the first line on stderr is ours.
+
+`OutputDirCheck` is a Hydra callback (`hydra.callbacks` in configs/pretrain.yaml and linear_probe.yaml): Hydra
+creates the run directory before the job starts, so an unwritable one is reported from here, before Hydra's own
+traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+
+from ssl_vit.config import ConfigError
+from ssl_vit.data.errors import DataError
+from ssl_vit.train.guard import TrainingDiverged
+from ssl_vit.train.outputs import OutputError, check_writable
+
+EXIT_STOPPED, EXIT_CONFIG = 1, 2
+
+
+def user_message(err: BaseException) -> str:
+    """The message of an error; a DataLoader worker's error arrives wrapped in its traceback text, whose last line
+    is `module.Class: message`."""
+    text = str(err).strip()
+    if "Original Traceback" in text:
+        last = text.splitlines()[-1]
+        text = last.split(": ", 1)[1] if ": " in last else last
+    return text.replace("\n", " ")
+
+
+def fail(message: str, status: int) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    if status != EXIT_CONFIG or rank == 0:  # a bad config is the same on every rank: say it once
+        print(f"ssl-vit: error: {'' if rank == 0 else f'[rank {rank}] '}{message}", file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
+def run_reporting_errors(function, *args):
+    """Call `function(*args)`; known failures become one line on stderr and an exit status."""
+    try:
+        return function(*args)
+    except ConfigError as err:
+        fail(user_message(err), EXIT_CONFIG)
+    except (TrainingDiverged, OutputError, DataError) as err:
+        fail(user_message(err), EXIT_STOPPED)
+
+
+class OutputDirCheck(Callback):
+    def on_run_start(self, config, **kwargs) -> None:
+        directory = Path(str(config.hydra.run.dir))
+        try:
+            check_writable(directory)
+        except OutputError as err:
+            fail(f"{err} (hydra.run.dir)", EXIT_CONFIG)

@@ -1,0 +1,65 @@
+"""How images become encoder inputs, recorded in every encoder file so that evaluation and export use what
+pre-training used: resize the shorter side to img_size / crop_pct, centre-crop img_size, scale to [0, 1],
+normalise per channel with mean and std (the rule of timm's eval transform; crop_pct 1 = no border cropped)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+IMAGENET_MEAN = [0.485, 0.456, 0.406]
+IMAGENET_STD = [0.229, 0.224, 0.225]
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+
+# Per-dataset channel statistics; anything not listed (natural images) uses ImageNet's.
+DATASET_STATS = {
+    "fashion_mnist": ([0.286] * 3, [0.353] * 3),
+    "digits": ([0.3] * 3, [0.4] * 3),
+}
+
+
+@dataclass
+class Preprocess:
+    img_size: int
+    mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
+    std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))
+    interpolation: str = "bilinear"
+    crop_pct: float = 1.0
+
+    def __post_init__(self):
+        if self.interpolation not in INTERPOLATIONS:
+            raise ValueError(f"unknown interpolation {self.interpolation!r}; valid choices: {list(INTERPOLATIONS)}")
+        if not 0 < self.crop_pct <= 1:
+            raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
+        self.mean, self.std = [float(v) for v in self.mean], [float(v) for v in self.std]
+
+    def view_builder(self, views=("image", "label"), augment: bool = False, crop_scale=(0.35, 1.0)):
+        from ssl_vit.data.views import ViewBuilder
+
+        return ViewBuilder(views, self.img_size, self.mean, self.std, augment, crop_scale, self.interpolation,
+                           self.crop_pct)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Preprocess:
+        return cls(**json.loads(text))
+
+
+def dataset_stats(data_name: str) -> tuple[list[float], list[float]]:
+    mean, std = DATASET_STATS.get(data_name, (IMAGENET_MEAN, IMAGENET_STD))
+    return list(mean), list(std)
+
+
+def resolve_preprocess(data_cfg, img_size: int, recorded: Preprocess | None = None) -> Preprocess:
+    """The preprocessing for `data_cfg` at `img_size`: values set in the data config win, then what the encoder
+    recorded (`recorded`), then the dataset's statistics."""
+    default_mean, default_std = (recorded.mean, recorded.std) if recorded else dataset_stats(data_cfg.name)
+    return Preprocess(
+        img_size=img_size,
+        mean=list(data_cfg.mean) if data_cfg.get("mean") is not None else default_mean,
+        std=list(data_cfg.std) if data_cfg.get("std") is not None else default_std,
+        interpolation=recorded.interpolation if recorded else "bilinear",
+        crop_pct=recorded.crop_pct if recorded else 1.0,
+    )

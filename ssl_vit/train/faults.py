@@ -1,0 +1,20 @@
+"""Named fault points for the fault-injection tests: with SSL_VIT_FAULT=<point>@<step> in the environment, the
+process SIGKILLs itself when it reaches that point at that step, exactly as a node failure or an OOM killer would.
+
+Points: `step_done` (after the optimizer step and its log line, before any checkpoint), `checkpoint_written` (the
+checkpoint is complete in its temp directory, not yet renamed into place), `checkpoint_saved` (renamed into place,
+before encoder.safetensors is written).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+FAULT_ENV = "SSL_VIT_FAULT"
+_FAULT = os.environ.get(FAULT_ENV)
+
+
+def fault_point(name: str, step: int) -> None:
+    if _FAULT is not None and _FAULT == f"{name}@{step}":
+        os.kill(os.getpid(), signal.SIGKILL)

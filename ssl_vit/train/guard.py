@@ -1,0 +1,68 @@
+"""Divergence checks around every optimizer step.
+
+An update is skipped when its gradients are non-finite (a non-finite loss on any rank makes them so after the
+all-reduce); after too many in a row training stops. An update that was applied is checked too: if it made the
+parameter norm non-finite or multiplied it by more than `max_growth` (e.g. optim.lr=1e6), the weights are ruined,
+so training stops at once without saving them and points to the last good checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class TrainingDiverged(RuntimeError):
+    """Training stopped because the loss or the weights went bad; the message says what to change."""
+
+
+def parameter_norm(parameters: list[torch.Tensor]) -> float:
+    norms = torch._foreach_norm([p.detach() for p in parameters])
+    return float(torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))) if norms else 0.0
+
+
+class UpdateGuard:
+    def __init__(self, parameters, max_growth: float):
+        self.parameters = [p for p in parameters if p.requires_grad]
+        self.max_growth = max_growth
+        self.norm = parameter_norm(self.parameters)
+
+    def check_update(self) -> tuple[float, float] | None:
+        """After an optimizer step: None if the parameter norm is finite and grew by at most max_growth, else
+        (norm before, norm after)."""
+        before, after = self.norm, parameter_norm(self.parameters)
+        self.norm = after
+        if math.isfinite(after) and after <= self.max_growth * max(before, 1.0):
+            return None
+        return before, after
+
+
+def divergence_advice(cfg, nonfinite_loss: bool) -> str:
+    """What to change, from what the config does now (never advice that is already in use)."""
+    tips = [f"lower optim.lr (now {cfg.optim.lr:g})"]
+    if not cfg.optim.grad_clip:
+        tips.append("set optim.grad_clip=1.0 (clipping is off)")
+    if cfg.optim.warmup_steps < min(1000, cfg.trainer.max_steps // 20):
+        tips.append(f"lengthen optim.warmup_steps (now {cfg.optim.warmup_steps})")
+    if str(getattr(cfg.trainer.precision, "value", cfg.trainer.precision)) == "bf16":
+        tips.append("try trainer.precision=fp32 to rule out bf16 range problems")
+    if nonfinite_loss:
+        tips.append("check the data for broken samples")
+    return "; ".join(tips)
+
+
+def ruined_weights_error(step: int, growth: tuple[float, float], cfg, last_checkpoint) -> TrainingDiverged:
+    return TrainingDiverged(
+        f"the update of step {step} took the parameter norm from {growth[0]:.4g} to {growth[1]:.4g} (limit: "
+        f"x{cfg.trainer.max_param_norm_growth}, trainer.max_param_norm_growth); the weights are ruined and were not "
+        f"saved. Last good checkpoint: {last_checkpoint or 'none (none was saved yet)'}. To fix: "
+        f"{divergence_advice(cfg, nonfinite_loss=False)}")
+
+
+def nonfinite_error(consecutive: int, step: int, cfg, checkpoint) -> TrainingDiverged:
+    return TrainingDiverged(
+        f"the loss or its gradients were non-finite for {consecutive} consecutive steps (up to step {step}, limit "
+        f"trainer.max_consecutive_nonfinite={cfg.trainer.max_consecutive_nonfinite}); those updates were skipped, "
+        f"so the weights saved in {checkpoint} are those of the last applied update. To fix: "
+        f"{divergence_advice(cfg, nonfinite_loss=True)}")

@@ -1,0 +1,194 @@
+"""What a run writes besides checkpoints, kept consistent with them across kills and resumes.
+
+- `metrics.jsonl`: one JSON object per logged step (non-finite values written as null). A resumed run first drops
+  the rows logged after the step it resumes from, so steps never go backwards; TensorBoard does the same through
+  `purge_step`.
+- `encoder.safetensors`: always the encoder of the newest checkpoint; a run resumed at its last step rewrites it
+  when a kill came between the checkpoint and the encoder.
+- `summary.json`: written at the end of every invocation, also when training stops on divergence or bad data.
+
+Write failures (disk full, read-only, permissions) become `OutputError`, naming the path and the cause.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import re
+import resource
+from contextlib import contextmanager
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+ENCODER_FILE = "encoder.safetensors"
+
+
+class OutputError(RuntimeError):
+    """An output could not be written; the message names the path and the cause."""
+
+
+_CAUSES = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.EFBIG: "the file size limit is exceeded (ulimit -f)",
+}
+
+
+def describe_write_failure(directory: str | Path, err: BaseException) -> str:
+    """The cause of a failed write, in words. torch.save reports a full disk as "enforce fail at
+    inline_container.cc ... file write failed" without an errno and safetensors as "... (os error 28)", so the
+    message and the directory itself are examined too."""
+    for cause in (err, err.__cause__, err.__context__):
+        code = getattr(cause, "errno", None)
+        if code is None and cause is not None:
+            found = re.search(r"os error (\d+)", str(cause))
+            code = int(found.group(1)) if found else None
+        if code in _CAUSES:
+            return _CAUSES[code]
+    directory = Path(directory)
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    try:
+        stats = os.statvfs(directory)
+        if stats.f_flag & os.ST_RDONLY:
+            return _CAUSES[errno.EROFS]
+        free = stats.f_bavail * stats.f_frsize
+        if free < 64 * 2**20:
+            return f"{_CAUSES[errno.ENOSPC]} ({free / 2**20:.1f} MiB free)"
+    except OSError:
+        pass
+    if not os.access(directory, os.W_OK):
+        return _CAUSES[errno.EACCES]
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        return f"{_CAUSES[errno.EFBIG]}: {limit} bytes"
+    first = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {first[0][:200] if first else ''}"
+
+
+@contextmanager
+def writing(path: str | Path, what: str):
+    """Turn a failed write of `what` at `path` into an OutputError with the cause."""
+    try:
+        yield
+    except Exception as err:  # OSError, torch's RuntimeError, safetensors' own error type
+        if isinstance(err, OutputError):
+            raise
+        raise OutputError(f"cannot write {what} {path}: {describe_write_failure(Path(path).parent, err)}") from err
+
+
+def check_writable(directory: str | Path) -> None:
+    """Create the directory and write a probe file in it: an unusable output directory fails before training."""
+    directory = Path(directory)
+    probe = directory / f".write_test_{os.getpid()}"
+    with writing(directory, "to the output directory"):
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+
+
+def json_safe(value):
+    """Non-finite floats -> None (JSON has no NaN), recursively."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def append_metrics(out_dir: Path, row: dict) -> None:
+    path = out_dir / METRICS_FILE
+    with writing(path, "metrics"), open(path, "a") as f:
+        f.write(json.dumps(json_safe(row)) + "\n")
+
+
+def drop_metrics_after(out_dir: Path, step: int) -> int:
+    """Keep the rows of metrics.jsonl up to `step` (rows a killed run logged past its last checkpoint go);
+    returns how many rows were dropped. The rewrite is atomic."""
+    path = out_dir / METRICS_FILE
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill
+            continue
+        if row.get("step", 0) <= step:
+            kept.append(line)
+    if len(kept) != len(lines):
+        tmp = path.with_name(f".{path.name}.tmp")
+        with writing(path, "metrics"):
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+def write_summary(out_dir: Path, summary: dict) -> None:
+    path = out_dir / SUMMARY_FILE
+    tmp = path.with_name(f".{path.name}.tmp")
+    with writing(path, "the summary"):
+        tmp.write_text(json.dumps(json_safe(summary), indent=2) + "\n")
+        os.replace(tmp, path)
+
+
+class RunOutputs:
+    """The main process's writer of one run's outputs; on other ranks every method does nothing."""
+
+    def __init__(self, accelerator, out_dir: Path, tensorboard: bool):
+        self.accelerator, self.out_dir = accelerator, out_dir
+        self.active = accelerator.is_main_process
+        self.tensorboard = tensorboard and self.active
+
+    def open(self, step: int, config, hparams: dict) -> int:
+        """Start (or continue at `step`) a run: drop metrics rows past it, save the config, start TensorBoard with
+        `purge_step` so that events a killed run logged past the checkpoint are hidden. Returns rows dropped."""
+        if not self.active:
+            return 0
+        from omegaconf import OmegaConf
+
+        dropped = drop_metrics_after(self.out_dir, step)
+        with writing(self.out_dir / "config.yaml", "the config"):
+            OmegaConf.save(config, self.out_dir / "config.yaml", resolve=True)
+        if self.tensorboard:
+            self.accelerator.init_trackers("tb", config=hparams,
+                                           init_kwargs={"tensorboard": {"purge_step": step + 1}})
+        return dropped
+
+    def log(self, row: dict, tensorboard_prefix: str = "") -> None:
+        """One metrics.jsonl row (with its "step") and the same scalars in TensorBoard."""
+        if not self.active:
+            return
+        append_metrics(self.out_dir, row)
+        if self.tensorboard:
+            self.accelerator.log({f"{tensorboard_prefix}{k}": v for k, v in row.items() if k != "step"},
+                                 step=row["step"])
+
+    def save_encoder(self, encoder, step: int, **metadata) -> None:
+        if self.active:
+            from ssl_vit.export import save_encoder
+
+            with writing(self.out_dir / ENCODER_FILE, "the encoder"):
+                save_encoder(encoder, self.out_dir / ENCODER_FILE, step=step, **metadata)
+
+    def encoder_step(self) -> int | None:
+        """The step recorded in encoder.safetensors (None when there is none or it is unreadable)."""
+        from ssl_vit.export import read_metadata
+
+        try:
+            return int(read_metadata(self.out_dir / ENCODER_FILE)["step"])
+        except Exception:  # missing, or cut by a kill: rewritten by the caller
+            return None
+
+    def summary(self, summary: dict) -> None:
+        if self.active:
+            write_summary(self.out_dir, summary)

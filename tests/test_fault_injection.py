@@ -1,0 +1,90 @@
+"""Fault injection: SIGKILL the real CLI (`accelerate launch scripts/pretrain.py`) at named points and at a random
+moment, resume with trainer.resume=auto, and compare with an uninterrupted run: the same losses at every step,
+each step logged once (metrics.jsonl and TensorBoard), an encoder and summary that match the final checkpoint.
+
+Fault points (ssl_vit/train/faults.py): SSL_VIT_FAULT=<point>@<step> kills the training process there."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from conftest import ACCELERATE, ROOT, TINY, check_ok, launch, read_metrics
+from safetensors.torch import load_file
+
+from ssl_vit.export import load_encoder, read_metadata
+
+STEPS = 30
+
+
+def _run_args(out):
+    return [*TINY, f"trainer.max_steps={STEPS}", f"hydra.run.dir={out}"]
+
+
+def _assert_matches_reference(run_dir, reference_run):
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))  # each step once, in order
+    reference = {m["step"]: m["loss"] for m in read_metrics(reference_run)}
+    for row in metrics:
+        assert row["loss"] == pytest.approx(reference[row["step"]], abs=1e-6), row["step"]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir / "tb")).Reload()
+    tb_steps = [event.step for event in events.Scalars("train/loss")]
+    assert tb_steps == list(range(1, STEPS + 1))  # purge_step hid what the killed run logged past its checkpoint
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["finished"] and summary["step"] == STEPS and summary["last"]["step"] == STEPS
+    assert summary["checkpoint"].endswith(f"step_{STEPS:08d}")
+    assert int(read_metadata(run_dir / "encoder.safetensors")["step"]) == STEPS
+    encoder = load_encoder(run_dir / "encoder.safetensors")
+    final = load_file(str(run_dir / "checkpoints" / f"step_{STEPS:08d}" / "model.safetensors"))
+    for name, value in encoder.state_dict().items():
+        torch.testing.assert_close(value, final[f"backbone.{name}"], atol=0, rtol=0)
+    assert not list((run_dir / "checkpoints").glob(".*"))  # no temp directories left
+    return summary
+
+
+def _kill_at_random(run_dir, args, first_step: int, last_step: int) -> int:
+    """Launch, SIGKILL the whole process group once a random step in [first_step, last_step] is logged."""
+    kill_at = random.randint(first_step, last_step)
+    cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs" / "accelerate" / "cpu.yaml"),
+           str(ROOT / "scripts" / "pretrain.py"), "trainer.progress=false", *args]
+    process = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        rows = metrics.read_text().splitlines() if metrics.exists() else []
+        if rows and json.loads(rows[-1])["step"] >= kill_at:
+            break
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    return kill_at
+
+
+def test_killed_again_and_again_then_resumed_matches_the_uninterrupted_run(tmp_path, reference_run):
+    """One run killed four times (checkpoints every 10 steps), each invocation resuming the previous one."""
+    args = _run_args(tmp_path)
+    # 1. mid-interval: steps 11..15 are logged past checkpoint 10 and must not survive the resume
+    assert launch(*args, env={"SSL_VIT_FAULT": "step_done@15"}).returncode != 0
+    assert [m["step"] for m in read_metrics(tmp_path)][-1] == 15
+    # 2. resumed at 10, killed while checkpoint 20 is complete in its temp directory, not yet renamed
+    assert launch(*args, "trainer.resume=auto", env={"SSL_VIT_FAULT": "checkpoint_written@20"}).returncode != 0
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [".tmp_step_00000020", "step_00000010"] or \
+        sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [".tmp_step_00000020", "step_00000010"]
+    # 3. resumed at 10 again, killed at a random moment before the final checkpoint
+    kill_at = _kill_at_random(tmp_path, [*args, "trainer.resume=auto"], 12, 24)
+    print(f"random kill after step {kill_at} was logged")
+    # 4. resumed, killed after the final checkpoint is in place but before encoder.safetensors is rewritten
+    assert launch(*args, "trainer.resume=auto", env={"SSL_VIT_FAULT": "checkpoint_saved@30"}).returncode != 0
+    assert (tmp_path / "checkpoints" / "step_00000030").is_dir()
+    assert int(read_metadata(tmp_path / "encoder.safetensors")["step"]) == 20
+    # 5. resumed at the final step: nothing to train, the outputs are brought in line with the checkpoint
+    check_ok(launch(*args, "trainer.resume=auto"))
+    summary = _assert_matches_reference(tmp_path, reference_run)
+    assert summary["steps_this_run"] == 0 and summary["images_per_s"] is None
