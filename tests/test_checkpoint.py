@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from ssl_vit.config import ConfigError
 from ssl_vit.export import load_encoder, read_metadata, save_encoder
 from ssl_vit.train.checkpoint import list_checkpoints, resolve_resume
 from ssl_vit.vit import build_vit
@@ -31,5 +32,5 @@ def test_resume_finds_the_newest_complete_checkpoint(tmp_path):
     assert resolve_resume("auto", tmp_path).name == "step_00000200"
     assert resolve_resume("auto", tmp_path / "fresh") is None
     assert resolve_resume(None, tmp_path) is None
-    with pytest.raises(FileNotFoundError, match="not a checkpoint directory"):
+    with pytest.raises(ConfigError, match="does not exist or is not a directory; valid values: auto"):
         resolve_resume(str(tmp_path / "missing"), tmp_path)

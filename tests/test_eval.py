@@ -40,7 +40,10 @@ def test_logistic_fit_matches_sklearn(digit_features):
 def test_linear_probe_sweep_is_within_a_point_of_sklearn(digit_features):
     train_x, train_y, test_x, test_y = digit_features
     result = linear_probe(train_x, train_y, test_x, test_y)
-    assert set(result["val_accuracy"]) == {"1e-05", "0.0001", "0.001", "0.01", "0.1"}
+    grid = {"1e-05", "0.0001", "0.001", "0.01", "0.1"}
+    extra = set(result["val_accuracy"]) - grid  # the grid is extended past an edge while the edge value wins
+    assert grid <= set(result["val_accuracy"])
+    assert bool(extra) == bool(result["l2_grid_extended"])
     sx, tx = standardise(train_x, test_x)
     sklearn = LogisticRegression(C=1 / (result["l2"] * len(train_y)), max_iter=5000).fit(sx.numpy(), train_y.numpy())
     assert abs(result["accuracy"] - sklearn.score(tx.numpy(), test_y.numpy())) <= 0.01
