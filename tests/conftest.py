@@ -1,7 +1,9 @@
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,13 @@ def reference_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     check_ok(launch(*TINY, "trainer.max_steps=30", f"hydra.run.dir={out}"))
     return out
+
+
+def write_tar(path, samples) -> None:
+    """A tar shard from [(key, {extension: bytes})], written member by member (for shards made bad on purpose)."""
+    with tarfile.open(path, "w") as tar:
+        for key, files in samples:
+            for extension, data in files.items():
+                info = tarfile.TarInfo(f"{key}.{extension}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import write_tar
 from PIL import Image
 
 from ssl_vit.data import (
@@ -130,7 +131,7 @@ def test_a_16bit_png_is_scaled_alike_in_folders_and_shards(tmp_path):
     """Before: uint16 pixels reached the views and were divided by 255 (values up to 257)."""
     (tmp_path / "folder" / "a").mkdir(parents=True)
     (tmp_path / "folder" / "a" / "x.png").write_bytes(_png16(RGB16))
-    _write_tar(tmp_path / "s-000000.tar", [("x", {"png": _png16(RGB16), "cls": b"0"})])
+    write_tar(tmp_path / "s-000000.tar", [("x", {"png": _png16(RGB16), "cls": b"0"})])
     from_folder = FolderDataset(tmp_path / "folder")[0]["image"]
     pipeline, _ = ShardStream(str(tmp_path / "s-000000.tar"), resampled=False, shuffle_buffer=0).pipeline(
         _identity, batch_size=None, epochs=1)
@@ -224,15 +225,6 @@ def _png(colour=(10, 200, 30), size=8):
     return _encode(Image.new("RGB", (size, size), colour), "PNG")
 
 
-def _write_tar(path, samples):
-    with tarfile.open(path, "w") as tar:
-        for key, files in samples:
-            for extension, data in files.items():
-                info = tarfile.TarInfo(f"{key}.{extension}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-
-
 def _shards(out_dir, count=16, per_shard=8):
     samples = ({"image": torch.full((3, 8, 8), i, dtype=torch.uint8), "label": i % 2} for i in range(count))
     return write_shards(samples, out_dir, source="test", samples_per_shard=per_shard)
@@ -308,7 +300,7 @@ def test_no_usable_shard_is_an_error_not_a_hang_even_from_worker_processes(tmp_p
 
 
 def test_shards_whose_every_sample_is_unusable_are_an_error(tmp_path):
-    _write_tar(tmp_path / "s-000000.tar", [(f"{i:03d}", {"png": _png(), "txt": b"no label"}) for i in range(10)])
+    write_tar(tmp_path / "s-000000.tar", [(f"{i:03d}", {"png": _png(), "txt": b"no label"}) for i in range(10)])
     stream = ShardStream(str(tmp_path), resampled=True, shuffle_buffer=0, max_consecutive_bad=30)
     pipeline, _ = stream.pipeline(_identity, 4, need_label=True)
     with pytest.raises(NoUsableShardsError, match=r"the last 30 samples .* all unusable .* has no 'cls'"):

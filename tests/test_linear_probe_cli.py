@@ -80,10 +80,15 @@ def test_the_encoders_recorded_preprocessing_is_the_default_and_data_values_over
                         preprocess=Preprocess(16, mean=[0.1] * 3, std=[0.2] * 3, interpolation="bicubic"))
     common = [f"checkpoint={path}", "data=digits", "eval=knn", "data.max_train_samples=200",
               "data.max_test_samples=50", "threads=1", f"cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path}"]
-    report = evaluate(_probe_config(*common), progress=False)
+    threads = torch.get_num_threads()
+    try:
+        report = evaluate(_probe_config(*common), progress=False)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)  # the CLI's setting is for its whole process; not for the rest of the tests
     assert report["preprocess"] == {"img_size": 16, "mean": [0.1] * 3, "std": [0.2] * 3,
                                     "interpolation": "bicubic", "crop_pct": 1.0}
-    assert (report["num_train"], report["num_test"]) == (200, 50) and torch.get_num_threads() == 1
+    assert (report["num_train"], report["num_test"]) == (200, 50)
     from ssl_vit.data import Digits
     from ssl_vit.data.subset import limit_samples
     full = Digits("train")

@@ -6,7 +6,7 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-from conftest import launch, read_metrics
+from conftest import launch, read_metrics, write_tar
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -77,18 +77,9 @@ def _png(colour=(10, 200, 30), size=8):
     return buffer.getvalue()
 
 
-def _write_tar(path, samples):
-    with tarfile.open(path, "w") as tar:
-        for key, files in samples:
-            for extension, data in files.items():
-                info = tarfile.TarInfo(f"{key}.{extension}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-
-
 def test_bad_samples_are_skipped_and_counted_exactly(tmp_path):
     good = _png()
-    _write_tar(tmp_path / "bad-000000.tar", [
+    write_tar(tmp_path / "bad-000000.tar", [
         ("a", {"png": good, "cls": b"1"}),
         ("b", {"png": good[: len(good) // 2], "cls": b"2"}),  # truncated image
         ("c", {"png": b"this is not an image", "cls": b"3"}),  # non-image payload
