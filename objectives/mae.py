@@ -18,6 +18,7 @@ from torch import nn
 from objectives.base import DataInfo, Objective, ObjectiveConfig
 from objectives.patches import patchify, per_sample_shuffle, unpatchify
 from ssl_vit.config import checked
+from ssl_vit.init import Linear, writable
 from ssl_vit.vit import Block, sincos_pos_embed_2d
 
 
@@ -60,28 +61,32 @@ class MAE(Objective):
         self.patch_size = patch[0]
         in_chans = backbone.patch_embed.proj.in_channels
         if cfg.fixed_pos_embed:
-            with torch.no_grad():
-                backbone.pos_embed.copy_(
-                    sincos_pos_embed_2d(backbone.grid_size, backbone.embed_dim, backbone.num_pos_prefix))
             backbone.pos_embed.requires_grad_(False)
 
+        # MAE's decoder init: xavier-uniform Linear weights, zero biases (each layer in its own constructor).
         dim = cfg.decoder_dim
-        self.decoder_embed = nn.Linear(backbone.embed_dim, dim)
-        self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.decoder_embed = Linear(backbone.embed_dim, dim, scheme="xavier")
+        self.mask_token = nn.Parameter(torch.empty(1, 1, dim))
         self.decoder_blocks = nn.ModuleList([
-            Block(dim, cfg.decoder_heads, 4 * dim, norm_layer=lambda d: nn.LayerNorm(d, eps=1e-6))
+            Block(dim, cfg.decoder_heads, 4 * dim, norm_layer=lambda d: nn.LayerNorm(d, eps=1e-6),
+                  weight_init="xavier")
             for _ in range(cfg.decoder_depth)
         ])
         self.decoder_norm = nn.LayerNorm(dim, eps=1e-6)
-        self.register_buffer("decoder_pos_embed", sincos_pos_embed_2d(backbone.grid_size, dim,
-                                                                      backbone.num_prefix_tokens), persistent=False)
-        self.decoder_pred = nn.Linear(dim, self.patch_size**2 * in_chans)
-        for part in (self.decoder_embed, self.decoder_blocks, self.decoder_pred):  # MAE's decoder init
-            for module in part.modules():
-                if isinstance(module, nn.Linear):
-                    nn.init.xavier_uniform_(module.weight)
-                    nn.init.zeros_(module.bias)
+        self.register_buffer("decoder_pos_embed", torch.empty(1, backbone.num_prefix_tokens + backbone.grid_size[0]
+                                                              * backbone.grid_size[1], dim), persistent=False)
+        self.decoder_pred = Linear(dim, self.patch_size**2 * in_chans, scheme="xavier")
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The mask token, the decoder's fixed position embeddings and (fixed_pos_embed) the encoder's."""
         nn.init.normal_(self.mask_token, std=0.02)
+        vit = self.backbone
+        self.decoder_pos_embed.copy_(sincos_pos_embed_2d(vit.grid_size, self.cfg.decoder_dim, vit.num_prefix_tokens))
+        if self.cfg.fixed_pos_embed:
+            with writable(vit.pos_embed):
+                vit.pos_embed.copy_(sincos_pos_embed_2d(vit.grid_size, vit.embed_dim, vit.num_pos_prefix))
 
     def no_weight_decay(self) -> set[str]:
         return {"mask_token"}

@@ -25,6 +25,7 @@ from torch import nn
 from objectives.base import DataInfo, Objective, ObjectiveConfig
 from objectives.patches import patchify, per_sample_shuffle
 from ssl_vit.config import checked
+from ssl_vit.init import Linear
 
 
 class Target(str, Enum):
@@ -108,11 +109,13 @@ class MaskedPatch(Objective):
                                  f"subpatch_grid={cfg.subpatch_grid}")
             out_dim = self.cells * 2 ** (3 * cfg.bits)
         self.target = target
-        self.mask_token = nn.Parameter(torch.zeros(1, 1, backbone.embed_dim))
+        self.mask_token = nn.Parameter(torch.empty(1, 1, backbone.embed_dim))
+        self.head = Linear(backbone.embed_dim, out_dim, scheme="timm")
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
         nn.init.normal_(self.mask_token, std=0.02)
-        self.head = nn.Linear(backbone.embed_dim, out_dim)
-        nn.init.trunc_normal_(self.head.weight, std=0.02)
-        nn.init.zeros_(self.head.bias)
 
     def no_weight_decay(self) -> set[str]:
         return {"mask_token"}

@@ -14,6 +14,7 @@ from torch import nn
 
 from objectives.base import DataInfo, Objective, ObjectiveConfig
 from ssl_vit.config import checked
+from ssl_vit.init import Linear
 
 
 class HeadKind(str, Enum):
@@ -30,18 +31,14 @@ class SupervisedConfig(ObjectiveConfig):
 
 
 def build_head(kind: str, dim: int, num_classes: int, hidden_dim: int | None = None) -> nn.Module:
+    """Layers initialised trunc-normal(0.02) with zero biases, in their own constructors (zero.Init-safe)."""
     if kind == HeadKind.linear:
-        head = nn.Linear(dim, num_classes)
-    elif kind == HeadKind.mlp:
+        return Linear(dim, num_classes, scheme="timm")
+    if kind == HeadKind.mlp:
         hidden_dim = hidden_dim or dim
-        head = nn.Sequential(nn.Linear(dim, hidden_dim), nn.Tanh(), nn.Linear(hidden_dim, num_classes))
-    else:
-        raise ValueError(f"unknown head {kind!r}; valid choices: {[k.value for k in HeadKind]}")
-    for layer in head.modules():
-        if isinstance(layer, nn.Linear):
-            nn.init.trunc_normal_(layer.weight, std=0.02)
-            nn.init.zeros_(layer.bias)
-    return head
+        return nn.Sequential(Linear(dim, hidden_dim, scheme="timm"), nn.Tanh(),
+                             Linear(hidden_dim, num_classes, scheme="timm"))
+    raise ValueError(f"unknown head {kind!r}; valid choices: {[k.value for k in HeadKind]}")
 
 
 class Supervised(Objective):

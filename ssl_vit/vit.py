@@ -18,9 +18,11 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from timm.layers import DropPath, LayerScale
+from timm.layers import DropPath
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from ssl_vit.init import LayerScale, Linear, PatchProjection, check_scheme, init_embeddings
 
 GLOBAL_POOLS = ("token", "avg")
 # Interpolation modes for resampling position embeddings to a new grid (the ones F.interpolate can antialias).
@@ -124,13 +126,13 @@ def sincos_pos_embed_2d(grid: Sequence[int], dim: int, num_prefix_tokens: int = 
 class PatchEmbed(nn.Module):
     """Cut images into P x P patches and map each linearly to D: exactly a Conv2d with kernel = stride = P."""
 
-    def __init__(self, img_size=224, patch_size=16, in_chans=3, embed_dim=768, bias=True):
+    def __init__(self, img_size=224, patch_size=16, in_chans=3, embed_dim=768, bias=True, weight_init="timm"):
         super().__init__()
         self.img_size, self.patch_size = _pair(img_size), _pair(patch_size)
         _check_divisible(self.img_size, self.patch_size)
         self.grid_size = (self.img_size[0] // self.patch_size[0], self.img_size[1] // self.patch_size[1])
         self.num_patches = self.grid_size[0] * self.grid_size[1]
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=self.patch_size, stride=self.patch_size, bias=bias)
+        self.proj = PatchProjection(in_chans, embed_dim, self.patch_size, bias=bias, scheme=weight_init)
 
     def grid_for(self, height: int, width: int) -> tuple[int, int]:
         _check_divisible((height, width), self.patch_size)
@@ -152,16 +154,16 @@ def _attend(q, k, v, dropout_p: float, return_attention: bool):
 
 class Attention(nn.Module):
     def __init__(self, dim, num_heads, qkv_bias=True, qk_norm=False, norm_layer=nn.LayerNorm, attn_drop=0.0,
-                 proj_drop=0.0):
+                 proj_drop=0.0, weight_init="timm"):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
         self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.qkv = Linear(dim, dim * 3, bias=qkv_bias, scheme=weight_init, role="fused", splits=[dim] * 3)
         self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.attn_drop = attn_drop
-        self.proj = nn.Linear(dim, dim)
+        self.proj = Linear(dim, dim, scheme=weight_init)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def forward(self, x: torch.Tensor, return_attention: bool = False):
@@ -174,11 +176,11 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-    def __init__(self, dim, hidden_dim, drop=0.0):
+    def __init__(self, dim, hidden_dim, drop=0.0, weight_init="timm"):
         super().__init__()
-        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.fc1 = Linear(dim, hidden_dim, scheme=weight_init, role="mlp")
         self.act = nn.GELU()
-        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.fc2 = Linear(hidden_dim, dim, scheme=weight_init, role="mlp")
         self.drop = nn.Dropout(drop)
 
     def forward(self, x):
@@ -186,21 +188,21 @@ class Mlp(nn.Module):
 
 
 def _layer_scale(dim, init_value):
-    return LayerScale(dim, init_values=init_value) if init_value is not None else nn.Identity()
+    return LayerScale(dim, init_value) if init_value is not None else nn.Identity()
 
 
 class Block(nn.Module):
     """Pre-norm block of the paper: z = z + MSA(LN(z)); z = z + MLP(LN(z))."""
 
     def __init__(self, dim, num_heads, mlp_dim, qkv_bias=True, qk_norm=False, norm_layer=nn.LayerNorm,
-                 layer_scale=None, drop_path=0.0, attn_drop=0.0, proj_drop=0.0):
+                 layer_scale=None, drop_path=0.0, attn_drop=0.0, proj_drop=0.0, weight_init="timm"):
         super().__init__()
         self.norm1 = norm_layer(dim)
-        self.attn = Attention(dim, num_heads, qkv_bias, qk_norm, norm_layer, attn_drop, proj_drop)
+        self.attn = Attention(dim, num_heads, qkv_bias, qk_norm, norm_layer, attn_drop, proj_drop, weight_init)
         self.ls1 = _layer_scale(dim, layer_scale)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = norm_layer(dim)
-        self.mlp = Mlp(dim, mlp_dim, proj_drop)
+        self.mlp = Mlp(dim, mlp_dim, proj_drop, weight_init)
         self.ls2 = _layer_scale(dim, layer_scale)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
@@ -219,25 +221,37 @@ class ParallelBlock(nn.Module):
     """
 
     def __init__(self, dim, num_heads, mlp_dim, qkv_bias=False, qk_norm=True, norm_layer=nn.LayerNorm,
-                 layer_scale=None, drop_path=0.0, attn_drop=0.0, proj_drop=0.0):
+                 layer_scale=None, drop_path=0.0, attn_drop=0.0, proj_drop=0.0, weight_init="timm"):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
         self.num_heads, self.head_dim = num_heads, dim // num_heads
         self.in_split = [mlp_dim, dim, dim, dim]
+        self.weight_init = weight_init
         self.in_norm = norm_layer(dim)
-        self.in_proj = nn.Linear(dim, mlp_dim + 3 * dim, bias=qkv_bias)
+        self.in_proj = Linear(dim, mlp_dim + 3 * dim, bias=qkv_bias, scheme=weight_init, role="fused",
+                              splits=self.in_split)
         # Without a QKV bias the MLP still has its own fc1 bias (as in the paper and timm).
-        self.mlp_bias = None if qkv_bias else nn.Parameter(torch.zeros(mlp_dim))
+        self.mlp_bias = None if qkv_bias else nn.Parameter(torch.empty(mlp_dim))
         self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.attn_drop = attn_drop
         self.mlp_act = nn.GELU()
         self.mlp_drop = nn.Dropout(proj_drop)
-        self.attn_out_proj = nn.Linear(dim, dim)
-        self.mlp_out_proj = nn.Linear(mlp_dim, dim)
+        self.attn_out_proj = Linear(dim, dim, scheme=weight_init)
+        self.mlp_out_proj = Linear(mlp_dim, dim, scheme=weight_init, role="mlp")
         self.ls = _layer_scale(dim, layer_scale)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """This block's own parameter (the MLP's input bias); its layers initialise themselves."""
+        if self.mlp_bias is not None:
+            if self.weight_init == "jax":
+                nn.init.normal_(self.mlp_bias, std=1e-6)
+            else:
+                nn.init.zeros_(self.mlp_bias)
 
     def forward(self, x: torch.Tensor, return_attention: bool = False):
         B, N, C = x.shape
@@ -283,6 +297,7 @@ class VisionTransformer(nn.Module):
         drop_path: float = 0.0,
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
+        weight_init: str = "timm",
     ):
         super().__init__()
         # The constructor arguments, so that a saved encoder can be rebuilt (ssl_vit.export).
@@ -293,6 +308,7 @@ class VisionTransformer(nn.Module):
         if global_pool == "token" and not class_token:
             raise ValueError("global_pool='token' needs class_token=True; use global_pool='avg' without one")
         _check_pos_embed_interp(pos_embed_interp)
+        check_scheme(weight_init)
 
         def norm_layer(dim):
             return nn.LayerNorm(dim, eps=norm_eps, bias=norm_bias)
@@ -305,12 +321,14 @@ class VisionTransformer(nn.Module):
         # How position embeddings are resampled for another grid (set_img_size and on the fly): timm's default is
         # bicubic + antialias; DINOv2 / HF transformers weights expect bicubic without antialiasing.
         self.pos_embed_interp, self.pos_embed_antialias = pos_embed_interp, bool(pos_embed_antialias)
+        self.weight_init = weight_init
 
         # CLIP-style pre-norm models have no patch-embedding bias (as in timm).
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, bias=not pre_norm)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
-        self.reg_token = nn.Parameter(torch.zeros(1, num_registers, embed_dim)) if num_registers else None
-        self.pos_embed = nn.Parameter(torch.zeros(1, self.num_pos_prefix + self.patch_embed.num_patches, embed_dim))
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, bias=not pre_norm,
+                                      weight_init=weight_init)
+        self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim)) if class_token else None
+        self.reg_token = nn.Parameter(torch.empty(1, num_registers, embed_dim)) if num_registers else None
+        self.pos_embed = nn.Parameter(torch.empty(1, self.num_pos_prefix + self.patch_embed.num_patches, embed_dim))
         self.norm_pre = norm_layer(embed_dim) if pre_norm else nn.Identity()
 
         block = ParallelBlock if parallel_block else Block
@@ -318,30 +336,23 @@ class VisionTransformer(nn.Module):
         drop_rates = [drop_path * i / max(depth - 1, 1) for i in range(depth)]  # stochastic depth grows linearly
         self.blocks = nn.Sequential(*[
             block(embed_dim, num_heads, mlp_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, norm_layer=norm_layer,
-                  layer_scale=layer_scale, drop_path=rate, attn_drop=attn_drop, proj_drop=proj_drop)
+                  layer_scale=layer_scale, drop_path=rate, attn_drop=attn_drop, proj_drop=proj_drop,
+                  weight_init=weight_init)
             for rate in drop_rates
         ])
         # As in timm: average pooling normalises after pooling (fc_norm), token pooling before (norm).
         use_fc_norm = global_pool == "avg"
         self.norm = nn.Identity() if use_fc_norm else norm_layer(embed_dim)
         self.fc_norm = norm_layer(embed_dim) if use_fc_norm else nn.Identity()
-        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        self.init_weights()
+        # A classification head starts at zero (the paper's fine-tuning head, section 3.2).
+        self.head = Linear(embed_dim, num_classes, role="zero") if num_classes > 0 else nn.Identity()
+        self.reset_parameters()
 
     # ----- construction helpers -----
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        for token in (self.cls_token, self.reg_token):
-            if token is not None:
-                nn.init.normal_(token, std=1e-6)
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.trunc_normal_(module.weight, std=0.02)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-        if isinstance(self.head, nn.Linear):  # a fine-tuning head starts at zero (paper, section 3.2)
-            nn.init.zeros_(self.head.weight)
+    def reset_parameters(self) -> None:
+        """Initialise this module's own parameters (position embeddings, tokens) by `weight_init`; every layer
+        initialises itself in its own constructor (see ssl_vit.init: this survives DeepSpeed's zero.Init)."""
+        init_embeddings(self.pos_embed, (self.cls_token, self.reg_token), self.weight_init)
 
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed", "cls_token", "reg_token"}
@@ -450,5 +461,6 @@ def build_vit(name: str, **overrides) -> VisionTransformer:
 
 
 def count_parameters(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+    """Parameter count; a DeepSpeed ZeRO-3 partitioned parameter counts at its full size (ds_numel)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
 

@@ -14,6 +14,7 @@ from torch import nn
 from ssl_vit.config import ModelConfig, model_kwargs
 from ssl_vit.export import from_timm, load_encoder, save_encoder
 from ssl_vit.export.timm import layer_scale_init
+from ssl_vit.init import LayerScale as OurLayerScale
 from ssl_vit.vit import VisionTransformer, build_vit, resample_pos_embed
 
 
@@ -24,7 +25,8 @@ def _randomise(module: nn.Module) -> None:
 
 
 def _gammas(model: nn.Module) -> torch.Tensor:
-    return torch.cat([m.gamma.detach().flatten() for m in model.modules() if isinstance(m, LayerScale)])
+    return torch.cat([m.gamma.detach().flatten() for m in model.modules()
+                      if isinstance(m, LayerScale | OurLayerScale)])
 
 
 def _check_import(theirs: nn.Module, size: int, init_value: float) -> VisionTransformer:
