@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ssl_vit.vit import VisionTransformer
+from ssl_vit.vit import Block, ParallelBlock, VisionTransformer
 
 
 @dataclass
@@ -47,6 +47,12 @@ class Objective(nn.Module, ABC):
     @property
     def encoder(self) -> VisionTransformer:
         return self.backbone
+
+    @property
+    def _no_split_modules(self) -> list[str]:
+        """The transformer-block classes in this model (backbone, decoders, heads): FSDP2's auto-wrap shards each
+        block as one unit (accelerate reads this when the accelerate config names no layer class)."""
+        return sorted({type(m).__name__ for m in self.modules() if isinstance(m, (Block, ParallelBlock))})
 
     @abstractmethod
     def forward(self, batch: dict) -> dict[str, torch.Tensor]: ...

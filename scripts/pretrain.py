@@ -2,7 +2,7 @@
 
     accelerate launch scripts/pretrain.py                                 # supervised, vit_tiny, synthetic shapes
     accelerate launch scripts/pretrain.py objective=supervised model=vit_s16 data=folder data.root=/data/train
-    ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/accelerate/cpu_ddp2.yaml scripts/pretrain.py
+    accelerate launch --config_file configs/accelerate/zero3_cpu2.yaml scripts/pretrain.py objective=mae  # "Scaling up"
 
 Hydra overrides select and change everything in configs/; see configs/pretrain.yaml. A bad value ends in one line,
 `ssl-vit: error: ...`, with exit status 2; a run that stops (divergence, unusable data, a full disk) with 1.

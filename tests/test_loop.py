@@ -138,7 +138,7 @@ def test_resume_refuses_what_cannot_continue_the_run_exactly(tmp_path, caplog):
         damage(tmp_path / name)
     expected = {
         "missing": r"trainer.resume='.*missing' does not exist or is not a directory; valid values: auto",
-        "empty": r"holds no checkpoint \(no model.safetensors",
+        "empty": r"holds no checkpoint \(no custom_checkpoint_0.pkl\)",
         "garbage": r"model.safetensors is unreadable \(SafetensorError",
         "truncated": r"truncated cannot be loaded \(RuntimeError: PytorchStreamReader",
         "no_rng": r"lacks random_states_0.pkl .* set trainer.allow_inexact_resume=true",

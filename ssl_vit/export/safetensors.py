@@ -19,10 +19,16 @@ def save_encoder(encoder: VisionTransformer, path: str | Path, preprocess: Prepr
                  **metadata) -> Path:
     """Write atomically (temp file + rename): a reader never sees a half-written file. `preprocess` (image size,
     normalisation, resize rule) becomes the evaluation default for this encoder."""
+    return save_encoder_state(encoder.state_dict(), encoder.config, path, preprocess, **metadata)
+
+
+def save_encoder_state(state: dict, config: dict, path: str | Path, preprocess: Preprocess | None = None,
+                       **metadata) -> Path:
+    """`save_encoder` from an encoder's state dict and constructor config (e.g. gathered from a sharded model)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in encoder.state_dict().items()}
-    meta = {"format": FORMAT, "model": json.dumps(encoder.config), **{k: str(v) for k, v in metadata.items()}}
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    meta = {"format": FORMAT, "model": json.dumps(config), **{k: str(v) for k, v in metadata.items()}}
     if preprocess is not None:
         meta["preprocess"] = preprocess.to_json()
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")

@@ -62,17 +62,21 @@ def resolve_resume(resume: str | None, out_dir: str | Path) -> Path | None:
                           f"a checkpoint directory such as {example}")
     if list_checkpoints(path):  # a run directory: take its newest checkpoint
         return list_checkpoints(path)[-1]
-    if not (path / MODEL_FILE).is_file() or not (path / TRAIN_STATE_FILE).is_file():
-        raise ConfigError(f"trainer.resume={resume!r} holds no checkpoint (no {MODEL_FILE} and {TRAIN_STATE_FILE}); "
-                          f"valid values: auto, a run directory, or a checkpoint directory such as {example}")
+    if not (path / TRAIN_STATE_FILE).is_file():
+        raise ConfigError(f"trainer.resume={resume!r} holds no checkpoint (no {TRAIN_STATE_FILE}); valid values: "
+                          f"auto, a run directory, or a checkpoint directory such as {example}")
     return path
 
 
 def check_checkpoint(path: Path, model, world_size: int, allow_inexact: bool) -> None:
     """Refuse, with the reason, a checkpoint that cannot resume this run exactly: unreadable files, another model's
-    weights, or a missing RNG state (unless allow_inexact, which warns instead)."""
+    weights, or a missing RNG state (unless allow_inexact, which warns instead). Sharded checkpoints (DeepSpeed's
+    pytorch_model/, FSDP's) are checked by their own loaders."""
     from safetensors import safe_open
 
+    _check_rng_states(path, world_size, allow_inexact)
+    if not (path / MODEL_FILE).is_file():
+        return
     try:
         with safe_open(str(path / MODEL_FILE), framework="pt") as f:
             saved = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
@@ -89,6 +93,9 @@ def check_checkpoint(path: Path, model, world_size: int, allow_inexact: bool) ->
         raise ConfigError(f"trainer.resume: {path} holds a different model: {'; '.join(problems[:3])}{more}. "
                           f"Resume with the configuration of that run"
                           + (f" ({config})" if config.is_file() else ""))
+
+
+def _check_rng_states(path: Path, world_size: int, allow_inexact: bool) -> None:
     missing = [rng_file(rank) for rank in range(world_size) if not (path / rng_file(rank)).is_file()]
     if missing and not allow_inexact:
         raise ConfigError(f"trainer.resume: {path} lacks {', '.join(missing)} (the RNG state of "

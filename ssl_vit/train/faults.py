@@ -3,7 +3,8 @@ process SIGKILLs itself when it reaches that point at that step, exactly as a no
 
 Points: `step_done` (after the optimizer step and its log line, before any checkpoint), `checkpoint_written` (the
 checkpoint is complete in its temp directory, not yet renamed into place), `checkpoint_saved` (renamed into place,
-before encoder.safetensors is written).
+before encoder.safetensors is written). And one that is not a kill: `nan_loss@<step>` makes that step's loss NaN
+on rank 0, to test that the update is skipped under every strategy.
 """
 
 from __future__ import annotations
@@ -18,3 +19,10 @@ _FAULT = os.environ.get(FAULT_ENV)
 def fault_point(name: str, step: int) -> None:
     if _FAULT is not None and _FAULT == f"{name}@{step}":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def poisoned(loss, step: int):
+    """The loss, or NaN at the step SSL_VIT_FAULT=nan_loss@<step> names (rank 0 only: the others stay finite)."""
+    if _FAULT is not None and _FAULT == f"nan_loss@{step}" and os.environ.get("RANK", "0") == "0":
+        return loss * float("nan")
+    return loss

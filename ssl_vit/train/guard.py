@@ -10,28 +10,24 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 
 class TrainingDiverged(RuntimeError):
     """Training stopped because the loss or the weights went bad; the message says what to change."""
 
 
-def parameter_norm(parameters: list[torch.Tensor]) -> float:
-    norms = torch._foreach_norm([p.detach() for p in parameters])
-    return float(torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))) if norms else 0.0
-
-
 class UpdateGuard:
-    def __init__(self, parameters, max_growth: float):
+    """`norm_of(parameters)` gives the global parameter norm (ssl_vit.train.strategy.parameter_norm: summed over
+    shards when the model is sharded)."""
+
+    def __init__(self, parameters, max_growth: float, norm_of):
         self.parameters = [p for p in parameters if p.requires_grad]
-        self.max_growth = max_growth
-        self.norm = parameter_norm(self.parameters)
+        self.max_growth, self.norm_of = max_growth, norm_of
+        self.norm = norm_of(self.parameters)
 
     def check_update(self) -> tuple[float, float] | None:
         """After an optimizer step: None if the parameter norm is finite and grew by at most max_growth, else
         (norm before, norm after)."""
-        before, after = self.norm, parameter_norm(self.parameters)
+        before, after = self.norm, self.norm_of(self.parameters)
         self.norm = after
         if math.isfinite(after) and after <= self.max_growth * max(before, 1.0):
             return None

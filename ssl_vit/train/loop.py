@@ -7,12 +7,12 @@ Outputs in the run directory (see ssl_vit.train.outputs): `metrics.jsonl`, Tenso
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -21,7 +21,7 @@ from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 
 from objectives import OBJECTIVES, DataInfo, build_objective
-from ssl_vit.config import ConfigError, Precision, model_kwargs, to_container, validate_config
+from ssl_vit.config import ConfigError, model_kwargs, to_container, validate_config
 from ssl_vit.data import DataError, build_dataset, make_loader
 from ssl_vit.data.subset import limit_samples
 from ssl_vit.preprocess import resolve_preprocess
@@ -32,11 +32,22 @@ from ssl_vit.train.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from ssl_vit.train.faults import fault_point
+from ssl_vit.train.faults import fault_point, poisoned
 from ssl_vit.train.guard import UpdateGuard, nonfinite_error, ruined_weights_error
 from ssl_vit.train.optim import apply_schedule, build_optimizer, schedule
 from ssl_vit.train.outputs import ENCODER_FILE, OutputError, RunOutputs, check_writable
-from ssl_vit.vit import PRESETS, build_vit, count_parameters
+from ssl_vit.train.strategy import (
+    construction_context,
+    full_state_dict,
+    is_sharded,
+    make_accelerator,
+    parameter_norm,
+    replica_digest,
+    step_was_applied,
+    strategy_name,
+    unshard,
+)
+from ssl_vit.vit import PRESETS, VisionTransformer, build_vit, count_parameters
 
 log = logging.getLogger("ssl_vit")
 
@@ -133,15 +144,6 @@ def configure_threads(requested: int | None, accelerator: Accelerator) -> int:
     return threads
 
 
-def parameter_digest(module: torch.nn.Module) -> str:
-    """sha256 of every parameter's bytes, in name order: equal digests mean bitwise-equal replicas."""
-    digest = hashlib.sha256()
-    for name, param in sorted(module.named_parameters()):
-        digest.update(name.encode())
-        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 class Meter:
     """Sums detached scalars between log steps without synchronising; `summary` reduces across processes."""
 
@@ -180,25 +182,6 @@ def _flat_hparams(config: dict, prefix: str = "") -> dict:
     return flat
 
 
-def make_accelerator(cfg, out_dir: Path) -> Accelerator:
-    tcfg = cfg.trainer
-    accelerator = Accelerator(
-        mixed_precision="bf16" if tcfg.precision == Precision.bf16 else "no",
-        gradient_accumulation_steps=tcfg.grad_accum_steps,
-        log_with="tensorboard" if tcfg.tensorboard else None,
-        project_dir=str(out_dir),
-    )
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched != accelerator.num_processes:
-        raise ConfigError(
-            f"the launcher started {launched} processes but they did not join one process group (each sees "
-            f"{accelerator.num_processes}); on CPU launch with ACCELERATE_USE_CPU=1, e.g. ACCELERATE_USE_CPU=1 "
-            "accelerate launch --config_file configs/accelerate/cpu_ddp2.yaml scripts/pretrain.py"
-        )
-    logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-save INFO lines drown the progress bar
-    return accelerator
-
-
 def train_step(model, optimizer, batches, accelerator, state, meter, cfg) -> tuple[bool, bool]:
     """One optimizer step over grad_accum_steps micro-batches. Returns (applied, loss finite on this rank); the
     update is skipped when the global gradient norm is non-finite (any rank's non-finite loss makes it so)."""
@@ -209,15 +192,18 @@ def train_step(model, optimizer, batches, accelerator, state, meter, cfg) -> tup
             state.skipped_samples += int(batch.pop("skipped").sum())
         with accelerator.accumulate(model):
             outputs = model(_to_device(batch, accelerator.device))
+            outputs["loss"] = poisoned(outputs["loss"], state.step + 1)
             local_finite &= torch.isfinite(outputs["loss"].detach())
             accelerator.backward(outputs["loss"])
             if accelerator.sync_gradients:
-                # max_norm=inf measures without clipping: the norm decides whether the update is usable.
-                outputs["grad_norm"] = accelerator.clip_grad_norm_(model.parameters(),
-                                                                   cfg.optim.grad_clip or math.inf)
-                applied = bool(torch.isfinite(outputs["grad_norm"]))
+                # max_norm=inf measures without clipping: the norm decides whether the update is usable. Under
+                # DeepSpeed the engine already stepped (or skipped) inside backward; this reports its norm.
+                norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or math.inf)
+                if norm is not None:
+                    outputs["grad_norm"] = torch.as_tensor(unshard(norm), dtype=torch.float32)
+                applied = step_was_applied(accelerator, model, outputs.get("grad_norm"))
                 if applied:
-                    optimizer.step()
+                    optimizer.step()  # a no-op under DeepSpeed
                 optimizer.zero_grad(set_to_none=True)
         meter.add(outputs)
     return applied, bool(local_finite)
@@ -234,7 +220,8 @@ def pretrain(cfg) -> dict:
         check_writable(out_dir)
     threads = configure_threads(tcfg.cpu_threads, accelerator)
     set_seed(cfg.seed)  # identical initialisation on every rank
-    objective, dataset, views, preprocess = build_components(cfg)
+    with construction_context(accelerator):
+        objective, dataset, views, preprocess = build_components(cfg)
     optimizer = build_optimizer(objective, cfg.optim, num_layers=len(objective.encoder.blocks))
     lrs = schedule(cfg.optim.lr, cfg.optim.min_lr, tcfg.max_steps, cfg.optim.warmup_steps, cfg.optim.schedule)
     eval_sets = periodic_eval_sets(cfg, preprocess.img_size) if tcfg.eval_every > 0 else None
@@ -264,7 +251,7 @@ def pretrain(cfg) -> dict:
                                world_size=world, seed=cfg.seed, start=state.step * tcfg.grad_accum_steps,
                                num_workers=cfg.data.num_workers, pin_memory=accelerator.device.type == "cuda"))
     end_step = min(tcfg.max_steps, tcfg.stop_at_step or tcfg.max_steps)
-    guard = UpdateGuard(model.parameters(), tcfg.max_param_norm_growth)
+    guard = UpdateGuard(model.parameters(), tcfg.max_param_norm_growth, partial(parameter_norm, accelerator))
     progress = tqdm(total=end_step, initial=state.step, disable=not (is_main and tcfg.progress),
                     desc="pretrain", dynamic_ncols=True)
     meter = Meter()
@@ -272,9 +259,30 @@ def pretrain(cfg) -> dict:
     start_step = interval_step = state.step
     error = None
 
+    def encoder_state() -> dict | None:  # collective when the model is sharded: every rank calls it
+        model_state, prefix = full_state_dict(accelerator, model), encoder_prefix(unwrapped)
+        return None if model_state is None else {k[len(prefix):]: v for k, v in model_state.items()
+                                                 if k.startswith(prefix)}
+
+    def save_encoder(step: int) -> None:  # collective when the model is sharded
+        outputs.save_encoder(encoder_state(), unwrapped.encoder.config, step, objective=cfg.objective.name,
+                             preprocess=preprocess)
+
+    def evaluated_encoder() -> VisionTransformer | None:  # collective when the model is sharded
+        """The main process's encoder for periodic evaluation: the live one, or, when the parameters are sharded
+        (a forward pass there is collective), a full copy from the gathered weights."""
+        if not is_sharded(accelerator):
+            return unwrapped.encoder if is_main else None
+        weights = encoder_state()
+        if not is_main:
+            return None
+        encoder = VisionTransformer(**unwrapped.encoder.config)
+        encoder.load_state_dict(weights)
+        return encoder.to(accelerator.device)
+
     def save(step: int) -> Path:
         checkpoint = save_checkpoint(accelerator, out_dir, step, tcfg.keep_checkpoints)
-        outputs.save_encoder(unwrapped.encoder, step, objective=cfg.objective.name, preprocess=preprocess)
+        save_encoder(step)
         return checkpoint
 
     try:
@@ -312,16 +320,17 @@ def pretrain(cfg) -> dict:
             if diverged:
                 raise nonfinite_error(state.consecutive_nonfinite, state.step, cfg, save(state.step))
             if eval_sets is not None and (state.step % tcfg.eval_every == 0 or state.step == end_step):
+                encoder = evaluated_encoder()
                 if is_main:
-                    scores = periodic_eval(unwrapped.encoder, eval_sets, cfg, preprocess)
+                    scores = periodic_eval(encoder, eval_sets, cfg, preprocess)
                     outputs.log({"step": state.step, **scores})
                     log.info("step %d: %s", state.step, ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
                 accelerator.wait_for_everyone()
             if state.step % tcfg.checkpoint_every == 0 or state.step == end_step:
                 save(state.step)
         # A run resumed from its final checkpoint skips the loop: its encoder file may predate that checkpoint.
-        if is_main and outputs.encoder_step() != state.step:
-            outputs.save_encoder(unwrapped.encoder, state.step, objective=cfg.objective.name, preprocess=preprocess)
+        if gather_object([outputs.encoder_step() != state.step])[0]:  # the main process's answer, for all
+            save_encoder(state.step)
     except BaseException as err:
         error = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise
@@ -331,7 +340,7 @@ def pretrain(cfg) -> dict:
             batches._shutdown_workers()
         elapsed = time.perf_counter() - run_start
         # Collective: only when every rank got here normally.
-        digests = gather_object([parameter_digest(unwrapped)]) if error is None else []
+        digests = gather_object([replica_digest(accelerator, unwrapped)]) if error is None else []
         checkpoints = list_checkpoints(out_dir)
         summary = {
             "step": state.step, "max_steps": tcfg.max_steps, "finished": state.step >= tcfg.max_steps,
@@ -339,7 +348,8 @@ def pretrain(cfg) -> dict:
             "steps_this_run": state.step - start_step, "wall_s": elapsed,
             "images_per_s": global_batch * (state.step - start_step) / elapsed if state.step > start_step else None,
             "nonfinite_steps": state.nonfinite_steps, "skipped_samples": state.skipped_samples,
-            "last": state.last_record, "param_digests": digests, "replicas_in_sync": len(set(digests)) <= 1,
+            "strategy": strategy_name(accelerator), "last": state.last_record, "param_digests": digests,
+            "replicas_in_sync": None if is_sharded(accelerator) else len(set(digests)) <= 1,
             "checkpoint": str(checkpoints[-1]) if checkpoints else None, "encoder": str(out_dir / ENCODER_FILE),
             "preprocess": asdict(preprocess),
         }
@@ -350,10 +360,15 @@ def pretrain(cfg) -> dict:
         accelerator.end_training()
 
     if is_main:
-        if not summary["replicas_in_sync"]:
+        if summary["replicas_in_sync"] is False:
             log.error("model replicas differ across processes after training: %s", digests)
         log.info("done: %d steps, %s images/s; encoder at %s" if summary["finished"] else
                  "stopped at step %d of %d; continue with trainer.resume=auto hydra.run.dir=%s",
                  *((state.step, f"{summary['images_per_s'] or 0:.1f}", summary["encoder"]) if summary["finished"]
                    else (state.step, tcfg.max_steps, out_dir)))
     return summary
+
+
+def encoder_prefix(objective) -> str:
+    """The state-dict prefix of the objective's encoder ("backbone." for most; a teacher's for DINO)."""
+    return next(name for name, module in objective.named_modules() if module is objective.encoder) + "."

@@ -173,12 +173,14 @@ class RunOutputs:
             self.accelerator.log({f"{tensorboard_prefix}{k}": v for k, v in row.items() if k != "step"},
                                  step=row["step"])
 
-    def save_encoder(self, encoder, step: int, **metadata) -> None:
+    def save_encoder(self, encoder_state: dict | None, config: dict, step: int, **metadata) -> None:
+        """encoder.safetensors from the encoder's state dict (the main process holds it; consolidated first when
+        the model is sharded), rebuilt by `load_encoder` with `config`."""
         if self.active:
-            from ssl_vit.export import save_encoder
+            from ssl_vit.export import save_encoder_state
 
             with writing(self.out_dir / ENCODER_FILE, "the encoder"):
-                save_encoder(encoder, self.out_dir / ENCODER_FILE, step=step, **metadata)
+                save_encoder_state(encoder_state, config, self.out_dir / ENCODER_FILE, step=step, **metadata)
 
     def encoder_step(self) -> int | None:
         """The step recorded in encoder.safetensors (None when there is none or it is unreadable)."""

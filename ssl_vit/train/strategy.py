@@ -1,0 +1,186 @@
+"""How the model is distributed: the one module that knows the strategy (one process, DDP, DeepSpeed ZeRO-1/2/3,
+FSDP2). A strategy is chosen by the accelerate config file the user launches with (configs/accelerate/); the loop
+and the objectives call the verbs here and never branch on the strategy themselves.
+
+Facts this module encodes (measured on this stack, see DESIGN.md "Scale"):
+- On CPU, accelerate's workers only join one process group with ACCELERATE_USE_CPU=1, and DeepSpeed needs the gloo
+  backend passed explicitly: both are set here, so a config file alone picks the strategy.
+- accelerate 1.15 only enables FSDP for GPU-like process groups; on CPU its FSDP2 code (fully_shard per block, DCP
+  checkpoints, gathered state dicts) runs unchanged once the shared state says FSDP: `_enable_fsdp_on_cpu`.
+- Under DeepSpeed the engine steps inside `accelerator.backward` (accumulation, global clipping from its JSON, the
+  optimizer step, skipping a step whose gradient norm is not finite); our per-step schedules still write the
+  wrapped optimizer's param groups. The JSON's "auto" values are filled from our config here.
+- ZeRO-3 partitions every parameter (`p.numel() == 0` outside forward): reading full weights needs a collective
+  gather; norms are summed over the local shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+from ssl_vit.config import ConfigError, Precision
+
+log = logging.getLogger("ssl_vit")
+
+
+def make_accelerator(cfg, out_dir) -> Accelerator:
+    tcfg = cfg.trainer
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    handlers = []
+    if distributed and not torch.cuda.is_available():
+        if deepspeed:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            handlers.append(InitProcessGroupKwargs(backend="gloo"))  # else accelerate miscounts the processes
+        else:  # DDP, and FSDP before `_enable_fsdp_on_cpu`
+            os.environ.setdefault("ACCELERATE_USE_CPU", "1")  # else accelerate's CPU workers never form one group
+    accelerator = Accelerator(
+        # Under DeepSpeed both come from its JSON, which `configure_deepspeed` fills from our config.
+        mixed_precision=None if deepspeed else ("bf16" if tcfg.precision == Precision.bf16 else "no"),
+        gradient_accumulation_steps=tcfg.grad_accum_steps,
+        log_with="tensorboard" if tcfg.tensorboard else None,
+        project_dir=str(out_dir),
+        kwargs_handlers=handlers,
+    )
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != accelerator.num_processes:
+        raise ConfigError(
+            f"the launcher started {launched} processes but they did not join one process group (each sees "
+            f"{accelerator.num_processes}); launch with a config from configs/accelerate/, e.g. "
+            "accelerate launch --config_file configs/accelerate/ddp_cpu2.yaml scripts/pretrain.py"
+            + ("" if torch.cuda.is_available() else "; on CPU the workers join only with ACCELERATE_USE_CPU=1, "
+               f"which the trainer sets unless the environment says otherwise (here: "
+               f"{os.environ.get('ACCELERATE_USE_CPU')!r})"))
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-save INFO lines drown the progress bar
+    if distributed and fsdp and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        _enable_fsdp_on_cpu(accelerator)
+    if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
+        raise ConfigError(f"fsdp_version={accelerator.state.fsdp_plugin.fsdp_version} is not supported (parameters "
+                          "must be DTensors): set fsdp_version: 2 in the accelerate config, as in "
+                          "configs/accelerate/fsdp2_cpu2.yaml")
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        configure_deepspeed(accelerator, cfg)
+    return accelerator
+
+
+def _enable_fsdp_on_cpu(accelerator) -> None:
+    """Switch accelerate's state from plain multi-CPU to FSDP, with the plugin the launcher's config describes (the
+    state accelerate would have built on GPUs). Both shared states must agree: accelerate re-reads PartialState's."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables `accelerate launch` sets
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    AcceleratorState._shared_state["distributed_type"] = DistributedType.FSDP
+    AcceleratorState._shared_state["fsdp_plugin"] = plugin
+
+
+def strategy_name(accelerator) -> str:
+    kind = accelerator.distributed_type
+    if kind == DistributedType.DEEPSPEED:
+        return f"zero{accelerator.state.deepspeed_plugin.zero_stage}"
+    if kind == DistributedType.FSDP:
+        return f"fsdp{accelerator.state.fsdp_plugin.fsdp_version}"
+    return "ddp" if accelerator.num_processes > 1 else "single"
+
+
+def configure_deepspeed(accelerator, cfg) -> None:
+    """Fill the DeepSpeed JSON from our config: micro-batch, accumulation, clipping (optim.grad_clip; DeepSpeed's
+    own default would clip at 1.0 silently), precision, and the consolidated ZeRO-3 save."""
+    plugin = accelerator.state.deepspeed_plugin
+    ds = plugin.deepspeed_config
+    ours = {"train_micro_batch_size_per_gpu": cfg.data.batch_size,
+            "gradient_accumulation_steps": cfg.trainer.grad_accum_steps,
+            "gradient_clipping": float(cfg.optim.grad_clip or 0.0)}
+    for key, value in ours.items():
+        if ds.get(key, "auto") not in ("auto", value):
+            log.warning("DeepSpeed JSON sets %s=%s; the run uses %s from the training config", key, ds[key], value)
+        ds[key] = value
+    ds["train_batch_size"] = cfg.data.batch_size * cfg.trainer.grad_accum_steps * accelerator.num_processes
+    bf16 = cfg.trainer.precision == Precision.bf16
+    ds["bf16"] = {**ds.get("bf16", {}), "enabled": bf16, "check_grad_overflow": True}
+    ds["fp16"] = {"enabled": False}
+    zero = ds.setdefault("zero_optimization", {})
+    if zero.get("stage") == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True  # encoder.safetensors is the full encoder
+    accelerator.gradient_accumulation_steps = cfg.trainer.grad_accum_steps
+
+
+def construction_context(accelerator):
+    """Build the model under DeepSpeed's zero.Init when the config asks for it (ZeRO-3 with zero3_init_flag): every
+    module's parameters are partitioned as its constructor returns, so a large preset never exists whole on one
+    rank. Layers initialise themselves in their constructors (ssl_vit.init), so the init survives."""
+    plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type == DistributedType.DEEPSPEED else None
+    if plugin is None or plugin.zero_stage != 3 or not plugin.zero3_init_flag:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.Init(config_dict_or_path=plugin.deepspeed_config, dtype=torch.float32)
+
+
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: ZeRO-3's partition, an FSDP2 DTensor's local shard, or the whole tensor."""
+    if hasattr(param, "ds_tensor"):
+        return param.ds_tensor
+    if hasattr(param, "to_local"):
+        return param.to_local()
+    return param
+
+
+def unshard(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from an FSDP2 DTensor result (e.g. the gradient norm, a replicated DTensor)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def is_sharded(accelerator) -> bool:
+    """Whether parameters are split across ranks (ZeRO-3, FSDP2): full weights then need a collective gather."""
+    return strategy_name(accelerator) in ("zero3", "fsdp2")
+
+
+def parameter_norm(accelerator, parameters) -> float:
+    """The global L2 norm of the parameters, summed over shards when they are sharded (collective then)."""
+    shards = [local_shard(p).detach() for p in parameters]
+    norms = torch._foreach_norm([s for s in shards if s.numel()])
+    squares = torch.stack([n.float() for n in norms]).square().sum() if norms else torch.zeros(())
+    if is_sharded(accelerator):
+        squares = accelerator.reduce(squares.to(accelerator.device), reduction="sum")
+    return float(squares.sqrt())
+
+
+def step_was_applied(accelerator, model, grad_norm: torch.Tensor | None) -> bool:
+    """Whether the optimizer step just taken changed the weights. DeepSpeed decides inside `backward` (it skips a
+    step whose global gradient norm is not finite); otherwise the loop skips when the norm is not finite."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return bool(model.was_step_applied())
+    return grad_norm is None or bool(torch.isfinite(grad_norm))
+
+
+def replica_digest(accelerator, module: torch.nn.Module) -> str | None:
+    """sha256 of every parameter's bytes in name order (equal digests: bitwise-equal replicas); None when the
+    parameters are sharded, where ranks hold different shards by design."""
+    if is_sharded(accelerator):
+        return None
+    digest = hashlib.sha256()
+    for name, param in sorted(module.named_parameters()):
+        digest.update(name.encode())
+        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def full_state_dict(accelerator, model) -> dict[str, torch.Tensor] | None:
+    """The whole model's state dict on the main process (None elsewhere); collective when sharded."""
+    if not is_sharded(accelerator):
+        state = accelerator.unwrap_model(model).state_dict() if accelerator.is_main_process else None
+    else:
+        state = accelerator.get_state_dict(model)
+    return state if accelerator.is_main_process else None

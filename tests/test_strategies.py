@@ -1,0 +1,111 @@
+"""The same objectives under every shipped strategy on 2 CPU processes (gloo): DDP, DeepSpeed ZeRO-1/2/3, FSDP2.
+Same losses, periodic evaluation and encoders within 1e-4 (relative), exact resume under ZeRO-3 and FSDP2, a
+non-finite loss skipped under ZeRO-2, and ZeRO-3's partitioning and construction under zero.Init."""
+
+import json
+import math
+import subprocess
+
+import pytest
+import torch
+from conftest import ACCELERATE, ROOT, check_ok, launch, read_metrics
+
+from ssl_vit.export import load_encoder
+
+STRATEGIES = ["ddp_cpu2", "zero1_cpu2", "zero2_cpu2", "zero3_cpu2", "fsdp2_cpu2"]
+SHARDED = {"zero3_cpu2", "fsdp2_cpu2"}  # parameters split across ranks
+OBJECTIVES = {
+    "masked_patch": ["objective=masked_patch"],
+    "mae": ["objective=mae", "objective.decoder_dim=32", "objective.decoder_depth=1", "objective.decoder_heads=2"],
+}
+TINY = ["model=vit_test", "data.batch_size=8", "data.num_samples=64", "trainer.max_steps=5", "trainer.log_every=1",
+        "optim.lr=1e-3", "optim.warmup_steps=2"]
+EVAL = ["trainer.eval_every=5", "trainer.eval_evaluators=[knn]", "trainer.eval_max_samples=64"]
+
+
+def _run(config, out, *overrides, env=None):
+    return launch(*TINY, *overrides, f"hydra.run.dir={out}", config=config, env=env)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("strategies")
+    done = {}
+    for objective, options in OBJECTIVES.items():
+        for config in STRATEGIES:
+            check_ok(_run(config, root / f"{objective}-{config}", *options, *EVAL))
+            done[objective, config] = root / f"{objective}-{config}"
+    return done
+
+
+@pytest.mark.parametrize("objective", list(OBJECTIVES))
+def test_every_strategy_gives_the_same_losses_and_encoders(runs, objective):
+    reference = [m["loss"] for m in read_metrics(runs[objective, "ddp_cpu2"]) if "loss" in m]
+    reference_eval = [m for m in read_metrics(runs[objective, "ddp_cpu2"]) if "eval/knn" in m]
+    reference_encoder = load_encoder(runs[objective, "ddp_cpu2"] / "encoder.safetensors").state_dict()
+    for config in STRATEGIES[1:]:
+        run = runs[objective, config]
+        losses = [m["loss"] for m in read_metrics(run) if "loss" in m]
+        assert losses == pytest.approx(reference, rel=1e-4), (config, losses, reference)
+        # periodic evaluation ran on the main process (on a gathered copy when sharded) and saw the same encoder
+        assert [m for m in read_metrics(run) if "eval/knn" in m] == reference_eval
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["strategy"] == config.split("_")[0] and summary["world_size"] == 2
+        assert summary["replicas_in_sync"] is (None if config in SHARDED else True)
+        encoder = load_encoder(run / "encoder.safetensors").state_dict()  # consolidated, whatever the sharding
+        for name, value in reference_encoder.items():
+            torch.testing.assert_close(encoder[name], value, atol=1e-4, rtol=1e-4, msg=f"{config}: {name}")
+
+
+@pytest.mark.parametrize("config", sorted(SHARDED))
+def test_stop_and_resume_under_sharding_reproduces_the_uninterrupted_losses(runs, tmp_path, config):
+    options = OBJECTIVES["masked_patch"]
+    check_ok(_run(config, tmp_path, *options, "trainer.stop_at_step=3"))
+    checkpoint = sorted((tmp_path / "checkpoints").iterdir())[-1]
+    sharded_files = {"zero3_cpu2": "pytorch_model/zero_pp_rank_1_mp_rank_00_model_states.pt",
+                     "fsdp2_cpu2": "pytorch_model_fsdp_0/__1_0.distcp"}
+    assert (checkpoint / sharded_files[config]).is_file()  # each rank wrote its own shard
+    check_ok(_run(config, tmp_path, *options, "trainer.resume=auto"))
+    resumed = [m["loss"] for m in read_metrics(tmp_path)]
+    uninterrupted = [m["loss"] for m in read_metrics(runs["masked_patch", config]) if "loss" in m]
+    assert resumed == pytest.approx(uninterrupted, abs=1e-6)
+
+
+def test_a_non_finite_loss_under_zero2_is_skipped_and_counted_with_the_weights_unchanged(runs, tmp_path):
+    check_ok(_run("zero2_cpu2", tmp_path, *OBJECTIVES["masked_patch"], "trainer.checkpoint_every=1",
+                  "trainer.keep_checkpoints=0", env={"SSL_VIT_FAULT": "nan_loss@3"}))
+    metrics = read_metrics(tmp_path)
+    assert [m["nonfinite_steps"] for m in metrics] == [0, 0, 1, 1, 1] and metrics[2]["loss"] is None
+    reference = read_metrics(runs["masked_patch", "zero2_cpu2"])
+    assert [m["loss"] for m in metrics[:2]] == [m["loss"] for m in reference[:2]]
+
+    def weights(step):
+        path = tmp_path / "checkpoints" / f"step_{step:08d}" / "pytorch_model" / "mp_rank_00_model_states.pt"
+        return torch.load(path, weights_only=False)["module"]
+
+    before, skipped, after = weights(2), weights(3), weights(4)
+    assert all(torch.equal(before[k], skipped[k]) for k in before)  # the NaN step changed nothing
+    assert any(not torch.equal(skipped[k], after[k]) for k in before)  # the next one trained again
+    assert all(torch.isfinite(v).all() for v in after.values())
+
+
+@pytest.mark.parametrize("weight_init, targets", [
+    ("timm", {"blocks.0.attn.qkv.weight": 0.02, "blocks.0.mlp.fc1.weight": 0.02}),
+    ("jax", {"blocks.0.attn.qkv.weight": 1 / math.sqrt(768),  # xavier-uniform per q/k/v: std sqrt(2 / (768 + 768))
+             "blocks.0.mlp.fc1.weight": math.sqrt(2 / (768 + 3072))}),
+])
+def test_zero3_partitions_every_large_parameter_and_zero_init_keeps_the_intended_init(tmp_path, weight_init, targets):
+    cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/zero3_cpu2.yaml"),
+           str(ROOT / "tests/helpers/zero3_probe.py"), "vit_b16", weight_init, str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    large = [name for name, p in ranks[0].items() if p["numel"] >= 100_000]  # stage3_param_persistence_threshold
+    assert len(large) == 4 * 12 + 2  # qkv, proj, fc1, fc2 per block, the patch projection, pos_embed
+    for rank in ranks:
+        for name in large:
+            assert rank[name]["local"] == math.ceil(rank[name]["numel"] / 2) and rank[name]["visible"] == 0, name
+        for name, std in targets.items():
+            assert rank[name]["std"] == pytest.approx(std, rel=0.05), (name, rank[name]["std"], std)
+        for name in ("blocks.0.attn.qkv.bias", "blocks.11.attn.proj.bias"):
+            assert rank[name]["max_abs"] == 0.0, name  # biases zero (they are small: kept whole on each rank)
