@@ -132,6 +132,7 @@ class ModelConfig:
     num_heads: int | None = None
     mlp_ratio: float | None = None
     mlp_dim: int | None = None
+    weight_init: str | None = None  # timm | jax | torch (ssl_vit.init); None: the preset's
 
 
 MODEL_OVERRIDE_FIELDS = tuple(f.name for f in fields(ModelConfig) if f.name not in ("name", "grad_checkpointing"))
@@ -266,6 +267,21 @@ class ProbeConfig:
 
 
 @dataclass
+class PlanConfig:
+    """scripts/plan_memory.py: memory per GPU of a run (ssl_vit.train.memory)."""
+
+    model: ModelConfig = MISSING
+    strategy: str = "zero3"  # ddp | zero1 | zero2 | zero3 | zero2_offload | zero3_offload | fsdp2
+    gpus: int = checked(8, ge=1)
+    gpus_per_node: int = checked(8, ge=1)
+    batch_per_gpu: int = checked(1, ge=1)
+    img_size: int | None = checked(None, ge=1)  # None: the preset's
+    precision: Precision = Precision.bf16
+    grad_checkpointing: bool = False
+    gpu_memory_gib: float = checked(80.0, gt=0)  # for "the smallest GPU count that fits"
+
+
+@dataclass
 class PretrainConfig:
     model: ModelConfig = MISSING
     objective: Any = MISSING
@@ -304,6 +320,7 @@ def register_configs() -> None:
     store = ConfigStore.instance()
     store.store(name="pretrain_schema", node=PretrainConfig)
     store.store(name="probe_schema", node=ProbeConfig)
+    store.store(name="plan_schema", node=PlanConfig)
     store.store(group="schema/eval", name="eval", node=EvalConfig)
     # Schemas live in their own groups (schema/<group>/<option>) so that Hydra's list of valid options for a
     # group shows only the real options; each option file pulls its schema in with `/schema/...@_here_`.

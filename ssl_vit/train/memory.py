@@ -1,0 +1,171 @@
+"""Memory per GPU of a training run, before launching it: model states (params, grads, optimizer) per strategy and
+activations per block, counted on the meta device so that ViT-22B plans in milliseconds.
+
+Model states, bytes per parameter (P parameters, N GPUs; e = 2 for bf16, 4 for fp32 weights in DeepSpeed's flat
+groups; AdamW: fp32 master copy 4 + momentum 4 + variance 4 = 12):
+    ddp            params 4P       grads 4P          optimizer 8P     buffers 4P (DDP's gradient buckets)
+    zero1          params eP       grads eP + 4P/N   optimizer 12P/N
+    zero2          params eP       grads (e+4)P/N    optimizer 12P/N                     = DeepSpeed's estimator
+    zero3          params eP/N     grads 4P/N        optimizer 12P/N  buffers 4 x largest layer (its gathering)
+    zero2_offload  params eP       (grads and optimizer in CPU memory)                   = DeepSpeed's estimator
+    zero3_offload  buffers 4 x largest layer (everything else in CPU memory)            = DeepSpeed's estimator
+    fsdp2          params 4P/N     grads 4P/N        optimizer 8P/N   buffers 2 blocks unsharded (params + grads
+                                                                      in the compute dtype: current + prefetched)
+For bf16, zero2 and zero3 equal DeepSpeed's `estimate_zero{2,3}_model_states_mem_needs` (no offload), and the
+offload variants its GPU and CPU figures; CPU memory per node is DeepSpeed's figure (zero.Init assumed, its 1.5
+buffer factor; for zero1 the stage-2 one). DeepSpeed counts
+18 bytes per parameter for both stages (its stage-2 comment: 16-bit grads 2, fp32 grads 4, fp32 params 4, Adam 8);
+under ZeRO-3 the partitioned 16-bit params take 2 of those 18, which leaves 4 for the gradient partitions.
+
+Activations kept for backward per block, micro-batch b, s tokens, width h, MLP width m, a heads, bytes c per
+activation element (2 bf16, 4 fp32); fused attention (PyTorch SDPA flash / memory-efficient kernels) stores no
+s x s matrix:
+    (8h + 2m) * s * b * c      LayerNorm inputs and outputs (4h), q, k, v (3h), attention output (h), MLP hidden
+                               before and after GELU (2m); the parallel block (ViT-22B) shares one LayerNorm (6h + 2m)
+    + a * s * b * 4            the attention kernel's log-sum-exp
+With gradient checkpointing each block keeps only its input (h * s * b * c) and one block is recomputed at a time.
+Dropout masks, drop-path and the objective's head and loss are not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ssl_vit.config import ConfigError
+from ssl_vit.vit import ParallelBlock, build_vit
+
+GIB = 1024**3
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fsdp2")
+PRECISIONS = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory depends on, read from a model built on the meta device."""
+
+    name: str
+    params: int
+    largest_layer: int  # most parameters held directly by one module (DeepSpeed's "largest layer")
+    largest_block: int  # most parameters in one transformer block (an FSDP2 sharding unit)
+    depth: int
+    width: int
+    mlp_width: int
+    heads: int
+    tokens: int
+    parallel_block: bool
+
+    @classmethod
+    def of(cls, name: str, **overrides) -> ModelShape:
+        with torch.device("meta"):
+            model = build_vit(name, **overrides)
+        block = model.blocks[0]
+        parallel = isinstance(block, ParallelBlock)
+        return cls(
+            name=name,
+            params=sum(p.numel() for p in model.parameters()),
+            largest_layer=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
+            largest_block=max(sum(p.numel() for p in b.parameters()) for b in model.blocks),
+            depth=len(model.blocks), width=model.embed_dim,
+            mlp_width=block.in_split[0] if parallel else block.mlp.fc1.out_features,
+            heads=block.num_heads if parallel else block.attn.num_heads,
+            tokens=model.patch_embed.num_patches + model.num_prefix_tokens, parallel_block=parallel)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per GPU (and, with offload, CPU bytes per node)."""
+
+    strategy: str
+    gpus: int
+    params: int
+    grads: int
+    optimizer: int
+    buffers: int
+    activations: int
+    cpu_per_node: int = 0
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer + self.buffers
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.activations
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "model_states": self.model_states, "total": self.total}
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is invalid; valid choices: {list(choices)}")
+
+
+def activation_bytes(shape: ModelShape, batch: int, precision: str, grad_checkpointing: bool) -> int:
+    """Activations kept for backward on one GPU (formula in the module docstring)."""
+    c = 2 if precision == "bf16" else 4
+    tokens = shape.tokens * batch
+    per_element = (6 if shape.parallel_block else 8) * shape.width + 2 * shape.mlp_width
+    block = per_element * tokens * c + shape.heads * tokens * 4
+    if grad_checkpointing:
+        return shape.depth * shape.width * tokens * c + block
+    return shape.depth * block
+
+
+def plan(shape: ModelShape, strategy: str, gpus: int, *, gpus_per_node: int = 8, batch_per_gpu: int = 1,
+         precision: str = "bf16", grad_checkpointing: bool = False) -> MemoryPlan:
+    """Memory per GPU for `shape` trained with AdamW under `strategy` on `gpus` GPUs (the module docstring)."""
+    check_choice("strategy", strategy, STRATEGIES)
+    check_choice("precision", precision, PRECISIONS)
+    if gpus < 1 or gpus_per_node < 1:
+        raise ConfigError(f"gpus={gpus} and gpus_per_node={gpus_per_node} must be >= 1")
+    p, n, e = shape.params, gpus, (2 if precision == "bf16" else 4)
+    per_node = min(gpus, gpus_per_node)
+    nodes = math.ceil(gpus / per_node)
+    activations = activation_bytes(shape, batch_per_gpu, precision, grad_checkpointing)
+    def shard(bytes_per_param):  # rounded as DeepSpeed's estimators round
+        return int(bytes_per_param * p / n)
+
+    states = {  # params, grads, optimizer, buffers, CPU bytes per node
+        "ddp": (4 * p, 4 * p, 8 * p, 4 * p, 0),
+        "zero1": (e * p, e * p + shard(4), shard(12), 0, int(p * 4 * per_node * 1.5)),
+        "zero2": (e * p, shard(e + 16) - shard(12), shard(12), 0, int(p * 4 * per_node * 1.5)),
+        "zero3": (shard(e), shard(e + 16) - shard(e) - shard(12), shard(12), 4 * shape.largest_layer,
+                  int(shape.largest_layer * 4 * per_node * 1.5)),
+        "zero2_offload": (e * p, 0, 0, 0, int(p * max(4 * gpus, 16) * 1.5)),
+        "zero3_offload": (0, 0, 0, 4 * shape.largest_layer, int(p * 18 / nodes * 1.5)),
+        "fsdp2": (shard(4), shard(4), shard(8), 2 * shape.largest_block * 2 * e, 0),
+    }[strategy]
+    return MemoryPlan(strategy, gpus, *states[:4], activations=activations, cpu_per_node=states[4])
+
+
+def deepspeed_estimate(shape: ModelShape, strategy: str, gpus: int, gpus_per_node: int = 8) -> tuple[int, int]:
+    """(GPU bytes, CPU bytes) of model states from DeepSpeed's own estimator functions, for the DeepSpeed
+    strategies it covers (zero2, zero3 and their offload variants), given counts from the meta device."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    per_node = min(gpus, gpus_per_node)
+    nodes = max(1, math.ceil(gpus / per_node))
+    if strategy in ("zero2", "zero2_offload"):
+        cpu, gpu = estimate_zero2_model_states_mem_needs(shape.params, per_node, nodes,
+                                                         cpu_offload=strategy.endswith("offload"))
+        return gpu, cpu
+    if strategy in ("zero3", "zero3_offload"):
+        offload = strategy.endswith("offload")
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(shape.params, shape.largest_layer, per_node, nodes,
+                                                            cpu_offload=offload, cpu_offload_params=offload)
+        return gpu, cpu
+    raise ConfigError(f"DeepSpeed has no estimator for strategy={strategy!r}; it has one for "
+                     "['zero2', 'zero2_offload', 'zero3', 'zero3_offload']")
+
+
+def smallest_gpu_count(shape: ModelShape, strategy: str, memory_bytes: int, *, max_gpus: int = 65536,
+                       **kwargs) -> int | None:
+    """The fewest GPUs (1, 2, 4, ... then multiples of gpus_per_node) on which the plan fits `memory_bytes`."""
+    per_node = kwargs.get("gpus_per_node", 8)
+    candidates = [g for g in (1, 2, 4) if g < per_node] + list(range(per_node, max_gpus + 1, per_node))
+    return next((g for g in candidates if plan(shape, strategy, g, **kwargs).total <= memory_bytes), None)

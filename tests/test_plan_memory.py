@@ -1,0 +1,69 @@
+"""The memory planner: model counts from the meta device, model states equal to DeepSpeed's own estimators, and
+the CLI."""
+
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from ssl_vit.config import ConfigError
+from ssl_vit.train.memory import GIB, ModelShape, deepspeed_estimate, plan, smallest_gpu_count
+from ssl_vit.vit import build_vit, count_parameters
+
+
+def test_meta_device_counts_match_the_paper_table_and_the_built_model():
+    shape = ModelShape.of("vit_22b")
+    assert shape.params == 21_750_546_432 and shape.largest_layer == 264_241_152  # fused QKV + fc1: 7 x 6144^2
+    assert ModelShape.of("vit_b16").params == count_parameters(build_vit("vit_b16"))  # 86.6M, the paper's 86M
+    assert ModelShape.of("vit_l16", img_size=384).tokens == 24 * 24 + 1
+
+
+@pytest.mark.parametrize("model", ["vit_h14", "vit_g14", "vit_22b"])
+@pytest.mark.parametrize("gpus", [8, 64, 256])
+@pytest.mark.parametrize("strategy", ["zero2", "zero3", "zero2_offload", "zero3_offload"])
+def test_model_states_equal_deepspeeds_estimators(model, gpus, strategy):
+    shape = ModelShape.of(model)
+    ours = plan(shape, strategy, gpus, gpus_per_node=8, precision="bf16")
+    gpu, cpu = deepspeed_estimate(shape, strategy, gpus, gpus_per_node=8)
+    assert (ours.model_states, ours.cpu_per_node) == (gpu, cpu)
+
+
+def test_the_issue_reference_figures_for_vit_22b_under_zero3():
+    shape = ModelShape.of("vit_22b")
+    assert plan(shape, "zero3", 8).model_states / GIB == pytest.approx(46.6, abs=0.05)
+    assert plan(shape, "zero3", 64).model_states / GIB == pytest.approx(6.7, abs=0.05)
+
+
+def test_activations_follow_the_stated_formula_and_checkpointing_keeps_block_inputs():
+    shape = ModelShape.of("vit_b16")  # 197 tokens, width 768, MLP 3072, 12 heads, 12 blocks
+    per_block = (8 * 768 + 2 * 3072) * 197 * 2 * 2 + 12 * 197 * 2 * 4  # batch 2, bf16
+    assert plan(shape, "ddp", 1, batch_per_gpu=2).activations == 12 * per_block
+    checkpointed = plan(shape, "ddp", 1, batch_per_gpu=2, grad_checkpointing=True).activations
+    assert checkpointed == 12 * 768 * 197 * 2 * 2 + per_block
+
+
+def test_smallest_gpu_count_is_the_first_that_fits():
+    shape = ModelShape.of("vit_22b")
+    fewest = smallest_gpu_count(shape, "zero3", 80 * GIB, batch_per_gpu=1)
+    assert plan(shape, "zero3", fewest).total <= 80 * GIB < plan(shape, "zero3", fewest // 2).total
+    assert smallest_gpu_count(shape, "ddp", 80 * GIB) is None  # 16 bytes per parameter never shard
+
+
+def test_bad_choices_name_the_valid_ones():
+    with pytest.raises(ConfigError, match=r"strategy='zero4' is invalid; valid choices: \['ddp'"):
+        plan(ModelShape.of("vit_test"), "zero4", 8)
+    with pytest.raises(ConfigError, match="no estimator for strategy='fsdp2'"):
+        deepspeed_estimate(ModelShape.of("vit_test"), "fsdp2", 8)
+
+
+def test_cli_prints_the_plan_and_every_strategy():
+    cmd = [sys.executable, "scripts/plan_memory.py", "model=vit_22b", "strategy=zero3", "gpus=64",
+           "batch_per_gpu=4", "grad_checkpointing=true"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "21,750,546,432 parameters" in proc.stdout and "zero3 on 64 GPUs" in proc.stdout
+    row = next(line.split() for line in proc.stdout.splitlines() if line.startswith("zero3 ") and "GPUs" not in line)
+    assert row[1] == row[2] == "6.68"  # ours == DeepSpeed's
+    bad = subprocess.run([*cmd[:2], "strategy=zero4"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "valid choices" in bad.stderr
