@@ -43,7 +43,7 @@ def mae_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, norm_
     """Mean squared error over the patches where mask == 1 (pred, target: (B, N, P*P*C); mask: (B, N))."""
     if norm_pix_loss:
         target = normalise_patches(target)[0]
-    per_patch = (pred - target).pow(2).mean(dim=-1)
+    per_patch = (pred.float() - target.float()).pow(2).mean(dim=-1)  # fp32 when the weights are bf16
     return (per_patch * mask).sum() / mask.sum()
 
 

@@ -130,11 +130,11 @@ class MaskedPatch(Objective):
         predictions = self.head(out[corrupted])  # (M, out_dim): corrupted patches only
         if self.target == Target.pixels:
             target = patchify(pixels, self.patch_size)[corrupted].flatten(1)
-            loss = F.mse_loss(predictions, target)
+            loss = F.mse_loss(predictions.float(), target)
             return {"loss": loss, "corrupted_fraction": corrupted.float().mean()}
         grid_cells = self.cfg.subpatch_grid if self.target == Target.subpatch_colour else 1
         target = colour_targets(pixels, self.patch_size, self.cfg.bits, grid_cells)[corrupted]  # (M, cells)
-        logits = predictions.reshape(target.shape[0], self.cells, -1)
+        logits = predictions.float().reshape(target.shape[0], self.cells, -1)  # the loss in fp32 under bf16
         loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())
         accuracy = (logits.argmax(dim=-1) == target).float().mean()
         return {"loss": loss, "acc": accuracy, "corrupted_fraction": corrupted.float().mean()}

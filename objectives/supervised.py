@@ -53,7 +53,7 @@ class Supervised(Objective):
 
     def forward(self, batch):
         embedding = self.backbone.pool(self.backbone.forward_features(batch["image"]))
-        logits = self.head(embedding)
+        logits = self.head(embedding).float()  # the loss in fp32 when the weights are bf16
         labels = batch["label"]
         loss = F.cross_entropy(logits, labels, label_smoothing=self.cfg.label_smoothing)
         return {"loss": loss, "acc": (logits.argmax(dim=-1) == labels).float().mean()}

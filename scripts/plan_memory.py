@@ -12,7 +12,7 @@ from ssl_vit.config import model_kwargs, register_configs, validate_config
 from ssl_vit.train.memory import GIB, STRATEGIES, ModelShape, deepspeed_estimate, plan, smallest_gpu_count
 
 register_configs()
-COLUMNS = ("params", "grads", "optimizer", "buffers", "activations", "total")
+COLUMNS = ("params", "grads", "optimizer", "buffers", "comm_buffers", "gathered", "activations", "total")
 
 
 def report(cfg) -> None:
@@ -26,8 +26,8 @@ def report(cfg) -> None:
           f"{shape.tokens} tokens; batch {cfg.batch_per_gpu}/GPU, {cfg.precision.value}, "
           f"grad checkpointing {'on' if cfg.grad_checkpointing else 'off'}, AdamW")
     print(f"\n{cfg.strategy} on {cfg.gpus} GPUs ({cfg.gpus_per_node} per node), GiB per GPU:")
-    print("".join(f"{c:>12}" for c in COLUMNS))
-    print("".join(f"{getattr(chosen, c) / GIB:>12.2f}" for c in COLUMNS))
+    print("".join(f"{c:>13}" for c in COLUMNS))
+    print("".join(f"{getattr(chosen, c) / GIB:>13.2f}" for c in COLUMNS))
     if chosen.cpu_per_node:
         print(f"CPU memory per node: {chosen.cpu_per_node / GIB:.1f} GiB")
     print(f"\nEvery strategy on {cfg.gpus} GPUs (GiB per GPU; fits = total <= {cfg.gpu_memory_gib:g} GiB):")

@@ -72,7 +72,8 @@ def init_linear(layer: nn.Linear, scheme: str, role: str = "dense", splits: Sequ
 def init_patch_projection(conv: nn.Conv2d, scheme: str) -> None:
     if scheme == "jax":  # flax's lecun_normal: truncated normal, std 1/sqrt(fan_in) after truncation
         fan_in = conv.weight[0].numel()
-        nn.init.trunc_normal_(conv.weight, std=math.sqrt(1.0 / fan_in) / 0.87962566103423978)
+        std = math.sqrt(1.0 / fan_in) / 0.87962566103423978
+        nn.init.trunc_normal_(conv.weight, std=std, a=-2 * std, b=2 * std)  # torch's bounds are absolute
         if conv.bias is not None:
             nn.init.zeros_(conv.bias)
     elif scheme == "xavier":  # MAE: the projection as a (D, P*P*C) matrix

@@ -1,6 +1,7 @@
 """The memory planner: model counts from the meta device, model states equal to DeepSpeed's own estimators, and
 the CLI."""
 
+import json
 import subprocess
 import sys
 
@@ -8,7 +9,15 @@ import pytest
 from conftest import ROOT
 
 from ssl_vit.config import ConfigError
-from ssl_vit.train.memory import GIB, ModelShape, deepspeed_estimate, plan, smallest_gpu_count
+from ssl_vit.train.memory import (
+    DEEPSPEED_BUCKET,
+    GIB,
+    ZERO3_MAX_LIVE,
+    ModelShape,
+    deepspeed_estimate,
+    plan,
+    smallest_gpu_count,
+)
 from ssl_vit.vit import build_vit, count_parameters
 
 
@@ -67,3 +76,11 @@ def test_cli_prints_the_plan_and_every_strategy():
     assert row[1] == row[2] == "6.68"  # ours == DeepSpeed's
     bad = subprocess.run([*cmd[:2], "strategy=zero4"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "valid choices" in bad.stderr
+
+
+def test_the_planner_uses_the_shipped_deepspeed_buffer_sizes():
+    for path in sorted((ROOT / "configs/deepspeed").glob("*.json")):
+        zero = json.loads(path.read_text())["zero_optimization"]
+        assert zero["reduce_bucket_size"] == DEEPSPEED_BUCKET, path.name
+        if zero["stage"] == 3:
+            assert zero["stage3_max_live_parameters"] == ZERO3_MAX_LIVE, path.name

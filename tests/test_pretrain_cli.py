@@ -44,15 +44,6 @@ def test_a_stopped_and_resumed_run_reproduces_the_uninterrupted_losses(reference
         assert resumed[step] == pytest.approx(reference[step], abs=1e-6), step
 
 
-def test_two_process_data_parallel_on_cpu_from_the_config_file_alone(tmp_path):
-    proc = _ok(launch(*TINY, "trainer.max_steps=6", f"hydra.run.dir={tmp_path}", config="ddp_cpu2",
-                      env={"ACCELERATE_USE_CPU": None}))
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["global_batch"] == 32, proc.stdout
-    assert len(summary["param_digests"]) == 2 and summary["param_digests"][0] == summary["param_digests"][1]
-    assert summary["replicas_in_sync"] is True and summary["strategy"] == "ddp"
-
-
 def test_two_workers_that_do_not_join_one_group_are_stopped(tmp_path):
     proc = launch(*TINY, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}", config="ddp_cpu2",
                   env={"ACCELERATE_USE_CPU": "0"})  # the one way left to keep CPU workers apart

@@ -3,7 +3,12 @@
 Probe target: the colour of the shape (8 classes; the third word of the caption "a {size} {colour} {shape} ...").
 Both objectives learn colour structure within seconds, while the shape class itself is not yet linearly decodable
 after so short a run (measured at 300 steps: 15% for either objective vs 16% for a random encoder, chance 12.5%).
-Measured at 200 steps, seed 0: masked_patch 0.74 and MAE 0.49 against 0.34 for the random encoder (chance 0.125).
+
+Both runs start from timm's init (trunc-normal 0.02), where a random vit_test's features carry little colour, so
+what 200 steps of each objective learn is measurable. Measured at 200 steps, seed 0, colour probe: masked_patch
+0.65 and MAE 0.62 against 0.30 for the random encoder (chance 0.125). From the presets' default `jax` init a random
+vit_test already reaches 0.87, and 200 steps do not add to it (masked_patch 0.81, MAE 0.79): at this scale a good
+random init is a strong colour feature extractor, which is not what this test is about.
 """
 
 import numpy as np
@@ -50,10 +55,10 @@ def test_linear_probe_on_pretrained_encoder_beats_a_random_encoder(tmp_path, obj
         cfg = compose("pretrain", overrides=[
             f"objective={objective}", "model=vit_test", "data.img_size=32", "trainer.max_steps=200",
             "trainer.progress=false", "trainer.tensorboard=false", "trainer.log_every=50", f"output_dir={tmp_path}",
-            *options])
+            "model.weight_init=timm", *options])
     pretrain(cfg)
     views = read_preprocess(tmp_path / "encoder.safetensors").view_builder(("image",))
     pretrained = _probe_accuracy(load_encoder(tmp_path / "encoder.safetensors"), views)
     torch.manual_seed(0)
-    random = _probe_accuracy(build_vit("vit_test", img_size=32), views)
+    random = _probe_accuracy(build_vit("vit_test", img_size=32, weight_init="timm"), views)
     assert pretrained > random + MARGIN, (pretrained, random)

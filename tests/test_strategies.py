@@ -20,7 +20,8 @@ OBJECTIVES = {
 }
 TINY = ["model=vit_test", "data.batch_size=8", "data.num_samples=64", "trainer.max_steps=5", "trainer.log_every=1",
         "optim.lr=1e-3", "optim.warmup_steps=2"]
-EVAL = ["trainer.eval_every=5", "trainer.eval_evaluators=[knn]", "trainer.eval_max_samples=64"]
+EVAL = ["trainer.eval_every=5", "trainer.eval_evaluators=[knn]", "trainer.eval_max_samples=64",
+        "trainer.checkpoint_every=3"]  # checkpoints at steps 3 and 5: the resume tests start from step 3
 
 
 def _run(config, out, *overrides, env=None):
@@ -33,7 +34,8 @@ def runs(tmp_path_factory):
     done = {}
     for objective, options in OBJECTIVES.items():
         for config in STRATEGIES:
-            check_ok(_run(config, root / f"{objective}-{config}", *options, *EVAL))
+            # the config file alone sets every strategy up (nothing in the environment)
+            check_ok(_run(config, root / f"{objective}-{config}", *options, *EVAL, env={"ACCELERATE_USE_CPU": None}))
             done[objective, config] = root / f"{objective}-{config}"
     return done
 
@@ -43,6 +45,8 @@ def test_every_strategy_gives_the_same_losses_and_encoders(runs, objective):
     reference = [m["loss"] for m in read_metrics(runs[objective, "ddp_cpu2"]) if "loss" in m]
     reference_eval = [m for m in read_metrics(runs[objective, "ddp_cpu2"]) if "eval/knn" in m]
     reference_encoder = load_encoder(runs[objective, "ddp_cpu2"] / "encoder.safetensors").state_dict()
+    ddp = json.loads((runs[objective, "ddp_cpu2"] / "summary.json").read_text())
+    assert ddp["strategy"] == "ddp" and ddp["world_size"] == 2 and ddp["replicas_in_sync"] is True
     for config in STRATEGIES[1:]:
         run = runs[objective, config]
         losses = [m["loss"] for m in read_metrics(run) if "loss" in m]
@@ -51,24 +55,26 @@ def test_every_strategy_gives_the_same_losses_and_encoders(runs, objective):
         assert [m for m in read_metrics(run) if "eval/knn" in m] == reference_eval
         summary = json.loads((run / "summary.json").read_text())
         assert summary["strategy"] == config.split("_")[0] and summary["world_size"] == 2
-        assert summary["replicas_in_sync"] is (None if config in SHARDED else True)
+        assert summary["replicas_in_sync"] is (None if config in SHARDED else True)  # equal digests, or sharded
         encoder = load_encoder(run / "encoder.safetensors").state_dict()  # consolidated, whatever the sharding
         for name, value in reference_encoder.items():
             torch.testing.assert_close(encoder[name], value, atol=1e-4, rtol=1e-4, msg=f"{config}: {name}")
 
 
 @pytest.mark.parametrize("config", sorted(SHARDED))
-def test_stop_and_resume_under_sharding_reproduces_the_uninterrupted_losses(runs, tmp_path, config):
-    options = OBJECTIVES["masked_patch"]
-    check_ok(_run(config, tmp_path, *options, "trainer.stop_at_step=3"))
-    checkpoint = sorted((tmp_path / "checkpoints").iterdir())[-1]
+def test_resume_from_a_sharded_checkpoint_reproduces_the_uninterrupted_losses(runs, tmp_path, config):
+    """Steps 4-5 resumed from the step-3 checkpoint of the uninterrupted run (model and optimizer shards, RNG,
+    data position) into a new run directory give that run's losses."""
+    uninterrupted = runs["masked_patch", config]
+    checkpoint = uninterrupted / "checkpoints" / "step_00000003"
     sharded_files = {"zero3_cpu2": "pytorch_model/zero_pp_rank_1_mp_rank_00_model_states.pt",
                      "fsdp2_cpu2": "pytorch_model_fsdp_0/__1_0.distcp"}
     assert (checkpoint / sharded_files[config]).is_file()  # each rank wrote its own shard
-    check_ok(_run(config, tmp_path, *options, "trainer.resume=auto"))
-    resumed = [m["loss"] for m in read_metrics(tmp_path)]
-    uninterrupted = [m["loss"] for m in read_metrics(runs["masked_patch", config]) if "loss" in m]
-    assert resumed == pytest.approx(uninterrupted, abs=1e-6)
+    check_ok(_run(config, tmp_path, *OBJECTIVES["masked_patch"], f"trainer.resume={checkpoint}"))
+    resumed = {m["step"]: m["loss"] for m in read_metrics(tmp_path)}
+    assert sorted(resumed) == [4, 5]
+    reference = {m["step"]: m["loss"] for m in read_metrics(uninterrupted) if "loss" in m}
+    assert [resumed[4], resumed[5]] == pytest.approx([reference[4], reference[5]], abs=1e-6)
 
 
 def test_a_non_finite_loss_under_zero2_is_skipped_and_counted_with_the_weights_unchanged(runs, tmp_path):
@@ -89,23 +95,72 @@ def test_a_non_finite_loss_under_zero2_is_skipped_and_counted_with_the_weights_u
     assert all(torch.isfinite(v).all() for v in after.values())
 
 
-@pytest.mark.parametrize("weight_init, targets", [
-    ("timm", {"blocks.0.attn.qkv.weight": 0.02, "blocks.0.mlp.fc1.weight": 0.02}),
-    ("jax", {"blocks.0.attn.qkv.weight": 1 / math.sqrt(768),  # xavier-uniform per q/k/v: std sqrt(2 / (768 + 768))
-             "blocks.0.mlp.fc1.weight": math.sqrt(2 / (768 + 3072))}),
-])
-def test_zero3_partitions_every_large_parameter_and_zero_init_keeps_the_intended_init(tmp_path, weight_init, targets):
+INIT_TARGETS = {  # the std each scheme gives two large weights of vit_b16 (ssl_vit.init)
+    "timm": {"blocks.0.attn.qkv.weight": 0.02, "blocks.0.mlp.fc1.weight": 0.02},
+    "jax": {"blocks.0.attn.qkv.weight": 1 / math.sqrt(768),  # xavier-uniform per q/k/v: std sqrt(2 / (768 + 768))
+            "blocks.0.mlp.fc1.weight": math.sqrt(2 / (768 + 3072))},
+}
+
+
+def test_zero3_partitions_every_large_parameter_and_zero_init_keeps_the_intended_init(tmp_path):
     cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/zero3_cpu2.yaml"),
-           str(ROOT / "tests/helpers/zero3_probe.py"), "vit_b16", weight_init, str(tmp_path)]
+           str(ROOT / "tests/helpers/zero3_probe.py"), "vit_b16", ",".join(INIT_TARGETS), str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    large = [name for name, p in ranks[0].items() if p["numel"] >= 100_000]  # stage3_param_persistence_threshold
-    assert len(large) == 4 * 12 + 2  # qkv, proj, fc1, fc2 per block, the patch projection, pos_embed
-    for rank in ranks:
-        for name in large:
-            assert rank[name]["local"] == math.ceil(rank[name]["numel"] / 2) and rank[name]["visible"] == 0, name
-        for name, std in targets.items():
-            assert rank[name]["std"] == pytest.approx(std, rel=0.05), (name, rank[name]["std"], std)
-        for name in ("blocks.0.attn.qkv.bias", "blocks.11.attn.proj.bias"):
-            assert rank[name]["max_abs"] == 0.0, name  # biases zero (they are small: kept whole on each rank)
+    for weight_init, targets in INIT_TARGETS.items():
+        ranks = [json.loads((tmp_path / f"rank{r}_{weight_init}.json").read_text()) for r in (0, 1)]
+        large = [name for name, p in ranks[0].items() if p["numel"] >= 100_000]  # the persistence threshold
+        assert len(large) == 4 * 12 + 2  # qkv, proj, fc1, fc2 per block, the patch projection, pos_embed
+        for rank in ranks:
+            for name in large:
+                assert rank[name]["local"] == math.ceil(rank[name]["numel"] / 2) and rank[name]["visible"] == 0
+            for name, std in targets.items():
+                assert rank[name]["std"] == pytest.approx(std, rel=0.05), (weight_init, name, rank[name]["std"])
+            for name in ("blocks.0.attn.qkv.bias", "blocks.11.attn.proj.bias"):
+                assert rank[name]["max_abs"] == 0.0, name  # biases zero (small: kept whole on each rank)
+
+
+def test_zero3_with_cpu_offload_gives_the_same_losses(runs, tmp_path):
+    """configs/deepspeed/zero3_offload.json (shipped for GPUs) on this machine: parameters and optimizer states in
+    CPU memory, our optimizer stepping there."""
+    config = (ROOT / "configs/accelerate/zero3_cpu2.yaml").read_text()
+    config = config.replace("deepspeed/zero3.json", "deepspeed/zero3_offload.json").replace("29523", "29529")
+    path = tmp_path / "zero3_offload_cpu2.yaml"
+    path.write_text(config)
+    cmd = [ACCELERATE, "launch", "--config_file", str(path), str(ROOT / "scripts/pretrain.py"),
+           "trainer.progress=false", *TINY, *OBJECTIVES["masked_patch"], f"hydra.run.dir={tmp_path / 'run'}"]
+    check_ok(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600))
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
+    assert losses == pytest.approx([m["loss"] for m in read_metrics(runs["masked_patch", "ddp_cpu2"])
+                                    if "loss" in m], rel=1e-4)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs/accelerate").glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_accelerate_configs_are_valid_and_say_how_to_run_them(path):
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    header = path.read_text().split("compute_environment")[0]
+    assert header.startswith("# ") and "accelerate launch" in header and f"configs/accelerate/{path.name}" in header
+    config = ClusterConfig.from_yaml_file(str(path))
+    if path.stem.endswith("gpu8"):
+        assert config.num_processes == 8 and not config.use_cpu
+    if "_cpu2" in path.stem:
+        assert config.num_processes == 2 and config.use_cpu
+    if config.distributed_type == "DEEPSPEED":
+        ds = json.loads((ROOT / config.deepspeed_config["deepspeed_config_file"]).read_text())
+        assert ds["zero_optimization"]["stage"] == int(path.stem[4])
+        assert config.deepspeed_config["zero3_init_flag"] == (ds["zero_optimization"]["stage"] == 3)
+    if config.distributed_type == "FSDP":
+        assert config.fsdp_config["fsdp_version"] == 2
+
+
+def test_bf16_under_zero3_trains_and_saves_the_fp32_master_weights(runs, tmp_path):
+    """DeepSpeed's bf16 mode keeps bf16 weights in the module and fp32 masters in the optimizer: the encoder file
+    must hold the masters (not bf16-rounded copies), and the losses stay close to the fp32 run's."""
+    check_ok(_run("zero3_cpu2", tmp_path, *OBJECTIVES["mae"], "trainer.precision=bf16"))
+    losses = [m["loss"] for m in read_metrics(tmp_path)]
+    fp32 = [m["loss"] for m in read_metrics(runs["mae", "zero3_cpu2"]) if "loss" in m]
+    assert losses == pytest.approx(fp32, rel=2e-2)
+    encoder = load_encoder(tmp_path / "encoder.safetensors").state_dict()
+    weight = encoder["blocks.0.attn.qkv.weight"]
+    assert weight.dtype == torch.float32 and not torch.equal(weight, weight.bfloat16().float())

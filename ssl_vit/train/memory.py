@@ -2,20 +2,27 @@
 activations per block, counted on the meta device so that ViT-22B plans in milliseconds.
 
 Model states, bytes per parameter (P parameters, N GPUs; e = 2 for bf16, 4 for fp32 weights in DeepSpeed's flat
-groups; AdamW: fp32 master copy 4 + momentum 4 + variance 4 = 12):
-    ddp            params 4P       grads 4P          optimizer 8P     buffers 4P (DDP's gradient buckets)
-    zero1          params eP       grads eP + 4P/N   optimizer 12P/N
-    zero2          params eP       grads (e+4)P/N    optimizer 12P/N                     = DeepSpeed's estimator
-    zero3          params eP/N     grads 4P/N        optimizer 12P/N  buffers 4 x largest layer (its gathering)
+groups; g = 2 for bf16 (DeepSpeed's 16-bit gradients), 0 for fp32; AdamW: fp32 master copy 4 + momentum 4 +
+variance 4 = 12):
+    ddp            params 4P       grads 4P          optimizer 8P
+    zero1          params eP       grads gP + 4P/N   optimizer 12P/N
+    zero2          params eP       grads (g+4)P/N    optimizer 12P/N                     = DeepSpeed's estimator
+    zero3          params eP/N     grads 4P/N        optimizer 12P/N  buffers 4 x largest layer
     zero2_offload  params eP       (grads and optimizer in CPU memory)                   = DeepSpeed's estimator
     zero3_offload  buffers 4 x largest layer (everything else in CPU memory)            = DeepSpeed's estimator
-    fsdp2          params 4P/N     grads 4P/N        optimizer 8P/N   buffers 2 blocks unsharded (params + grads
-                                                                      in the compute dtype: current + prefetched)
+    fsdp2          params 4P/N     grads 4P/N        optimizer 8P/N
 For bf16, zero2 and zero3 equal DeepSpeed's `estimate_zero{2,3}_model_states_mem_needs` (no offload), and the
 offload variants its GPU and CPU figures; CPU memory per node is DeepSpeed's figure (zero.Init assumed, its 1.5
-buffer factor; for zero1 the stage-2 one). DeepSpeed counts
-18 bytes per parameter for both stages (its stage-2 comment: 16-bit grads 2, fp32 grads 4, fp32 params 4, Adam 8);
-under ZeRO-3 the partitioned 16-bit params take 2 of those 18, which leaves 4 for the gradient partitions.
+buffer factor; for zero1 the stage-2 one). DeepSpeed counts 18 bytes per parameter for both stages (its stage-2
+comment: 16-bit grads 2, fp32 grads 4, fp32 params 4, Adam 8); under ZeRO-3 the partitioned 16-bit params take 2
+of those 18, which leaves 4 for the gradient partitions.
+
+On top of the model states:
+- communication buffers: DDP's gradient buckets 4P; DeepSpeed's reduce bucket, DEEPSPEED_BUCKET elements x e
+  (configs/deepspeed/*.json: 5e7);
+- gathered parameters, during forward and backward only: ZeRO-3 keeps up to stage3_max_live_parameters (1e9, the
+  JSON) gathered, min(that, P) x e; FSDP2 unshards the current and the prefetched block, 2 x the largest block x
+  (params + grads) in the compute dtype.
 
 Activations kept for backward per block, micro-batch b, s tokens, width h, MLP width m, a heads, bytes c per
 activation element (2 bf16, 4 fp32); fused attention (PyTorch SDPA flash / memory-efficient kernels) stores no
@@ -40,6 +47,8 @@ from ssl_vit.vit import ParallelBlock, build_vit
 GIB = 1024**3
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fsdp2")
 PRECISIONS = ("bf16", "fp32")
+DEEPSPEED_BUCKET = 50_000_000  # reduce_bucket_size in configs/deepspeed/*.json
+ZERO3_MAX_LIVE = 1_000_000_000  # stage3_max_live_parameters in configs/deepspeed/zero3*.json
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,8 @@ class MemoryPlan:
     grads: int
     optimizer: int
     buffers: int
+    comm_buffers: int
+    gathered: int
     activations: int
     cpu_per_node: int = 0
 
@@ -93,7 +104,7 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.model_states + self.activations
+        return self.model_states + self.comm_buffers + self.gathered + self.activations
 
     def as_dict(self) -> dict:
         return {**asdict(self), "model_states": self.model_states, "total": self.total}
@@ -122,7 +133,8 @@ def plan(shape: ModelShape, strategy: str, gpus: int, *, gpus_per_node: int = 8,
     check_choice("precision", precision, PRECISIONS)
     if gpus < 1 or gpus_per_node < 1:
         raise ConfigError(f"gpus={gpus} and gpus_per_node={gpus_per_node} must be >= 1")
-    p, n, e = shape.params, gpus, (2 if precision == "bf16" else 4)
+    p, n = shape.params, gpus
+    e, g = (2, 2) if precision == "bf16" else (4, 0)
     per_node = min(gpus, gpus_per_node)
     nodes = math.ceil(gpus / per_node)
     activations = activation_bytes(shape, batch_per_gpu, precision, grad_checkpointing)
@@ -130,16 +142,20 @@ def plan(shape: ModelShape, strategy: str, gpus: int, *, gpus_per_node: int = 8,
         return int(bytes_per_param * p / n)
 
     states = {  # params, grads, optimizer, buffers, CPU bytes per node
-        "ddp": (4 * p, 4 * p, 8 * p, 4 * p, 0),
-        "zero1": (e * p, e * p + shard(4), shard(12), 0, int(p * 4 * per_node * 1.5)),
-        "zero2": (e * p, shard(e + 16) - shard(12), shard(12), 0, int(p * 4 * per_node * 1.5)),
+        "ddp": (4 * p, 4 * p, 8 * p, 0, 0),
+        "zero1": (e * p, g * p + shard(4), shard(12), 0, int(p * 4 * per_node * 1.5)),
+        "zero2": (e * p, shard(g + 16) - shard(12), shard(12), 0, int(p * 4 * per_node * 1.5)),
         "zero3": (shard(e), shard(e + 16) - shard(e) - shard(12), shard(12), 4 * shape.largest_layer,
                   int(shape.largest_layer * 4 * per_node * 1.5)),
         "zero2_offload": (e * p, 0, 0, 0, int(p * max(4 * gpus, 16) * 1.5)),
         "zero3_offload": (0, 0, 0, 4 * shape.largest_layer, int(p * 18 / nodes * 1.5)),
-        "fsdp2": (shard(4), shard(4), shard(8), 2 * shape.largest_block * 2 * e, 0),
+        "fsdp2": (shard(4), shard(4), shard(8), 0, 0),
     }[strategy]
-    return MemoryPlan(strategy, gpus, *states[:4], activations=activations, cpu_per_node=states[4])
+    comm = {"ddp": 4 * p, "fsdp2": 0}.get(strategy, DEEPSPEED_BUCKET * e)
+    gathered = {"zero3": min(ZERO3_MAX_LIVE, p) * e, "zero3_offload": min(ZERO3_MAX_LIVE, p) * e,
+                "fsdp2": 2 * shape.largest_block * 2 * e}.get(strategy, 0)
+    return MemoryPlan(strategy, gpus, *states[:4], comm_buffers=comm, gathered=gathered, activations=activations,
+                      cpu_per_node=states[4])
 
 
 def deepspeed_estimate(shape: ModelShape, strategy: str, gpus: int, gpus_per_node: int = 8) -> tuple[int, int]:

@@ -178,9 +178,38 @@ def replica_digest(accelerator, module: torch.nn.Module) -> str | None:
 
 
 def full_state_dict(accelerator, model) -> dict[str, torch.Tensor] | None:
-    """The whole model's state dict on the main process (None elsewhere); collective when sharded."""
+    """The whole model's state dict on the main process (None elsewhere), in fp32 whatever the training precision;
+    collective when sharded."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and any(
+            p.dtype != torch.float32 for p in model.module.parameters()):
+        return _deepspeed_fp32_state_dict(accelerator, model)
     if not is_sharded(accelerator):
         state = accelerator.unwrap_model(model).state_dict() if accelerator.is_main_process else None
     else:
         state = accelerator.get_state_dict(model)
     return state if accelerator.is_main_process else None
+
+
+def _deepspeed_fp32_state_dict(accelerator, engine) -> dict[str, torch.Tensor] | None:
+    """Under DeepSpeed bf16 the module holds bf16 copies and the fp32 master weights live in the optimizer: gather
+    those, one parameter at a time (collective under ZeRO-3), onto the main process's CPU. Frozen parameters have no
+    master and are taken from the module."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    main = accelerator.is_main_process
+    state = {}
+    for name, param in engine.module.named_parameters():
+        full = safe_get_full_fp32_param(param) if param.requires_grad else None
+        if full is None:
+            with deepspeed.zero.GatheredParameters([param]) if hasattr(param, "ds_id") else contextlib.nullcontext():
+                full = param.detach().float().clone()
+        if main:
+            state[name] = full.detach().float().cpu()
+    if not main:
+        return None
+    for prefix, module in engine.module.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                state[f"{prefix}.{name}" if prefix else name] = buffer.detach().cpu()
+    return state

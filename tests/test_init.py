@@ -1,0 +1,69 @@
+"""Weight-init schemes (ssl_vit.init) against their definitions, on the meta device as in a normal build, and the
+presets' default."""
+
+import math
+
+import pytest
+import torch
+
+from ssl_vit.init import materialize
+from ssl_vit.vit import build_vit
+
+D, HIDDEN = 384, 1536  # vit_s16
+
+
+def _std(t):
+    return float(t.detach().float().std())
+
+
+@pytest.fixture(scope="module", params=["timm", "jax", "torch"])
+def model(request):
+    torch.manual_seed(0)
+    return request.param, build_vit("vit_s16", weight_init=request.param, num_classes=10)
+
+
+def test_each_scheme_matches_its_definition(model):
+    scheme, vit = model
+    block = vit.blocks[3]
+    qkv, fc1 = block.attn.qkv, block.mlp.fc1
+    if scheme == "timm":
+        expected_qkv, expected_fc1 = 0.02, 0.02
+    elif scheme == "jax":  # xavier-uniform, q / k / v each as a D x D matrix
+        expected_qkv, expected_fc1 = math.sqrt(2 / (D + D)), math.sqrt(2 / (D + HIDDEN))
+    else:  # PyTorch's kaiming-uniform(a=sqrt(5)): U(+-1/sqrt(fan_in)), std 1/sqrt(3 fan_in)
+        expected_qkv, expected_fc1 = 1 / math.sqrt(3 * D), 1 / math.sqrt(3 * D)
+    for rows in qkv.weight.split(D):  # every one of q, k, v, not just the fused matrix
+        assert _std(rows) == pytest.approx(expected_qkv, rel=0.03)
+    assert _std(fc1.weight) == pytest.approx(expected_fc1, rel=0.03)
+    assert not vit.head.weight.any() and not vit.head.bias.any()  # zero head in every scheme
+    if scheme in ("timm", "jax"):
+        assert not qkv.bias.any() and not block.attn.proj.bias.any()
+        assert _std(vit.pos_embed) == pytest.approx(0.02, rel=0.05)
+    if scheme == "jax":
+        assert 0 < fc1.bias.abs().max() < 1e-5  # big_vision: MLP biases normal(1e-6)
+        assert not vit.cls_token.any()
+        fan_in = 3 * 16 * 16
+        assert _std(vit.patch_embed.proj.weight) == pytest.approx(1 / math.sqrt(fan_in), rel=0.05)  # lecun normal
+    if scheme == "torch":
+        assert qkv.bias.abs().max() <= 1 / math.sqrt(D) and qkv.bias.any()
+
+
+def test_a_model_built_on_the_meta_device_is_materialised_with_the_same_init():
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        vit = build_vit("vit_s16", num_classes=10)
+    assert vit.blocks[0].attn.qkv.weight.is_meta
+    materialize(vit)
+    assert not any(p.is_meta for p in vit.parameters())
+    assert _std(vit.blocks[0].attn.qkv.weight[:D]) == pytest.approx(math.sqrt(1 / D), rel=0.03)  # jax default
+    assert not vit.head.weight.any() and not vit.cls_token.any()
+    assert 0 < vit.blocks[0].mlp.fc1.bias.abs().max() < 1e-5
+
+
+def test_presets_default_to_the_paper_init_and_a_bad_scheme_names_the_choices():
+    tiny = build_vit("vit_tiny")
+    assert _std(tiny.blocks[0].attn.qkv.weight[:64]) == pytest.approx(math.sqrt(1 / 64), rel=0.1)
+    timm = build_vit("vit_tiny", weight_init="timm")
+    assert _std(timm.blocks[0].attn.qkv.weight) == pytest.approx(0.02, rel=0.1)
+    with pytest.raises(ValueError, match=r"weight_init 'lecun' is not one of \['timm', 'jax', 'torch'\]"):
+        build_vit("vit_tiny", weight_init="lecun")
