@@ -56,7 +56,7 @@ PRESETS: dict[str, dict] = {
 # benchmarks/init_schemes.py (vit_tiny, supervised, synthetic shapes, 300 steps, 3 seeds; mean [min, max]):
 #   init    train acc %           k-NN acc %            train loss
 #   timm    20.2 [16.8, 22.5]     21.3 [12.8, 27.9]     1.95 [1.82, 2.06]   (trunc-normal 0.02: starves width 64)
-#   jax     39.9 [37.6, 41.3]     38.5 [36.2, 41.1]     1.47 [1.45, 1.48]
+#   jax     35.8 [34.3, 38.3]     35.5 [32.4, 40.1]     1.53 [1.48, 1.55]
 #   torch   26.4 [20.9, 34.2]     29.2 [25.6, 36.0]     1.78 [1.57, 1.93]
 # so jax is the default of the tiny presets too. VisionTransformer(...) built directly keeps timm's init.
 for _preset in PRESETS.values():

@@ -61,13 +61,14 @@ def test_every_strategy_gives_the_same_losses_and_encoders(runs, objective):
             torch.testing.assert_close(encoder[name], value, atol=1e-4, rtol=1e-4, msg=f"{config}: {name}")
 
 
-@pytest.mark.parametrize("config", sorted(SHARDED))
+@pytest.mark.parametrize("config", ["zero2_cpu2", "zero3_cpu2", "fsdp2_cpu2"])
 def test_resume_from_a_sharded_checkpoint_reproduces_the_uninterrupted_losses(runs, tmp_path, config):
     """Steps 4-5 resumed from the step-3 checkpoint of the uninterrupted run (model and optimizer shards, RNG,
     data position) into a new run directory give that run's losses."""
     uninterrupted = runs["masked_patch", config]
     checkpoint = uninterrupted / "checkpoints" / "step_00000003"
-    sharded_files = {"zero3_cpu2": "pytorch_model/zero_pp_rank_1_mp_rank_00_model_states.pt",
+    sharded_files = {"zero2_cpu2": "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt",  # optimizer shards
+                     "zero3_cpu2": "pytorch_model/zero_pp_rank_1_mp_rank_00_model_states.pt",
                      "fsdp2_cpu2": "pytorch_model_fsdp_0/__1_0.distcp"}
     assert (checkpoint / sharded_files[config]).is_file()  # each rank wrote its own shard
     check_ok(_run(config, tmp_path, *OBJECTIVES["masked_patch"], f"trainer.resume={checkpoint}"))
