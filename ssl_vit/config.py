@@ -199,6 +199,8 @@ class OptimConfig:
     warmup_steps: int = checked(30, ge=0)
     schedule: Schedule = Schedule.cosine
     weight_decay: float = checked(0.05, ge=0)
+    # None: constant weight decay; a value: cosine from weight_decay to it over the run (DINO: 0.04 -> 0.4)
+    weight_decay_end: float | None = checked(None, ge=0)
     beta1: float = checked(0.9, ge=0, lt=1)
     beta2: float = checked(0.999, ge=0, lt=1)
     eps: float = checked(1e-8, gt=0)

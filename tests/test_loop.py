@@ -1,10 +1,12 @@
 """The engine in-process: non-finite losses, gradient accumulation."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import read_metrics
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
@@ -154,3 +156,19 @@ def test_resume_refuses_what_cannot_continue_the_run_exactly(tmp_path, caplog):
     assert "RESUME IS NOT EXACT" in caplog.text and "random_states_0.pkl" in caplog.text
     summary = attempt(f"trainer.resume={tmp_path / 'run'}")  # a run directory: its newest checkpoint
     assert summary["steps_this_run"] == 2
+
+
+def test_a_weight_decay_schedule_reaches_the_optimizer_every_step(tmp_path, monkeypatch):
+    """optim.weight_decay_end: cosine from weight_decay to it (DINO's 0.04 -> 0.4), logged and applied per step."""
+    seen = []
+    original = torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        seen.append(max(group["weight_decay"] for group in self.param_groups))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    pretrain(_config(tmp_path, "trainer.max_steps=5", "optim.weight_decay=0.04", "optim.weight_decay_end=0.4"))
+    expected = [0.4 + 0.5 * (0.04 - 0.4) * (1 + math.cos(math.pi * k / 4)) for k in range(5)]
+    assert [row["wd"] for row in read_metrics(tmp_path)] == pytest.approx(expected)
+    assert seen == pytest.approx(expected)

@@ -1,10 +1,14 @@
+import math
+
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from objectives.base import DataInfo
 from objectives.supervised import Supervised, SupervisedConfig
-from ssl_vit.train.optim import apply_schedule, param_groups, schedule
+from ssl_vit.config import OptimConfig
+from ssl_vit.train.optim import apply_schedule, param_groups, schedule, weight_decay_schedule
 from ssl_vit.vit import build_vit
 
 
@@ -47,3 +51,11 @@ def test_apply_schedule_respects_group_scales():
     for group in optimizer.param_groups:
         assert group["lr"] == 2.0 * group["lr_scale"]
         assert group["weight_decay"] == (0.3 if group["wd_scale"] else 0.0)
+
+
+def test_weight_decay_schedule_is_constant_or_a_cosine_to_its_end():
+    constant = OmegaConf.structured(OptimConfig(weight_decay=0.05))
+    np.testing.assert_allclose(weight_decay_schedule(constant, 4), [0.05] * 4)
+    dino = OmegaConf.structured(OptimConfig(weight_decay=0.04, weight_decay_end=0.4))
+    values = weight_decay_schedule(dino, 11)
+    np.testing.assert_allclose(values, [0.4 - 0.18 * (1 + math.cos(math.pi * k / 10)) for k in range(11)])

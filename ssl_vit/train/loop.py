@@ -34,7 +34,7 @@ from ssl_vit.train.checkpoint import (
 )
 from ssl_vit.train.faults import fault_point, poisoned
 from ssl_vit.train.guard import UpdateGuard, nonfinite_error, ruined_weights_error
-from ssl_vit.train.optim import apply_schedule, build_optimizer, schedule
+from ssl_vit.train.optim import apply_schedule, build_optimizer, schedule, weight_decay_schedule
 from ssl_vit.train.outputs import ENCODER_FILE, OutputError, RunOutputs, check_writable
 from ssl_vit.train.strategy import (
     construction_context,
@@ -224,6 +224,7 @@ def pretrain(cfg) -> dict:
         objective, dataset, views, preprocess = build_components(cfg)
     optimizer = build_optimizer(objective, cfg.optim, num_layers=len(objective.encoder.blocks))
     lrs = schedule(cfg.optim.lr, cfg.optim.min_lr, tcfg.max_steps, cfg.optim.warmup_steps, cfg.optim.schedule)
+    wds = weight_decay_schedule(cfg.optim, tcfg.max_steps)
     eval_sets = periodic_eval_sets(cfg, preprocess.img_size) if tcfg.eval_every > 0 else None
 
     model, optimizer = accelerator.prepare(objective, optimizer)
@@ -287,7 +288,7 @@ def pretrain(cfg) -> dict:
 
     try:
         while state.step < end_step:
-            apply_schedule(optimizer, float(lrs[state.step]), cfg.optim.weight_decay)
+            apply_schedule(optimizer, float(lrs[state.step]), float(wds[state.step]))
             applied, loss_finite = train_step(model, optimizer, batches, accelerator, state, meter, cfg)
             state.step += 1
             if applied:
@@ -308,6 +309,7 @@ def pretrain(cfg) -> dict:
                 now = time.perf_counter()
                 state.last_record = {
                     "step": state.step, **meter.summary(accelerator), "lr": float(lrs[state.step - 1]),
+                    "wd": float(wds[state.step - 1]),
                     "images_per_s": global_batch * (state.step - interval_step) / max(now - interval_start, 1e-9),
                     "nonfinite_steps": state.nonfinite_steps, "skipped_samples": state.skipped_samples}
                 interval_start, interval_step = now, state.step

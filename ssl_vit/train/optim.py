@@ -71,6 +71,14 @@ def schedule(base: float, final: float, total_steps: int, warmup_steps: int = 0,
     return np.concatenate([warmup, decay])
 
 
+def weight_decay_schedule(cfg, total_steps: int) -> np.ndarray:
+    """Weight decay at every step: constant `cfg.weight_decay`, or with `cfg.weight_decay_end` a cosine from it to
+    that value over the run, no warmup (DINO's schedule)."""
+    if cfg.weight_decay_end is None:
+        return np.full(total_steps, cfg.weight_decay)
+    return schedule(cfg.weight_decay, cfg.weight_decay_end, total_steps, 0, "cosine")
+
+
 def apply_schedule(optimizer: torch.optim.Optimizer, lr: float, weight_decay: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
