@@ -1,0 +1,105 @@
+"""The parts of self-distillation (DINO, Caron et al. 2021) that do not depend on the loop: the projection head, the
+cross-entropy between teacher and student views, the teacher's centring and its temperature schedule.
+
+Conventions: crops are stacked along the batch dimension, crop-major ((n_crops * B, K) logits: crop 0's B rows,
+then crop 1's, ...); the teacher sees only the global crops, which come first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ssl_vit.init import Linear
+
+
+class WeightNormLinear(nn.Module):
+    """A bias-free linear layer with weight normalisation, W = g * V / ||V|| per output row (DINO's last layer).
+    With `fixed_norm` (DINO's `norm_last_layer`), g is 1 and not learned. Written out rather than with torch's
+    parametrization so that its two parameters shard like any other under ZeRO-3 and FSDP2."""
+
+    def __init__(self, in_features: int, out_features: int, fixed_norm: bool = True):
+        super().__init__()
+        self.weight_v = nn.Parameter(torch.empty(out_features, in_features))
+        self.weight_g = None if fixed_norm else nn.Parameter(torch.empty(out_features, 1))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.trunc_normal_(self.weight_v, std=0.02)
+        if self.weight_g is not None:
+            self.weight_g.copy_(self.weight_v.norm(dim=1, keepdim=True))  # starts as the plain layer
+
+    def weight(self) -> torch.Tensor:
+        direction = F.normalize(self.weight_v, dim=1)
+        return direction if self.weight_g is None else self.weight_g * direction
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight())
+
+
+class DINOHead(nn.Module):
+    """MLP (nlayers, GELU, hidden width) -> bottleneck -> L2 normalisation -> K prototypes, the last layer
+    weight-normalised (`weight_norm=True`, DINO) or a plain linear layer (as DINOv2 offers)."""
+
+    def __init__(self, in_dim: int, out_dim: int, hidden_dim: int = 2048, bottleneck_dim: int = 256,
+                 nlayers: int = 3, norm_last_layer: bool = True, weight_norm: bool = True):
+        super().__init__()
+        if nlayers < 1:
+            raise ValueError(f"nlayers={nlayers} is invalid: must be >= 1")
+        dims = [in_dim] + [hidden_dim] * (nlayers - 1) + [bottleneck_dim]
+        layers: list[nn.Module] = []
+        for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+            layers.append(Linear(a, b, scheme="timm"))  # DINO: trunc-normal(0.02) weights, zero biases
+            if i < nlayers - 1:
+                layers.append(nn.GELU())
+        self.mlp = nn.Sequential(*layers)
+        self.last_layer = (WeightNormLinear(bottleneck_dim, out_dim, fixed_norm=norm_last_layer) if weight_norm
+                           else Linear(bottleneck_dim, out_dim, bias=False, scheme="timm"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last_layer(F.normalize(self.mlp(x), dim=-1, eps=1e-6 if x.dtype == torch.float32 else 1e-3))
+
+
+def dino_loss(student: torch.Tensor, teacher: torch.Tensor, centre: torch.Tensor, student_temp: float,
+              teacher_temp: float, n_global: int = 2) -> torch.Tensor:
+    """Mean over all (teacher global crop i, student crop v) pairs with v != i of
+    -sum_k softmax((t_i - c) / T_t)_k * log_softmax(s_v / T_s)_k, averaged over the batch.
+
+    student: (n_crops * B, K) logits, teacher: (n_global * B, K) logits, crop-major; centre: (1, K)."""
+    n_crops = student.shape[0] * n_global // teacher.shape[0]
+    if n_crops < 2 or student.shape[0] % n_crops:
+        raise ValueError(f"{student.shape[0]} student rows are not n_crops x batch for {teacher.shape[0]} teacher "
+                         f"rows of {n_global} global crops")
+    log_p = F.log_softmax(student.float() / student_temp, dim=-1).chunk(n_crops)
+    q = F.softmax((teacher.float() - centre) / teacher_temp, dim=-1).detach().chunk(n_global)
+    total, pairs = student.new_zeros((), dtype=torch.float32), 0
+    for i, q_i in enumerate(q):
+        for v, log_p_v in enumerate(log_p):
+            if v != i:
+                total = total + (-q_i * log_p_v).sum(dim=-1).mean()
+                pairs += 1
+    return total / pairs
+
+
+@torch.no_grad()
+def updated_centre(centre: torch.Tensor, teacher: torch.Tensor, momentum: float = 0.9,
+                   all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   world_size: int = 1) -> torch.Tensor:
+    """c <- m c + (1 - m) mean of the teacher logits over the global batch (every rank's rows: the sum is
+    all-reduced when `all_reduce_sum` is given)."""
+    batch_sum = teacher.float().sum(dim=0, keepdim=True)
+    if all_reduce_sum is not None:
+        batch_sum = all_reduce_sum(batch_sum)
+    return centre * momentum + batch_sum / (teacher.shape[0] * world_size) * (1 - momentum)
+
+
+def teacher_temperature_schedule(start: float, end: float, warmup_steps: int, total_steps: int) -> np.ndarray:
+    """Linear from `start` to `end` over `warmup_steps`, then `end` (DINO's 0.04 -> 0.04, or 0.04 -> 0.07)."""
+    warmup = min(warmup_steps, total_steps)
+    return np.concatenate([np.linspace(start, end, warmup), np.full(total_steps - warmup, end)])
+
