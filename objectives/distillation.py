@@ -103,3 +103,51 @@ def teacher_temperature_schedule(start: float, end: float, warmup_steps: int, to
     warmup = min(warmup_steps, total_steps)
     return np.concatenate([np.linspace(start, end, warmup), np.full(total_steps - warmup, end)])
 
+
+
+def _all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Sum (or max) over ranks in place when a process group is up; the tensor itself on one process."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        ops = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}
+        torch.distributed.all_reduce(tensor, op=ops[op])
+    return tensor
+
+
+@torch.no_grad()
+def sinkhorn_knopp(teacher: torch.Tensor, teacher_temp: float, iterations: int = 3) -> torch.Tensor:
+    """DINOv2's teacher targets (SwAV's Sinkhorn-Knopp): exp(t / T) made, in fp32 over the global batch of all
+    ranks, into an assignment whose prototypes are used equally: every sample's row sums to 1, every prototype's
+    column to about B / K. teacher: (B, K) logits on this rank; returns (B, K)."""
+    scores = teacher.float() / teacher_temp
+    scores = scores - _all_reduce(scores.max().clone(), "max")  # no overflow in exp; cancels in the sums below
+    q = scores.exp().t()  # (K, B)
+    prototypes = q.shape[0]
+    samples = _all_reduce(torch.tensor(float(q.shape[1]), device=q.device))
+    q /= _all_reduce(q.sum())
+    for _ in range(iterations):
+        q /= _all_reduce(q.sum(dim=1, keepdim=True))  # each prototype: total 1 / K
+        q /= prototypes
+        q /= q.sum(dim=0, keepdim=True)  # each sample: total 1 / B
+        q /= samples
+    return (q * samples).t()
+
+
+def koleo_loss(features: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Kozachenko-Leonenko entropy regulariser (DINOv2): -mean log of each L2-normalised row's distance to its
+    nearest other row. Finite for duplicate rows (distance 0 -> -log(eps))."""
+    x = F.normalize(features.float(), dim=-1, eps=eps)
+    dots = x @ x.t()
+    dots.fill_diagonal_(-2.0)  # never one's own neighbour
+    nearest = dots.argmax(dim=1)
+    distances = (x - x[nearest]).norm(dim=-1)
+    return -torch.log(distances + eps).mean()
+
+
+def masked_patch_loss(student: torch.Tensor, teacher_probs: torch.Tensor, mask: torch.Tensor,
+                      student_temp: float) -> torch.Tensor:
+    """iBOT's loss: cross-entropy between the teacher's patch targets and the student's patch logits on the masked
+    patches only, averaged per image over its masked patches, then over images. student: (B, N, K) logits,
+    teacher_probs: (B, N, K), mask: (B, N) bool."""
+    per_patch = -(teacher_probs * F.log_softmax(student.float() / student_temp, dim=-1)).sum(dim=-1)
+    weights = mask.float()
+    return ((per_patch * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)).mean()

@@ -1,5 +1,6 @@
 """DINO's head, loss, centring and teacher-temperature schedule against references written here from the paper's
-formulas (Caron et al. 2021, Algorithm 1 and section 3.1)."""
+formulas (Caron et al. 2021, Algorithm 1 and section 3.1); DINOv2's Sinkhorn-Knopp centring, KoLeo and iBOT patch
+loss (Oquab et al. 2024, section 4) against their defining properties."""
 
 import math
 
@@ -11,6 +12,9 @@ from objectives.distillation import (
     DINOHead,
     WeightNormLinear,
     dino_loss,
+    koleo_loss,
+    masked_patch_loss,
+    sinkhorn_knopp,
     teacher_temperature_schedule,
     updated_centre,
 )
@@ -86,3 +90,57 @@ def test_head_shapes_normalisation_and_weight_norm():
     assert isinstance(DINOHead(32, 10, 64, 16, weight_norm=False).last_layer, torch.nn.Linear)
     with pytest.raises(ValueError, match="nlayers=0 is invalid"):
         DINOHead(32, 10, nlayers=0)
+
+
+def test_sinkhorn_knopp_balances_prototypes_and_normalises_samples():
+    torch.manual_seed(0)
+    batch, k = 64, 16
+    q = sinkhorn_knopp(torch.randn(batch, k) * 0.05, teacher_temp=0.1)  # scores of std 0.5
+    torch.testing.assert_close(q.sum(dim=1), torch.ones(batch), atol=1e-3, rtol=0)  # each sample: an assignment
+    torch.testing.assert_close(q.sum(dim=0), torch.full((k,), batch / k), atol=1e-3, rtol=0)  # prototypes: B / K
+    # Peaked scores (std 2) are balanced only approximately after DINOv2's 3 iterations, and converge with more.
+    peaked = torch.randn(batch, k) * 0.2
+
+    def imbalance(iterations):
+        return float((sinkhorn_knopp(peaked, 0.1, iterations).sum(dim=0) - batch / k).abs().max())
+
+    assert imbalance(50) < 1e-3 < imbalance(3)
+    assert torch.isfinite(sinkhorn_knopp(torch.full((4, 8), 30.0), teacher_temp=0.04)).all()  # exp(750) would not be
+
+
+def _sinkhorn_rank(rank, logits, path, out):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    half = logits.shape[0] // 2
+    out[rank] = sinkhorn_knopp(logits[rank * half:(rank + 1) * half], teacher_temp=0.1)
+    torch.distributed.destroy_process_group()
+
+
+def test_sinkhorn_knopp_on_two_processes_equals_one_process_on_the_whole_batch(tmp_path):
+    torch.manual_seed(1)
+    logits = torch.randn(12, 10)
+    manager = torch.multiprocessing.get_context("spawn").Manager()
+    out = manager.dict()
+    torch.multiprocessing.spawn(_sinkhorn_rank, args=(logits, tmp_path / "rendezvous", out), nprocs=2)
+    together = torch.cat([out[0], out[1]])
+    torch.testing.assert_close(together, sinkhorn_knopp(logits, teacher_temp=0.1), atol=1e-6, rtol=1e-5)
+
+
+def test_koleo_is_finite_on_duplicate_rows_and_rewards_spread():
+    duplicates = torch.ones(4, 8)
+    assert torch.isfinite(koleo_loss(duplicates))
+    spread = torch.eye(8)[:4]  # orthogonal rows: nearest distance sqrt(2)
+    assert float(koleo_loss(spread)) == pytest.approx(-math.log(math.sqrt(2)), abs=1e-6)
+    assert koleo_loss(spread) < koleo_loss(duplicates)
+
+
+def test_masked_patch_loss_reads_only_masked_patches():
+    torch.manual_seed(0)
+    student, teacher = torch.randn(2, 5, 7), torch.softmax(torch.randn(2, 5, 7), dim=-1)
+    mask = torch.tensor([[True, False, True, False, False], [False] * 5])
+    loss = masked_patch_loss(student, teacher, mask, 0.1)
+    changed = student.clone()
+    changed[~mask] = 100.0  # unmasked patches: anything
+    assert float(masked_patch_loss(changed, teacher, mask, 0.1)) == pytest.approx(float(loss))
+    log_p = torch.log_softmax(student[0] / 0.1, dim=-1)
+    by_hand = -(teacher[0, [0, 2]] * log_p[[0, 2]]).sum(dim=-1).mean() / 2  # image 2 has no masked patch: 0
+    assert float(loss) == pytest.approx(float(by_hand), rel=1e-6)
