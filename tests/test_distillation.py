@@ -11,7 +11,9 @@ import torch
 from objectives.distillation import (
     DINOHead,
     WeightNormLinear,
+    block_mask,
     dino_loss,
+    ibot_masks,
     koleo_loss,
     masked_patch_loss,
     sinkhorn_knopp,
@@ -144,3 +146,23 @@ def test_masked_patch_loss_reads_only_masked_patches():
     log_p = torch.log_softmax(student[0] / 0.1, dim=-1)
     by_hand = -(teacher[0, [0, 2]] * log_p[[0, 2]]).sum(dim=-1).mean() / 2  # image 2 has no masked patch: 0
     assert float(loss) == pytest.approx(float(by_hand), rel=1e-6)
+
+
+def test_block_masks_are_rectangles_up_to_the_target_count():
+    generator = torch.Generator().manual_seed(0)
+    for target in (1, 4, 20, 50, 98):
+        mask = block_mask((14, 14), target, generator)
+        assert 0.75 * target <= int(mask.sum()) <= target, (target, int(mask.sum()))
+        if target >= 20:  # blocks, not scattered patches: almost every masked patch has a masked neighbour
+            padded = torch.nn.functional.pad(mask.float()[None, None], (1, 1, 1, 1))[0, 0]
+            neighbours = padded[:-2, 1:-1] + padded[2:, 1:-1] + padded[1:-1, :-2] + padded[1:-1, 2:]
+            assert float((neighbours[mask] > 0).float().mean()) > 0.95
+
+
+def test_ibot_masks_half_the_images_with_ratios_in_range():
+    masks = ibot_masks(16, (8, 8), ratio=(0.1, 0.5), probability=0.5, generator=torch.Generator().manual_seed(0))
+    counts = masks.sum(dim=1)
+    assert masks.shape == (16, 64) and int((counts > 0).sum()) == 8
+    assert int(counts.max()) <= 0.5 * 64 and int(counts[counts > 0].min()) >= 0.75 * 0.1 * 64 - 1
+    again = ibot_masks(16, (8, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(masks, again)  # a pure function of the generator
