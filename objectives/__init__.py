@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from objectives.base import DataInfo, Objective, ObjectiveConfig
+from objectives.dino import DINO, DINOv2
 from objectives.mae import MAE
 from objectives.masked_patch import MaskedPatch
 from objectives.supervised import Supervised
@@ -11,6 +12,8 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "supervised": Supervised,
     "masked_patch": MaskedPatch,
     "mae": MAE,
+    "dino": DINO,
+    "dinov2": DINOv2,
 }
 
 

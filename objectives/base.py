@@ -37,6 +37,10 @@ class Objective(nn.Module, ABC):
 
     config_class: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
     views: ClassVar[tuple[str, ...]] = ("image",)
+    # State-dict prefixes of heads saved beside the encoder (heads.safetensors), to continue training from them.
+    saved_heads: ClassVar[tuple[str, ...]] = ()
+    # Whether the model holds an EMA teacher updated shard by shard (DeepSpeed then persists no parameter whole).
+    has_ema_teacher: ClassVar[bool] = False
 
     def __init__(self, backbone: VisionTransformer, cfg, data: DataInfo):
         super().__init__()
@@ -56,6 +60,18 @@ class Objective(nn.Module, ABC):
 
     @abstractmethod
     def forward(self, batch: dict) -> dict[str, torch.Tensor]: ...
+
+    def multicrop_options(self) -> dict | None:
+        """For objectives that read the `crops` view: the multi-crop settings (`MultiCropViews` keywords)."""
+        return None
+
+    def frozen_parameters(self) -> dict[str, int]:
+        """Parameter-name prefixes -> how many first steps they are held at learning rate 0 (a zero-lr optimizer
+        group: unlike dropping gradients, this also works under DeepSpeed)."""
+        return {}
+
+    def begin_step(self, step: int, total_steps: int) -> None:
+        """Called before optimizer step `step` (0-based) of `total_steps`: for schedules the forward reads."""
 
     def after_optimizer_step(self, step: int, total_steps: int) -> None:
         """Hook for per-step updates outside the gradient (EMA teachers, temperature schedules)."""

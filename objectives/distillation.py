@@ -72,12 +72,23 @@ def dino_loss(student: torch.Tensor, teacher: torch.Tensor, centre: torch.Tensor
     -sum_k softmax((t_i - c) / T_t)_k * log_softmax(s_v / T_s)_k, averaged over the batch.
 
     student: (n_crops * B, K) logits, teacher: (n_global * B, K) logits, crop-major; centre: (1, K)."""
-    n_crops = student.shape[0] * n_global // teacher.shape[0]
-    if n_crops < 2 or student.shape[0] % n_crops:
-        raise ValueError(f"{student.shape[0]} student rows are not n_crops x batch for {teacher.shape[0]} teacher "
-                         f"rows of {n_global} global crops")
+    return cross_view_loss(student, centred_probs(teacher, centre, teacher_temp), student_temp, n_global)
+
+
+def centred_probs(teacher: torch.Tensor, centre: torch.Tensor, teacher_temp: float) -> torch.Tensor:
+    """DINO's teacher targets softmax((t - c) / T_t), in fp32, without gradient."""
+    return F.softmax((teacher.float() - centre.float()) / teacher_temp, dim=-1).detach()
+
+
+def cross_view_loss(student: torch.Tensor, teacher_probs: torch.Tensor, student_temp: float,
+                    n_global: int = 2) -> torch.Tensor:
+    """The cross-entropy of `dino_loss` from teacher probabilities ((n_global * B, K), e.g. Sinkhorn-Knopp's)."""
+    n_crops = student.shape[0] * n_global // teacher_probs.shape[0]
+    if n_crops < 2 or student.shape[0] % n_crops or teacher_probs.shape[0] % n_global:
+        raise ValueError(f"{student.shape[0]} student rows are not n_crops x batch for {teacher_probs.shape[0]} "
+                         f"teacher rows of {n_global} global crops")
     log_p = F.log_softmax(student.float() / student_temp, dim=-1).chunk(n_crops)
-    q = F.softmax((teacher.float() - centre) / teacher_temp, dim=-1).detach().chunk(n_global)
+    q = teacher_probs.detach().chunk(n_global)
     total, pairs = student.new_zeros((), dtype=torch.float32), 0
     for i, q_i in enumerate(q):
         for v, log_p_v in enumerate(log_p):
@@ -106,7 +117,7 @@ def teacher_temperature_schedule(start: float, end: float, warmup_steps: int, to
 
 
 
-def _all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """Sum (or max) over ranks in place when a process group is up; the tensor itself on one process."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         ops = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}
@@ -120,13 +131,13 @@ def sinkhorn_knopp(teacher: torch.Tensor, teacher_temp: float, iterations: int =
     ranks, into an assignment whose prototypes are used equally: every sample's row sums to 1, every prototype's
     column to about B / K. teacher: (B, K) logits on this rank; returns (B, K)."""
     scores = teacher.float() / teacher_temp
-    scores = scores - _all_reduce(scores.max().clone(), "max")  # no overflow in exp; cancels in the sums below
+    scores = scores - all_reduce(scores.max().clone(), "max")  # no overflow in exp; cancels in the sums below
     q = scores.exp().t()  # (K, B)
     prototypes = q.shape[0]
-    samples = _all_reduce(torch.tensor(float(q.shape[1]), device=q.device))
-    q /= _all_reduce(q.sum())
+    samples = all_reduce(torch.tensor(float(q.shape[1]), device=q.device))
+    q /= all_reduce(q.sum())
     for _ in range(iterations):
-        q /= _all_reduce(q.sum(dim=1, keepdim=True))  # each prototype: total 1 / K
+        q /= all_reduce(q.sum(dim=1, keepdim=True))  # each prototype: total 1 / K
         q /= prototypes
         q /= q.sum(dim=0, keepdim=True)  # each sample: total 1 / B
         q /= samples
@@ -152,6 +163,15 @@ def masked_patch_loss(student: torch.Tensor, teacher_probs: torch.Tensor, mask: 
     per_patch = -(teacher_probs * F.log_softmax(student.float() / student_temp, dim=-1)).sum(dim=-1)
     weights = mask.float()
     return ((per_patch * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)).mean()
+
+
+def masked_tokens_loss(student: torch.Tensor, teacher_probs: torch.Tensor, mask: torch.Tensor,
+                       student_temp: float) -> torch.Tensor:
+    """`masked_patch_loss` computed on the masked tokens only (what the heads see: (M, K) rows for the M = mask.sum()
+    masked patches in row-major order of the (B, N) mask), so that the patch heads never run on visible patches."""
+    per_token = -(teacher_probs * F.log_softmax(student.float() / student_temp, dim=-1)).sum(dim=-1)
+    counts = mask.sum(dim=1, keepdim=True).float().clamp(min=1.0).expand_as(mask)[mask]
+    return (per_token / counts).sum() / mask.shape[0]
 
 
 def block_mask(grid: tuple[int, int], num_masked: int, generator: torch.Generator, min_block: int = 4,

@@ -16,6 +16,7 @@ from objectives.distillation import (
     ibot_masks,
     koleo_loss,
     masked_patch_loss,
+    masked_tokens_loss,
     sinkhorn_knopp,
     teacher_temperature_schedule,
     updated_centre,
@@ -146,6 +147,8 @@ def test_masked_patch_loss_reads_only_masked_patches():
     log_p = torch.log_softmax(student[0] / 0.1, dim=-1)
     by_hand = -(teacher[0, [0, 2]] * log_p[[0, 2]]).sum(dim=-1).mean() / 2  # image 2 has no masked patch: 0
     assert float(loss) == pytest.approx(float(by_hand), rel=1e-6)
+    # the objective's form, on the masked tokens only, is the same loss
+    assert float(masked_tokens_loss(student[mask], teacher[mask], mask, 0.1)) == pytest.approx(float(loss), rel=1e-6)
 
 
 def test_block_masks_are_rectangles_up_to_the_target_count():

@@ -29,6 +29,7 @@ class MultiCropViews:
 
     def __init__(self, global_size: int, local_size: int, mean, std, n_global: int = 2, n_local: int = 6,
                  global_scale=(0.4, 1.0), local_scale=(0.05, 0.4), interpolation: str = "bicubic"):
+        self.sizes = [global_size] * n_global + [local_size] * n_local
         if n_global < 1 or n_local < 0:
             raise ValueError(f"n_global={n_global} and n_local={n_local} are invalid: need >= 1 global crop and "
                              ">= 0 local crops")

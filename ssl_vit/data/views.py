@@ -2,7 +2,9 @@
 
 Datasets yield {"image": uint8 (3, H, W), "label": int, "text": str (optional)}. The spatial transform (resize and
 centre crop, or random resized crop + flip when augmenting) is applied once; `image` is the normalised float
-tensor the backbone reads, `pixels` the same crop in [0, 1] before normalisation (for colour targets).
+tensor the backbone reads, `pixels` the same crop in [0, 1] before normalisation (for colour targets). `crops` is
+DINO's multi-crop list (global crops first, then local ones; `ssl_vit.data.multicrop`), drawn independently of
+`image`; batched, it is a list with one (B, 3, h, w) tensor per crop.
 """
 
 from __future__ import annotations
@@ -10,19 +12,25 @@ from __future__ import annotations
 import torch
 from torchvision.transforms import v2
 
-VIEW_KINDS = ("image", "pixels", "label", "text")
+VIEW_KINDS = ("image", "pixels", "crops", "label", "text")
 
 
 class ViewBuilder:
     """Without augmentation: resize the shorter side to img_size / crop_pct, centre-crop img_size (timm's eval
-    transform; `ssl_vit.preprocess`)."""
+    transform; `ssl_vit.preprocess`). `multicrop`: the keyword arguments of `MultiCropViews` other than the global
+    size and normalisation (needed for the `crops` view)."""
 
     def __init__(self, views, img_size: int, mean, std, augment: bool = False, crop_scale=(0.35, 1.0),
-                 interpolation: str = "bilinear", crop_pct: float = 1.0):
+                 interpolation: str = "bilinear", crop_pct: float = 1.0, multicrop: dict | None = None):
         unknown = [v for v in views if v not in VIEW_KINDS]
         if unknown:
             raise ValueError(f"unknown view(s) {unknown}; valid choices: {list(VIEW_KINDS)}")
         self.views = tuple(views)
+        self.multicrop = None
+        if "crops" in self.views:
+            from ssl_vit.data.multicrop import MultiCropViews
+
+            self.multicrop = MultiCropViews(img_size, mean=mean, std=std, **(multicrop or {}))
         mode = v2.InterpolationMode(interpolation)
         if augment:
             self.spatial = v2.Compose([
@@ -44,6 +52,8 @@ class ViewBuilder:
                 out["pixels"] = pixels
             if "image" in self.views:
                 out["image"] = (pixels - self.mean) / self.std
+        if self.multicrop is not None:
+            out["crops"] = self.multicrop(sample["image"])
         for key in ("label", "text"):
             if key in self.views:
                 if key not in sample:

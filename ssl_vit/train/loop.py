@@ -100,7 +100,8 @@ def build_components(cfg):
         objective = build_objective(cfg.objective, backbone, info)
     except ValueError as err:
         raise ConfigError(f"objective={cfg.objective.name}: {err}") from err
-    views = preprocess.view_builder(objective.views, cfg.data.augment, cfg.data.crop_scale)
+    views = preprocess.view_builder(objective.views, cfg.data.augment, cfg.data.crop_scale,
+                                    objective.multicrop_options())
     return objective, dataset, views, preprocess
 
 
@@ -169,7 +170,12 @@ class Meter:
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    def move(value):
+        if isinstance(value, torch.Tensor):
+            return value.to(device, non_blocking=True)
+        return [move(v) for v in value] if isinstance(value, list) else value
+
+    return {k: move(v) for k, v in batch.items()}
 
 
 def _flat_hparams(config: dict, prefix: str = "") -> dict:
@@ -260,14 +266,20 @@ def pretrain(cfg) -> dict:
     start_step = interval_step = state.step
     error = None
 
-    def encoder_state() -> dict | None:  # collective when the model is sharded: every rank calls it
+    def encoder_state(with_heads: bool = False):  # collective when the model is sharded: every rank calls it
         model_state, prefix = full_state_dict(accelerator, model), encoder_prefix(unwrapped)
-        return None if model_state is None else {k[len(prefix):]: v for k, v in model_state.items()
-                                                 if k.startswith(prefix)}
+        if model_state is None:
+            return (None, None) if with_heads else None
+        encoder = {k[len(prefix):]: v for k, v in model_state.items() if k.startswith(prefix)}
+        heads = {k: v for k, v in model_state.items() if k.startswith(unwrapped.saved_heads)}
+        return (encoder, heads) if with_heads else encoder
 
     def save_encoder(step: int) -> None:  # collective when the model is sharded
-        outputs.save_encoder(encoder_state(), unwrapped.encoder.config, step, objective=cfg.objective.name,
+        encoder, heads = encoder_state(with_heads=True)
+        outputs.save_encoder(encoder, unwrapped.encoder.config, step, objective=cfg.objective.name,
                              preprocess=preprocess)
+        if unwrapped.saved_heads:
+            outputs.save_heads(heads, step, objective=cfg.objective.name)
 
     def evaluated_encoder() -> VisionTransformer | None:  # collective when the model is sharded
         """The main process's encoder for periodic evaluation: the live one, or, when the parameters are sharded
@@ -288,7 +300,8 @@ def pretrain(cfg) -> dict:
 
     try:
         while state.step < end_step:
-            apply_schedule(optimizer, float(lrs[state.step]), float(wds[state.step]))
+            apply_schedule(optimizer, float(lrs[state.step]), float(wds[state.step]), state.step)
+            unwrapped.begin_step(state.step, tcfg.max_steps)
             applied, loss_finite = train_step(model, optimizer, batches, accelerator, state, meter, cfg)
             state.step += 1
             if applied:

@@ -20,23 +20,27 @@ def _layer_id(name: str, num_layers: int) -> int:
 
 def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None = None,
                  num_layers: int | None = None) -> list[dict]:
-    """Groups keyed by (decay or not, layer). Each group carries `lr_scale` and `wd_scale` for the schedules.
+    """Groups keyed by (decay or not, layer, frozen steps). Each group carries `lr_scale`, `wd_scale` and
+    `frozen_until` (lr 0 before that step: the model's `frozen_parameters()`, e.g. DINO's last layer) for the
+    schedules.
 
     With `layer_decay`, block i gets lr_scale = layer_decay ** (num_layers + 1 - layer_id) (BEiT / MAE fine-tuning).
     """
     # Biases and norm scales (all 1-D parameters), and what modules list in no_weight_decay() (position
     # embeddings, learned tokens) get no weight decay.
     skip = set().union(*(m.no_weight_decay() for m in model.modules() if hasattr(m, "no_weight_decay")))
-    groups: dict[tuple[bool, int], dict] = {}
+    frozen = model.frozen_parameters() if hasattr(model, "frozen_parameters") else {}
+    groups: dict[tuple[bool, int, int], dict] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         decay = param.ndim > 1 and name.rsplit(".", 1)[-1] not in skip
         layer = _layer_id(name, num_layers) if layer_decay is not None else 0
         lr_scale = layer_decay ** (num_layers + 1 - layer) if layer_decay is not None else 1.0
-        group = groups.setdefault((decay, layer), {
+        frozen_until = max((steps for prefix, steps in frozen.items() if name.startswith(prefix)), default=0)
+        group = groups.setdefault((decay, layer, frozen_until), {
             "params": [], "names": [], "weight_decay": weight_decay if decay else 0.0,
-            "wd_scale": 1.0 if decay else 0.0, "lr_scale": lr_scale,
+            "wd_scale": 1.0 if decay else 0.0, "lr_scale": lr_scale, "frozen_until": frozen_until,
         })
         group["params"].append(param)
         group["names"].append(name)
@@ -79,7 +83,8 @@ def weight_decay_schedule(cfg, total_steps: int) -> np.ndarray:
     return schedule(cfg.weight_decay, cfg.weight_decay_end, total_steps, 0, "cosine")
 
 
-def apply_schedule(optimizer: torch.optim.Optimizer, lr: float, weight_decay: float) -> None:
+def apply_schedule(optimizer: torch.optim.Optimizer, lr: float, weight_decay: float, step: int = 0) -> None:
+    """Set every group's lr and weight decay for optimizer step `step` (0-based)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_scale", 1.0)
+        group["lr"] = 0.0 if step < group.get("frozen_until", 0) else lr * group.get("lr_scale", 1.0)
         group["weight_decay"] = weight_decay * group.get("wd_scale", 1.0)

@@ -24,6 +24,7 @@ from pathlib import Path
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 ENCODER_FILE = "encoder.safetensors"
+HEADS_FILE = "heads.safetensors"  # an objective's heads (DINO: student and teacher), with the encoder's step
 
 
 class OutputError(RuntimeError):
@@ -181,6 +182,18 @@ class RunOutputs:
 
             with writing(self.out_dir / ENCODER_FILE, "the encoder"):
                 save_encoder_state(encoder_state, config, self.out_dir / ENCODER_FILE, step=step, **metadata)
+
+    def save_heads(self, heads: dict | None, step: int, **metadata) -> None:
+        """heads.safetensors: the objective's heads by their state-dict names (`Objective.saved_heads`)."""
+        if self.active:
+            from safetensors.torch import save_file
+
+            path = self.out_dir / HEADS_FILE
+            temp = path.with_name(path.name + ".tmp")
+            with writing(path, "the heads"):
+                save_file({k: v.contiguous() for k, v in heads.items()}, str(temp),
+                          metadata={"step": str(step), **{k: str(v) for k, v in metadata.items()}})
+                os.replace(temp, path)  # never a half-written file under the final name
 
     def encoder_step(self) -> int | None:
         """The step recorded in encoder.safetensors (None when there is none or it is unreadable)."""

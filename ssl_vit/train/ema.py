@@ -1,0 +1,84 @@
+"""The exponential moving average of one set of parameters into another (an EMA teacher), shard by shard, with
+the average kept in fp32. The one place that knows how a teacher is updated under each strategy:
+
+- one process, DDP, ZeRO-1/2: whole tensors, `t <- t + (1 - m) (s - t)` (a foreach lerp);
+- FSDP2: the same on each DTensor's local shard (student and teacher are sharded alike, so the shards line up);
+- ZeRO-3: on each parameter's partition (`ds_tensor`); the student's side is its fp32 master partition from the
+  optimizer. The teacher must not be persisted whole on every rank (DeepSpeed's
+  `stage3_param_persistence_threshold`: set to 0 when a model has a teacher), or its small parameters go stale.
+
+Nothing is ever gathered. When the teacher's own tensors are 16-bit (DeepSpeed's bf16 mode casts the whole module),
+the average lives in fp32 copies of the local shards and is written into the teacher after each update: a bf16
+EMA at m = 0.996 stalls, because (1 - m)(s - t) is below bf16's resolution of t.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    if hasattr(param, "ds_tensor"):  # ZeRO-3 partition
+        return param.ds_tensor
+    if hasattr(param, "to_local"):  # FSDP2 DTensor
+        return param.to_local()
+    return param.data
+
+
+def _student_local_fp32(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a student parameter at full precision: ZeRO-3's fp32 master partition when the module
+    holds 16-bit copies, else the local shard itself."""
+    local = _local(param)
+    if local.dtype == torch.float32:
+        return local
+    if hasattr(param, "ds_tensor") and getattr(param, "_z3_optimizer", None) is not None:
+        from deepspeed.utils import safe_get_local_fp32_param
+
+        return safe_get_local_fp32_param(param)
+    return local.float()  # ZeRO-1/2 bf16: the module's bf16 copy, averaged into an fp32 EMA
+
+
+def _named(modules) -> dict[str, torch.Tensor]:
+    """Parameters by name from a module, or from a {name: module or None} dict (parts of a larger module)."""
+    if isinstance(modules, torch.nn.Module):
+        return dict(modules.named_parameters())
+    return {f"{key}.{name}": p for key, module in modules.items() if module is not None
+            for name, p in module.named_parameters()}
+
+
+def _pairs(student, teacher):
+    s, t = _named(student), _named(teacher)
+    if s.keys() != t.keys():
+        raise ValueError(f"student and teacher differ in parameters: {sorted(s.keys() ^ t.keys())[:5]}")
+    return [(s[name], t[name]) for name in s]
+
+
+@torch.no_grad()
+def copy_parameters(teacher, student) -> None:
+    """teacher <- student, local shard by local shard (at construction: under zero.Init both are partitioned)."""
+    for s, t in _pairs(student, teacher):
+        _local(t).copy_(_local(s))
+
+
+class EMA:
+    """`update(m)`: teacher <- m teacher + (1 - m) student for every parameter, on local shards, in fp32."""
+
+    def __init__(self, student, teacher):
+        """student, teacher: modules, or {name: module} dicts, whose parameters match by name."""
+        self.student, self.teacher = student, teacher
+        self._fp32: list[torch.Tensor] | None = None  # fp32 averages when the teacher's tensors are 16-bit
+
+    @torch.no_grad()
+    def update(self, momentum: float) -> None:
+        pairs = _pairs(self.student, self.teacher)
+        students = [_student_local_fp32(s) for s, _ in pairs]
+        teachers = [_local(t) for _, t in pairs]
+        if all(t.dtype == torch.float32 for t in teachers):
+            torch._foreach_lerp_(teachers, students, 1.0 - momentum)
+            return
+        if self._fp32 is None:  # first update (or after a resume): start from the teacher's current values
+            self._fp32 = [t.float().clone() for t in teachers]
+        torch._foreach_lerp_(self._fp32, [s.to(a.device) for s, a in zip(students, self._fp32, strict=True)],
+                             1.0 - momentum)
+        for average, t in zip(self._fp32, teachers, strict=True):
+            t.copy_(average)
