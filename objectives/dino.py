@@ -115,7 +115,9 @@ class Teacher(nn.Module):
 class DINO(Objective):
     config_class = DINOConfig
     views = ("crops",)
-    saved_heads = ("head.", "patch_head.", "teacher.head.", "teacher.patch_head.")
+    # everything but the backbones, to continue training from: heads, the mask token, the centres
+    saved_heads = ("head.", "patch_head.", "teacher.head.", "teacher.patch_head.", "mask_token", "centre",
+                   "patch_centre")
     has_ema_teacher = True
 
     def __init__(self, backbone, cfg: DINOConfig, data: DataInfo):
@@ -130,7 +132,9 @@ class DINO(Objective):
         self.head, self.patch_head = _heads(backbone.embed_dim, cfg)
         # The teacher: built like the student (under zero.Init it is partitioned the same way), then given the
         # student's values; frozen, updated only by the EMA.
-        self.teacher = Teacher(VisionTransformer(**backbone.config), cfg)
+        # No stochastic depth or dropout in the teacher (its targets must be deterministic), as in DINO's code.
+        self.teacher = Teacher(VisionTransformer(**{**backbone.config, "drop_path": 0.0, "attn_drop": 0.0,
+                                                    "proj_drop": 0.0}), cfg)
         student = {"backbone": self.backbone, "head": self.head, "patch_head": self.patch_head}
         copy_parameters(self.teacher, student)
         self.teacher.requires_grad_(False)
@@ -198,8 +202,7 @@ class DINO(Objective):
             return sinkhorn_knopp(logits, temp, self.cfg.sinkhorn_iterations)
         centre = getattr(self, centre_name)
         probs = centred_probs(logits, centre, temp)
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        centre.copy_(updated_centre(centre.float(), logits, self.cfg.centre_momentum, all_reduce, world))
+        centre.copy_(updated_centre(centre.float(), logits, self.cfg.centre_momentum, all_reduce))
         return probs
 
     def _masks(self, images: torch.Tensor) -> torch.Tensor | None:
@@ -261,7 +264,7 @@ class DINO(Objective):
         # (every teacher crop enters the averaged cross-entropy equally often).
         entropy = -(teacher_probs * teacher_probs.clamp_min(1e-12).log()).sum(dim=-1).mean()
         outputs.update(loss=loss, teacher_entropy=entropy, kl_teacher_student=dino.detach() - entropy,
-                       teacher_temp=torch.tensor(temp))
+                       teacher_temp=torch.tensor(temp, device=loss.device))
         self._last_monitor = torch.stack([dino.detach(), entropy])
         return outputs
 

@@ -33,7 +33,7 @@ class WeightNormLinear(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.trunc_normal_(self.weight_v, std=0.02)
         if self.weight_g is not None:
-            self.weight_g.copy_(self.weight_v.norm(dim=1, keepdim=True))  # starts as the plain layer
+            self.weight_g.fill_(1.0)  # as DINO: every prototype starts at norm 1, then g is learned
 
     def weight(self) -> torch.Tensor:
         direction = F.normalize(self.weight_v, dim=1)
@@ -100,14 +100,17 @@ def cross_view_loss(student: torch.Tensor, teacher_probs: torch.Tensor, student_
 
 @torch.no_grad()
 def updated_centre(centre: torch.Tensor, teacher: torch.Tensor, momentum: float = 0.9,
-                   all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   world_size: int = 1) -> torch.Tensor:
-    """c <- m c + (1 - m) mean of the teacher logits over the global batch (every rank's rows: the sum is
-    all-reduced when `all_reduce_sum` is given)."""
-    batch_sum = teacher.float().sum(dim=0, keepdim=True)
+                   all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """c <- m c + (1 - m) mean of the teacher logits over the global batch: every rank's rows, their sum and count
+    all-reduced when `all_reduce_sum` is given (ranks may hold different numbers of rows, e.g. masked patches).
+    With no rows anywhere the centre stays."""
+    totals = torch.cat([teacher.float().sum(dim=0), teacher.new_full((1,), teacher.shape[0], dtype=torch.float32)])
     if all_reduce_sum is not None:
-        batch_sum = all_reduce_sum(batch_sum)
-    return centre * momentum + batch_sum / (teacher.shape[0] * world_size) * (1 - momentum)
+        totals = all_reduce_sum(totals)
+    batch_sum, rows = totals[:-1], totals[-1]
+    if rows == 0:
+        return centre
+    return centre * momentum + batch_sum[None] / rows * (1 - momentum)
 
 
 def teacher_temperature_schedule(start: float, end: float, warmup_steps: int, total_steps: int) -> np.ndarray:
@@ -131,10 +134,13 @@ def sinkhorn_knopp(teacher: torch.Tensor, teacher_temp: float, iterations: int =
     ranks, into an assignment whose prototypes are used equally: every sample's row sums to 1, every prototype's
     column to about B / K. teacher: (B, K) logits on this rank; returns (B, K)."""
     scores = teacher.float() / teacher_temp
-    scores = scores - all_reduce(scores.max().clone(), "max")  # no overflow in exp; cancels in the sums below
+    local_max = scores.max() if scores.numel() else scores.new_full((), -math.inf)  # a rank may have no rows
+    scores = scores - all_reduce(local_max.clone(), "max")  # no overflow in exp; cancels in the sums below
     q = scores.exp().t()  # (K, B)
     prototypes = q.shape[0]
     samples = all_reduce(torch.tensor(float(q.shape[1]), device=q.device))
+    if samples == 0:  # no rows on any rank (e.g. no masked patch anywhere)
+        return scores
     q /= all_reduce(q.sum())
     for _ in range(iterations):
         q /= all_reduce(q.sum(dim=1, keepdim=True))  # each prototype: total 1 / K

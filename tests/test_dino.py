@@ -21,13 +21,13 @@ from test_shards import _synthetic_shards, _write_idx
 
 from objectives import DataInfo, build_objective
 from objectives.dino import DINOConfig, DINOv2Config
-from ssl_vit.config import register_configs
+from ssl_vit.config import ConfigError, register_configs, validate_config
 from ssl_vit.data import SyntheticShapes, build_dataset, make_loader
 from ssl_vit.eval.knn import knn_eval
 from ssl_vit.export import load_encoder, read_preprocess
 from ssl_vit.preprocess import Preprocess
+from ssl_vit.train import build_components, pretrain
 from ssl_vit.train import ema as ema_module
-from ssl_vit.train import pretrain
 from ssl_vit.train.ema import EMA
 from ssl_vit.train.optim import apply_schedule, build_optimizer
 from ssl_vit.vit import build_vit
@@ -62,6 +62,18 @@ def test_the_teacher_is_a_frozen_copy_that_shares_no_storage():
     assert all(not p.requires_grad and p.grad is None for p in teacher.values())
     assert all(p.grad is not None for p in student.values())
     assert objective.encoder is objective.teacher.backbone  # evaluation and export use the teacher
+
+
+def test_the_teacher_has_no_stochastic_depth_or_dropout():
+    torch.manual_seed(0)
+    objective = build_objective(DINOConfig(**SMALL), build_vit("vit_test", drop_path=0.5, proj_drop=0.1),
+                                DataInfo(8, 16))
+    assert objective.backbone.config["drop_path"] == 0.5
+    assert objective.teacher.backbone.config["drop_path"] == 0.0 == objective.teacher.backbone.config["proj_drop"]
+    images = torch.randn(4, 3, 16, 16)
+    teacher, student = objective.teacher.backbone.train(), objective.backbone.train()
+    assert torch.equal(teacher.forward_features(images), teacher.forward_features(images))
+    assert not torch.equal(student.forward_features(images), student.forward_features(images))
 
 
 def test_ema_equals_its_closed_form_over_three_steps():
@@ -280,3 +292,16 @@ def test_a_short_dinov2_run_gives_a_teacher_whose_knn_beats_a_random_encoder(tmp
         assert colours == test_colours and len(colours) == 8
         scores[name] = knn_eval(train_x, train_y, test_x, test_y)["accuracy"]
     assert scores["teacher"] > scores["random"] + 0.05, scores
+
+
+@pytest.mark.parametrize("option", ["dino", "dino_tiny", "dinov2", "dinov2_tiny"])
+def test_every_dino_config_composes_and_a_bad_value_names_the_choices(option):
+    register_configs()
+    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+        cfg = compose("pretrain", overrides=[f"objective={option}", "optim=dino", "model=vit_test", "output_dir=x"])
+        bad = compose("pretrain", overrides=[f"objective={option}", "objective.centering=mean", "model=vit_test",
+                                             "output_dir=x"])
+    validate_config(cfg)
+    assert cfg.objective.name == option.removesuffix("_tiny") and cfg.optim.weight_decay_end == 0.4
+    with pytest.raises(ConfigError, match=r"centering='mean' is invalid; valid choices: \['centre', 'sinkhorn_kn"):
+        build_components(bad)

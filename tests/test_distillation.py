@@ -68,8 +68,13 @@ def test_centre_update_closed_form_and_all_reduce():
     expected = 0.9 * 2.0 + 0.1 * teacher.mean(dim=0, keepdim=True)
     torch.testing.assert_close(updated_centre(centre, teacher, 0.9), expected)
     # two ranks with the same rows: the all-reduced sum doubles, the global batch too, so the mean is unchanged
-    torch.testing.assert_close(updated_centre(centre, teacher, 0.9, all_reduce_sum=lambda t: 2 * t, world_size=2),
-                               expected)
+    torch.testing.assert_close(updated_centre(centre, teacher, 0.9, all_reduce_sum=lambda t: 2 * t), expected)
+    # ranks with different row counts (masked patches): the mean over all rows; with no rows at all, no change
+    other = torch.full((5, 4), 7.0)
+    other_rank = torch.cat([other.sum(dim=0), torch.tensor([5.0])])  # what the other rank adds: its sum and count
+    both = updated_centre(centre, teacher, 0.9, all_reduce_sum=lambda t: t + other_rank)
+    torch.testing.assert_close(both, 0.9 * 2.0 + 0.1 * torch.cat([teacher, other]).mean(dim=0, keepdim=True))
+    assert torch.equal(updated_centre(centre, torch.zeros(0, 4), 0.9), centre)
 
 
 def test_teacher_temperature_warms_up_linearly_then_stays():
@@ -88,8 +93,9 @@ def test_head_shapes_normalisation_and_weight_norm():
     torch.testing.assert_close(rows, torch.ones(100))  # norm_last_layer: every prototype has norm 1
     assert [n for n, _ in head.last_layer.named_parameters()] == ["weight_v"]
     free = WeightNormLinear(16, 10, fixed_norm=False)
-    plain = torch.nn.functional.linear(torch.ones(2, 16), free.weight_v)
-    torch.testing.assert_close(free(torch.ones(2, 16)), plain)  # g starts at ||v||: the plain layer
+    assert torch.equal(free.weight_g, torch.ones(10, 1))  # g starts at 1, as DINO's fill_(1)
+    free.weight_g.data.mul_(3.0)
+    torch.testing.assert_close(free.weight().norm(dim=1), torch.full((10,), 3.0))  # then g is each row's norm
     assert isinstance(DINOHead(32, 10, 64, 16, weight_norm=False).last_layer, torch.nn.Linear)
     with pytest.raises(ValueError, match="nlayers=0 is invalid"):
         DINOHead(32, 10, nlayers=0)

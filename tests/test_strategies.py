@@ -194,3 +194,18 @@ def test_bf16_under_zero3_trains_and_saves_the_fp32_master_weights(runs, tmp_pat
     encoder = load_encoder(tmp_path / "encoder.safetensors").state_dict()
     weight = encoder["blocks.0.attn.qkv.weight"]
     assert weight.dtype == torch.float32 and not torch.equal(weight, weight.bfloat16().float())
+
+
+def test_dinov2_in_bf16_under_zero3_keeps_and_saves_an_fp32_teacher(runs, tmp_path):
+    """DeepSpeed's bf16 mode casts the teacher to bf16 too: its EMA runs on fp32 averages of each rank's partition
+    (from the student's fp32 master partitions), and the saved teacher is that average, not a bf16 copy."""
+    check_ok(_run("zero3_cpu2", tmp_path, *OBJECTIVES["dinov2"], "trainer.precision=bf16"))
+    losses = [m["loss"] for m in read_metrics(tmp_path)]
+    fp32 = [m["loss"] for m in read_metrics(runs["dinov2", "zero3_cpu2"]) if "loss" in m]
+    assert losses == pytest.approx(fp32, rel=2e-2)
+    teacher = load_encoder(tmp_path / "encoder.safetensors").state_dict()
+    reference = load_encoder(runs["dinov2", "zero3_cpu2"] / "encoder.safetensors").state_dict()
+    weight = teacher["blocks.0.attn.qkv.weight"]
+    assert weight.dtype == torch.float32 and not torch.equal(weight, weight.bfloat16().float())
+    for name, value in reference.items():
+        torch.testing.assert_close(teacher[name], value, atol=2e-2, rtol=0, msg=name)

@@ -9,7 +9,9 @@ the average kept in fp32. The one place that knows how a teacher is updated unde
 
 Nothing is ever gathered. When the teacher's own tensors are 16-bit (DeepSpeed's bf16 mode casts the whole module),
 the average lives in fp32 copies of the local shards and is written into the teacher after each update: a bf16
-EMA at m = 0.996 stalls, because (1 - m)(s - t) is below bf16's resolution of t.
+EMA at m = 0.996 stalls, because (1 - m)(s - t) is below bf16's resolution of t. Each teacher parameter then
+carries its fp32 average as `ema_fp32`, which the saved encoder is taken from. A resumed run restarts the fp32
+average from the (bf16) teacher in the checkpoint.
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ class EMA:
             return
         if self._fp32 is None:  # first update (or after a resume): start from the teacher's current values
             self._fp32 = [t.float().clone() for t in teachers]
+            for (_, param), average in zip(pairs, self._fp32, strict=True):
+                param.ema_fp32 = average  # for saving the teacher at full precision (strategy.full_state_dict)
         torch._foreach_lerp_(self._fp32, [s.to(a.device) for s, a in zip(students, self._fp32, strict=True)],
                              1.0 - momentum)
         for average, t in zip(self._fp32, teachers, strict=True):

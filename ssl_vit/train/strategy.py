@@ -200,14 +200,14 @@ def full_state_dict(accelerator, model) -> dict[str, torch.Tensor] | None:
 def _deepspeed_fp32_state_dict(accelerator, engine) -> dict[str, torch.Tensor] | None:
     """Under DeepSpeed bf16 the module holds bf16 copies and the fp32 master weights live in the optimizer: gather
     those, one parameter at a time (collective under ZeRO-3), onto the main process's CPU. Frozen parameters have no
-    master and are taken from the module."""
+    master: an EMA teacher's come from its fp32 averages (ssl_vit.train.ema), others from the module."""
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
     main = accelerator.is_main_process
     state = {}
     for name, param in engine.module.named_parameters():
-        full = safe_get_full_fp32_param(param) if param.requires_grad else None
+        full = safe_get_full_fp32_param(param) if param.requires_grad else _full_ema_fp32(param)
         if full is None:
             with deepspeed.zero.GatheredParameters([param]) if hasattr(param, "ds_id") else contextlib.nullcontext():
                 full = param.detach().float().clone()
@@ -220,3 +220,14 @@ def _deepspeed_fp32_state_dict(accelerator, engine) -> dict[str, torch.Tensor] |
             if buffer is not None and name not in module._non_persistent_buffers_set:
                 state[f"{prefix}.{name}" if prefix else name] = buffer.detach().cpu()
     return state
+
+
+def _full_ema_fp32(param: torch.Tensor) -> torch.Tensor | None:
+    """The whole fp32 EMA average of a frozen teacher parameter (`ema_fp32`, set by ssl_vit.train.ema), gathered
+    from every rank's partition under ZeRO-3 (collective there); None when it has none."""
+    average = getattr(param, "ema_fp32", None)
+    if average is None or not hasattr(param, "ds_id"):
+        return average
+    parts = [torch.empty_like(average) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(parts, average.contiguous())
+    return torch.cat(parts)[: param.ds_numel].view(param.ds_shape)
