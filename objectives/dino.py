@@ -229,20 +229,15 @@ class DINO(Objective):
             teacher_logits = self.teacher.head(self.teacher.backbone.pool(teacher_tokens))
             teacher_probs = self._targets(teacher_logits, "centre", temp)
 
-        # Student: one forward per resolution (consecutive crops of one size batched together).
-        pooled, student_global_tokens, start = [], None, 0
+        # Student: the (masked) global crops in one forward, then one forward per local resolution.
+        student_global_tokens = self._tokens(self, global_images, masks)
+        pooled, start = [self.backbone.pool(student_global_tokens)], n_global
         while start < len(crops):
             end = start + 1
             while end < len(crops) and crops[end].shape[-2:] == crops[start].shape[-2:]:
                 end += 1
-            group = torch.cat(crops[start:end])
-            tokens = self._tokens(self, group, masks if start == 0 and end == n_global else None)
-            if start == 0 and end == n_global:
-                student_global_tokens = tokens
-            pooled.append(self.backbone.pool(tokens))
+            pooled.append(self.backbone.pool(self._tokens(self, torch.cat(crops[start:end]))))
             start = end
-        if student_global_tokens is None:  # local crops at the global size: split the first group's tokens
-            raise ValueError("local crops must differ in size from the global ones (set objective.local_crop_size)")
         pooled = torch.cat(pooled)
         student_logits = self.head(pooled)
         dino = cross_view_loss(student_logits, teacher_probs, cfg.student_temp, n_global)

@@ -43,7 +43,9 @@ def test_views_normalise_image_and_keep_raw_pixels():
     assert set(out) == {"image", "pixels", "label"}
     torch.testing.assert_close(out["pixels"], torch.full((3, 8, 8), 0.2))
     torch.testing.assert_close(out["image"][:, 0, 0], torch.tensor([0.2, 0.0, -0.2]))
-    with pytest.raises(ValueError, match=r"unknown view\(s\) \['crops'\].*valid choices"):
+    with pytest.raises(ValueError, match=r"unknown view\(s\) \['depth'\].*valid choices"):
+        ViewBuilder(("depth",), 8, [0.5] * 3, [0.5] * 3)
+    with pytest.raises(ValueError, match="the crops view needs multi-crop settings"):
         ViewBuilder(("crops",), 8, [0.5] * 3, [0.5] * 3)
 
 

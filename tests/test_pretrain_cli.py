@@ -61,7 +61,10 @@ def test_two_workers_that_do_not_join_one_group_are_stopped(tmp_path):
     ("trainer.precision=fp16", ["fp16", "fp32", "bf16"]),
 ])
 def test_bad_configuration_fails_at_start_up_with_the_valid_choices(tmp_path, override, expected):
-    proc = launch("model=vit_test", override, f"hydra.run.dir={tmp_path}")
+    """Through `python scripts/pretrain.py` (one process: the message is the same; through `accelerate launch` it
+    comes first too: test_a_bad_value_is_one_line_first_then_accelerates_own_report)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "pretrain.py"), "model=vit_test", override,
+                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     for text in expected:
         assert text in proc.stderr, proc.stderr[-3000:]

@@ -30,6 +30,9 @@ class ViewBuilder:
         if "crops" in self.views:
             from ssl_vit.data.multicrop import MultiCropViews
 
+            if not multicrop or "local_size" not in multicrop:
+                raise ValueError(f"the crops view needs multi-crop settings with at least local_size (the objective's "
+                                 f"multicrop_options()), got {multicrop}")
             self.multicrop = MultiCropViews(img_size, mean=mean, std=std, **(multicrop or {}))
         mode = v2.InterpolationMode(interpolation)
         if augment:

@@ -115,7 +115,7 @@ def configure_deepspeed(accelerator, cfg) -> None:
         zero["stage3_gather_16bit_weights_on_model_save"] = True  # encoder.safetensors is the full encoder
         from objectives import OBJECTIVES
 
-        objective = OBJECTIVES.get(cfg.objective.name)
+        objective = OBJECTIVES.get(cfg.objective.name) if "objective" in cfg else None
         if objective is not None and objective.has_ema_teacher:
             # The EMA updates each rank's partition (ssl_vit.train.ema): a parameter persisted whole on every rank
             # (below the threshold) would keep its stale full copy (measured: 0.18 off at step 2).
