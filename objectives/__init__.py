@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from objectives.base import DataInfo, Objective, ObjectiveConfig
+from objectives.clip import CLIP, SigLIP
 from objectives.dino import DINO, DINOv2
 from objectives.mae import MAE
 from objectives.masked_patch import MaskedPatch
@@ -14,6 +15,8 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "mae": MAE,
     "dino": DINO,
     "dinov2": DINOv2,
+    "clip": CLIP,
+    "siglip": SigLIP,
 }
 
 

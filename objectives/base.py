@@ -41,6 +41,12 @@ class Objective(nn.Module, ABC):
     saved_heads: ClassVar[tuple[str, ...]] = ()
     # Whether the model holds an EMA teacher updated shard by shard (DeepSpeed then persists no parameter whole).
     has_ema_teacher: ClassVar[bool] = False
+    # Contrastive objectives: gradient accumulation embeds every micro-batch first and recomputes each against the
+    # cached features of all (`forward(batch, cached=..., index=i)`, `forward(batch, embed_only=True)`), so the
+    # negatives are the whole accumulated batch (objectives/clip.py).
+    caches_features: ClassVar[bool] = False
+    # Backbone options this objective's method uses (CLIP: pre_norm), applied where the model config leaves them unset.
+    model_defaults: ClassVar[dict] = {}
 
     def __init__(self, backbone: VisionTransformer, cfg, data: DataInfo):
         super().__init__()
@@ -60,6 +66,16 @@ class Objective(nn.Module, ABC):
 
     @abstractmethod
     def forward(self, batch: dict) -> dict[str, torch.Tensor]: ...
+
+    @classmethod
+    def fixed_backbone(cls, cfg) -> tuple[dict, object] | None:
+        """(encoder config, its recorded Preprocess or None) when the objective's config fixes the backbone (a
+        locked, pre-trained image tower): the run builds that architecture instead of `model=`."""
+        return None
+
+    def text_tokenizer(self):
+        """For objectives that read `text`: str -> token ids, run in the data workers."""
+        return None
 
     def multicrop_options(self) -> dict | None:
         """For objectives that read the `crops` view: the multi-crop settings (`MultiCropViews` keywords)."""

@@ -2,7 +2,9 @@
 
     python scripts/make_shards.py synthetic --out data/shapes --num-samples 20000 --img-size 64
     python scripts/make_shards.py folder --root /data/train --out data/train-shards --samples-per-shard 5000
-    python scripts/make_shards.py captions --root /usr/share/tuxpaint/stamps --out data/tuxpaint
+    python scripts/make_shards.py captions --root /data/pairs --out data/pairs-train         # image + .txt pairs
+    python scripts/make_shards.py tuxpaint --split train --out data/tuxpaint-train           # 90% of the stamps
+    python scripts/make_shards.py tuxpaint --split test --out data/tuxpaint-test             # the held-out 10%
     python scripts/make_shards.py fashion_mnist --split train --out data/fmnist-train
     python scripts/make_shards.py digits --out data/digits
 
@@ -30,7 +32,9 @@ def main(argv=None) -> int:
     parser.add_argument("source", choices=SOURCES)
     parser.add_argument("--out", required=True, help="output directory for the .tar shards")
     parser.add_argument("--root", help="input directory (folder, captions) or idx directory (fashion_mnist)")
-    parser.add_argument("--split", default="train", help="train or test (fashion_mnist, digits)")
+    parser.add_argument("--split", default=None,
+                        help="fashion_mnist, digits: train (default) or test; captions, tuxpaint: all (default), "
+                             "train or test (90%% / 10%% by a stable hash of the path)")
     parser.add_argument("--num-samples", type=int, default=10000, help="synthetic: how many images")
     parser.add_argument("--img-size", type=int, default=64, help="synthetic: image size in pixels")
     parser.add_argument("--seed", type=int, default=0, help="synthetic: seed")
@@ -40,7 +44,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="make_shards: %(levelname)s: %(message)s")
     try:
-        samples, classes = open_source(args.source, root=args.root, split=args.split, num_samples=args.num_samples,
+        split = args.split or ("all" if args.source in ("captions", "tuxpaint") else "train")
+        samples, classes = open_source(args.source, root=args.root, split=split, num_samples=args.num_samples,
                                        img_size=args.img_size, seed=args.seed)
         summary = write_shards(samples, args.out, source=args.source, prefix=args.prefix,
                                samples_per_shard=args.samples_per_shard, image_format=args.format, classes=classes)

@@ -3,7 +3,7 @@ never a traceback. Exit status 2 for a bad configuration (nothing was trained), 
 (divergence, unusable data, an output that cannot be written). `accelerate launch` reports any failing child with
 its own CalledProcessError traceback and exit status 1 after our line; the first line on stderr is ours.
 
-`OutputDirCheck` is a Hydra callback (`hydra.callbacks` in configs/pretrain.yaml and linear_probe.yaml): Hydra
+`OutputDirCheck` is a Hydra callback (`hydra.callbacks` in configs/pretrain.yaml and evaluate.yaml): Hydra
 creates the run directory before the job starts, so an unwritable one is reported from here, before Hydra's own
 traceback.
 """

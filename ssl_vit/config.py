@@ -170,6 +170,22 @@ class FolderDataConfig(DataConfig):
 
 
 @dataclass
+class CaptionDataConfig(DataConfig):
+    """Images with same-named .txt captions (ssl_vit.data.captions), split by a stable hash of the path."""
+
+    name: str = "captions"
+    root: str = checked(MISSING, example="data.root=/path/to/pairs (images with same-named .txt captions)")
+    split: str = "train"  # train | test | all
+    test_fraction: float = checked(0.1, ge=0, lt=1)
+
+
+@dataclass
+class TuxPaintDataConfig(CaptionDataConfig):
+    name: str = "tuxpaint"
+    root: str = "/usr/share/tuxpaint/stamps"
+
+
+@dataclass
 class FashionMNISTDataConfig(DataConfig):
     name: str = "fashion_mnist"
     root: str = "/usr/share/datasets/fashion-mnist"
@@ -253,6 +269,8 @@ class EvalConfig:
     finetune_layer_decay: float | None = checked(0.75, gt=0, le=1)
     finetune_img_size: int | None = checked(None, ge=1)  # None: the encoder's own; larger resamples pos. embeddings
     finetune_augment: bool = False  # random resized crops + flips: for long runs; slows short ones
+    zeroshot_templates: list[str] = field(default_factory=list)  # prompts with {} for the class; empty: the data's
+    retrieval_ks: list[int] = checked(factory=lambda: [1, 5, 10], ge=1)
 
 
 @dataclass
@@ -330,6 +348,8 @@ def register_configs() -> None:
     store.store(group="schema/trainer", name="default", node=TrainerConfig)
     store.store(group="schema/data", name="synthetic", node=SyntheticDataConfig)
     store.store(group="schema/data", name="folder", node=FolderDataConfig)
+    store.store(group="schema/data", name="captions", node=CaptionDataConfig)
+    store.store(group="schema/data", name="tuxpaint", node=TuxPaintDataConfig)
     store.store(group="schema/data", name="fashion_mnist", node=FashionMNISTDataConfig)
     store.store(group="schema/data", name="digits", node=DigitsDataConfig)
     store.store(group="schema/data", name="wds", node=ShardDataConfig)

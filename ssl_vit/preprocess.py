@@ -34,11 +34,11 @@ class Preprocess:
         self.mean, self.std = [float(v) for v in self.mean], [float(v) for v in self.std]
 
     def view_builder(self, views=("image", "label"), augment: bool = False, crop_scale=(0.35, 1.0),
-                     multicrop: dict | None = None):
+                     multicrop: dict | None = None, tokenizer=None):
         from ssl_vit.data.views import ViewBuilder
 
         return ViewBuilder(views, self.img_size, self.mean, self.std, augment, crop_scale, self.interpolation,
-                           self.crop_pct, multicrop)
+                           self.crop_pct, multicrop, tokenizer)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

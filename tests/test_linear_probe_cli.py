@@ -66,7 +66,7 @@ def _probe_config(*overrides):
 
     register_configs()
     with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
-        return compose("linear_probe", overrides=list(overrides))
+        return compose("evaluate", overrides=list(overrides))
 
 
 def test_the_encoders_recorded_preprocessing_is_the_default_and_data_values_override_it(tmp_path):

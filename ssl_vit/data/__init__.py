@@ -6,6 +6,7 @@ all raises a `DataError` (see ssl_vit/data/errors.py) with a message that names 
 
 from __future__ import annotations
 
+from ssl_vit.data.captions import CaptionFolder, TuxPaintStamps
 from ssl_vit.data.decode import decode_rgb
 from ssl_vit.data.errors import BadSampleError, DataError, NoUsableSamplesError, NoUsableShardsError
 from ssl_vit.data.folder import FolderDataset
@@ -15,7 +16,7 @@ from ssl_vit.data.shards import ShardStream
 from ssl_vit.data.synthetic import SyntheticShapes
 from ssl_vit.data.views import VIEW_KINDS, ViewBuilder
 
-DATASETS = ("synthetic", "folder", "fashion_mnist", "digits", "wds")
+DATASETS = ("synthetic", "folder", "captions", "tuxpaint", "fashion_mnist", "digits", "wds")
 
 
 def build_dataset(cfg, img_size: int):
@@ -24,6 +25,10 @@ def build_dataset(cfg, img_size: int):
         return SyntheticShapes(cfg.num_samples, img_size, cfg.seed)
     if cfg.name == "folder":
         return FolderDataset(cfg.root)
+    if cfg.name == "captions":
+        return CaptionFolder(cfg.root, cfg.split, cfg.test_fraction)
+    if cfg.name == "tuxpaint":
+        return TuxPaintStamps(cfg.root, cfg.split, cfg.test_fraction)
     if cfg.name == "fashion_mnist":
         return FashionMNIST(cfg.root, cfg.split)
     if cfg.name == "digits":
@@ -45,7 +50,7 @@ def make_loader(dataset, views: ViewBuilder, batch_size: int, *, rank: int = 0, 
 
 
 __all__ = [
-    "DATASETS", "VIEW_KINDS", "BadSampleError", "DataError", "Digits", "FashionMNIST", "FolderDataset",
+    "DATASETS", "VIEW_KINDS", "BadSampleError", "CaptionFolder", "DataError", "Digits", "FashionMNIST", "FolderDataset",
     "NoUsableSamplesError", "NoUsableShardsError", "ShardStream", "StepBatchSampler", "SyntheticShapes",
-    "ViewBuilder", "build_dataset", "build_loader", "decode_rgb", "make_loader",
+    "TuxPaintStamps", "ViewBuilder", "build_dataset", "build_loader", "decode_rgb", "make_loader",
 ]

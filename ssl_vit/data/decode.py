@@ -5,8 +5,9 @@ torchvision decodes png / jpeg / gif / webp (fast, libjpeg-turbo / libpng); anyt
 tiff, ... which ImageFolder lists) falls back to PIL. Whatever the source, the result is 8-bit RGB scaled by the
 image's true range: 16-bit images (png or PIL's I;16 / I modes) are scaled to 0..255 as torchvision's
 `to_dtype(..., scale=True)` does (the high byte), never clipped and never left as uint16 for a later /255. Grey,
-grey + alpha, palette, RGBA and CMYK become RGB (alpha dropped, as PIL's convert("RGB") does); animated images give
-their first frame. EXIF orientation is not applied (the pixels as stored). Undecodable data raises
+grey + alpha, palette, RGBA and CMYK become RGB (alpha dropped, as PIL's convert("RGB") does, unless a `background`
+grey level is given: then images with alpha are composited onto it, as drawings with transparent backgrounds need);
+animated images give their first frame. EXIF orientation is not applied (the pixels as stored). Undecodable data raises
 `BadSampleError` with the reason (and the file, when given a path).
 """
 
@@ -67,8 +68,17 @@ def _pil_to_uint8_rgb(image: Image.Image) -> torch.Tensor:
     return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
 
-def decode_rgb(source: bytes | bytearray | memoryview | torch.Tensor | str | Path) -> torch.Tensor:
-    """Encoded image bytes (or a uint8 tensor of them, or a file path) -> uint8 (3, H, W).
+def composite(image: torch.Tensor, background: int) -> torch.Tensor:
+    """uint8 (2 or 4, H, W) grey/RGB + alpha -> uint8 (3, H, W) over a uniform `background` grey level."""
+    colour, alpha = image[:-1].float(), image[-1:].float() / 255
+    mixed = colour * alpha + background * (1 - alpha)
+    return mixed.round_().clamp_(0, 255).to(torch.uint8).expand(3, -1, -1).contiguous()
+
+
+def decode_rgb(source: bytes | bytearray | memoryview | torch.Tensor | str | Path,
+               background: int | None = None) -> torch.Tensor:
+    """Encoded image bytes (or a uint8 tensor of them, or a file path) -> uint8 (3, H, W); with `background` (0-255),
+    an image with an alpha channel is composited onto that grey level instead of having its alpha dropped.
 
     Raises BadSampleError naming the reason (and the path) when the data is empty, unreadable or undecodable."""
     where = ""
@@ -84,12 +94,20 @@ def decode_rgb(source: bytes | bytearray | memoryview | torch.Tensor | str | Pat
     data = source.flatten() if isinstance(source, torch.Tensor) else torch.frombuffer(bytearray(source),
                                                                                     dtype=torch.uint8)
     try:
+        if background is not None:
+            image = decode_image(data, mode=ImageReadMode.UNCHANGED)
+            if image.ndim == 3 and image.dtype == torch.uint8 and image.shape[0] in (2, 4):
+                return composite(image, background)
+            return to_uint8_rgb(image)
         return to_uint8_rgb(decode_image(data, mode=ImageReadMode.RGB))
     except RuntimeError as err:
         torchvision_reason = _reason(err)
     try:
         with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
             image.load()
+            if background is not None and ("A" in image.mode or "transparency" in image.info):
+                rgba = torch.from_numpy(np.asarray(image.convert("RGBA")).copy()).permute(2, 0, 1)
+                return composite(rgba, background)
             return _pil_to_uint8_rgb(image)
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...
         pil_reason = _reason(err)

@@ -24,6 +24,10 @@ class MissingKeyError(BadSampleError):
     """A shard sample lacks a key the objective needs (its image, `cls` or `txt`)."""
 
 
+class MissingTextError(MissingKeyError):
+    """A sample without a caption (an empty caption file) where the objective reads text."""
+
+
 class NoUsableSamplesError(DataError):
     """No readable sample could be found to replace a bad one."""
 

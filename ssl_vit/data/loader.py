@@ -4,10 +4,11 @@ Each epoch is a seeded permutation of the dataset cut into global batches of bat
 its slice. Every sample also gets its own seed, under which its random augmentation runs, so the stream is the
 same with any number of workers and a resumed run continues exactly where an uninterrupted one would be.
 
-A sample that cannot be read (a corrupt or empty image file: `BadSampleError`) is replaced by the next readable
-index, augmented under the bad sample's seed, and marked `skipped=1`; the batch stays full and remains a pure function
-of (seed, m, rank). Every sample carries `skipped` (0 or 1), so the batch's `skipped` tensor counts them; the
-training loop sums and pops it. The first few bad files of each process are logged by path.
+A sample that cannot be read or used (a corrupt or empty image file, no caption for the text view: `BadSampleError`)
+is replaced by the next readable index, augmented under the bad sample's seed, and marked `skipped=1`; the batch
+stays full and remains a pure function of (seed, m, rank). Every sample carries `skipped` (0 or 1), so the batch's
+`skipped` tensor counts them; the training loop sums and pops it. The first few bad files of each process are
+logged by path.
 """
 
 from __future__ import annotations
@@ -91,11 +92,18 @@ class SeededViews(Dataset):
         with torch.random.fork_rng(devices=[]):
             for offset in range(searched):
                 torch.manual_seed(seed)
-                sample = self._read((index + offset) % size)
-                if sample is not None:
-                    out = self.views(sample)
-                    out["skipped"] = int(offset > 0)
-                    return out
+                position = (index + offset) % size
+                sample = self._read(position)
+                if sample is None:
+                    continue
+                try:
+                    out = self.views(sample)  # a sample can lack what the views need (no caption for `text`)
+                except BadSampleError as err:
+                    self.bad[position] = str(err)
+                    self.skip_log(f"{err} (replaced by the next readable sample)")
+                    continue
+                out["skipped"] = int(offset > 0)
+                return out
         describe = getattr(self.dataset, "describe", lambda: type(self.dataset).__name__)()
         scope = ("no sample of it is readable" if searched == size else
                  f"samples {index}..{(index + searched - 1) % size} (of {size}) are all unreadable")

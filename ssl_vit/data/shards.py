@@ -115,34 +115,6 @@ def _brace_pattern(shards: list[Path]) -> str | None:
     return str(shards[0].parent / f"{stem}-{{000000..{len(shards) - 1:06d}}}.tar")
 
 
-class CaptionPairs:
-    """Images with a caption file of the same stem (photo.jpg + photo.txt), found recursively, sorted by path, as
-    samples {"image", "text", "meta"}. Unreadable images are left out: logged (the first few by name) and counted in
-    `skipped`."""
-
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-        if not self.root.is_dir():
-            raise FileNotFoundError(f"caption folder {str(self.root)!r} does not exist")
-        self.skipped = 0
-
-    def __iter__(self) -> Iterator[dict]:
-        skip_log = SkipLog(log, "image")
-        for path in sorted(p for p in self.root.rglob("*") if p.suffix.lower().lstrip(".") in IMAGE_KEYS):
-            caption = path.with_suffix(".txt")
-            if not caption.exists():
-                continue
-            try:
-                image = decode_rgb(path)
-            except BadSampleError as err:
-                self.skipped += 1
-                skip_log(str(err))
-                continue
-            yield {"image": image, "text": caption.read_text().strip(),
-                   "meta": {"path": str(path.relative_to(self.root))}}
-
-
-caption_pairs = CaptionPairs
 
 
 # ----- finding shards -----

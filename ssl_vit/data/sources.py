@@ -6,14 +6,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 
+from ssl_vit.data.captions import TUXPAINT_DIR, CaptionFolder, TuxPaintStamps
 from ssl_vit.data.errors import BadSampleError, SkipLog
 from ssl_vit.data.folder import FolderDataset
 from ssl_vit.data.real import FASHION_MNIST_DIR, Digits, FashionMNIST
-from ssl_vit.data.shards import caption_pairs
 from ssl_vit.data.synthetic import SyntheticShapes
 
 log = logging.getLogger(__name__)
-SOURCES = ("synthetic", "folder", "captions", "fashion_mnist", "digits")
+SOURCES = ("synthetic", "folder", "captions", "tuxpaint", "fashion_mnist", "digits")
 
 
 class ReadableSamples:
@@ -45,11 +45,13 @@ def open_source(name: str, *, root=None, split: str = "train", num_samples: int 
     elif name == "captions":
         if not root:
             raise ValueError("the captions source needs --root (images with same-named .txt captions)")
-        return caption_pairs(root), None
+        dataset = CaptionFolder(root, split)
+    elif name == "tuxpaint":
+        dataset = TuxPaintStamps(root or TUXPAINT_DIR, split)
     elif name == "fashion_mnist":
         dataset = FashionMNIST(root or FASHION_MNIST_DIR, split)
     elif name == "digits":
         dataset = Digits(split)
     else:
         raise ValueError(f"unknown source {name!r}; valid choices: {list(SOURCES)}")
-    return ReadableSamples(dataset), tuple(dataset.classes)
+    return ReadableSamples(dataset), tuple(dataset.classes) or None

@@ -4,7 +4,9 @@ Datasets yield {"image": uint8 (3, H, W), "label": int, "text": str (optional)}.
 centre crop, or random resized crop + flip when augmenting) is applied once; `image` is the normalised float
 tensor the backbone reads, `pixels` the same crop in [0, 1] before normalisation (for colour targets). `crops` is
 DINO's multi-crop list (global crops first, then local ones; `ssl_vit.data.multicrop`), drawn independently of
-`image`; batched, it is a list with one (B, 3, h, w) tensor per crop.
+`image`; batched, it is a list with one (B, 3, h, w) tensor per crop. `text` is the caption, tokenised here (in
+the data workers) by the objective's tokenizer when one is given: a (context_length,) int64 tensor. A sample without
+a caption raises `MissingTextError`, which the loaders skip and count.
 """
 
 from __future__ import annotations
@@ -12,20 +14,24 @@ from __future__ import annotations
 import torch
 from torchvision.transforms import v2
 
+from ssl_vit.data.errors import MissingTextError
+
 VIEW_KINDS = ("image", "pixels", "crops", "label", "text")
 
 
 class ViewBuilder:
     """Without augmentation: resize the shorter side to img_size / crop_pct, centre-crop img_size (timm's eval
     transform; `ssl_vit.preprocess`). `multicrop`: the keyword arguments of `MultiCropViews` other than the global
-    size and normalisation (needed for the `crops` view)."""
+    size and normalisation (needed for the `crops` view). `tokenizer`: str -> (context_length,) tensor for `text`."""
 
     def __init__(self, views, img_size: int, mean, std, augment: bool = False, crop_scale=(0.35, 1.0),
-                 interpolation: str = "bilinear", crop_pct: float = 1.0, multicrop: dict | None = None):
+                 interpolation: str = "bilinear", crop_pct: float = 1.0, multicrop: dict | None = None,
+                 tokenizer=None):
         unknown = [v for v in views if v not in VIEW_KINDS]
         if unknown:
             raise ValueError(f"unknown view(s) {unknown}; valid choices: {list(VIEW_KINDS)}")
         self.views = tuple(views)
+        self.tokenizer = tokenizer
         self.multicrop = None
         if "crops" in self.views:
             from ssl_vit.data.multicrop import MultiCropViews
@@ -57,9 +63,14 @@ class ViewBuilder:
                 out["image"] = (pixels - self.mean) / self.std
         if self.multicrop is not None:
             out["crops"] = self.multicrop(sample["image"])
-        for key in ("label", "text"):
-            if key in self.views:
-                if key not in sample:
-                    raise KeyError(f"the objective needs {key!r} but the dataset's samples have {sorted(sample)}")
-                out[key] = sample[key]
+        if "label" in self.views:
+            if "label" not in sample:
+                raise KeyError(f"the objective needs 'label' but the dataset's samples have {sorted(sample)}")
+            out["label"] = sample["label"]
+        if "text" in self.views:
+            text = sample.get("text")
+            if not text:
+                where = sample.get("meta", {}).get("path") or sample.get("key") or "a sample"
+                raise MissingTextError(f"{where} has no caption")
+            out["text"] = self.tokenizer(text) if self.tokenizer is not None else text
         return out

@@ -1,4 +1,8 @@
-"""Evaluate a frozen encoder on a labelled dataset with the evaluators a config names; JSON + a printed table."""
+"""Evaluate a frozen encoder with the evaluators a config names; JSON + a printed table.
+
+Frozen-feature evaluators (linear, knn, fewshot) and fine-tuning take any encoder and a labelled dataset; zeroshot
+and retrieval take an image-text model's run directory (objective=clip / siglip) and a test set with class names
+(zeroshot) or captions (retrieval)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ssl_vit.config import ConfigError, validate_config
-from ssl_vit.data import DATASETS, Digits, FashionMNIST, FolderDataset, SyntheticShapes
+from ssl_vit.data import DATASETS, CaptionFolder, Digits, FashionMNIST, FolderDataset, SyntheticShapes, TuxPaintStamps
 from ssl_vit.data.subset import limit_samples
 from ssl_vit.eval.features import FEATURE_KINDS, cache_key, cached, extract_features, file_fingerprint
 from ssl_vit.eval.fewshot import fewshot_eval
@@ -20,8 +24,9 @@ from ssl_vit.eval.linear import linear_probe
 from ssl_vit.export import from_timm, load_encoder, read_preprocess
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
 
-EVALUATORS = ("linear", "knn", "fewshot", "finetune")
+EVALUATORS = ("linear", "knn", "fewshot", "finetune", "zeroshot", "retrieval")
 FEATURE_EVALUATORS = EVALUATORS[:3]
+TEXT_EVALUATORS = ("zeroshot", "retrieval")  # need an image-text model
 
 
 def timm_preprocess(model) -> Preprocess:
@@ -69,6 +74,9 @@ def eval_datasets(cfg, img_size: int, seed: int = 0):
     elif cfg.name == "synthetic":
         train = SyntheticShapes(cfg.num_samples, img_size, cfg.seed)
         test = SyntheticShapes(max(cfg.num_samples // 4, 1), img_size, cfg.seed + 1)
+    elif cfg.name in ("captions", "tuxpaint"):
+        make = CaptionFolder if cfg.name == "captions" else TuxPaintStamps
+        train, test = make(cfg.root, "train", cfg.test_fraction), make(cfg.root, "test", cfg.test_fraction)
     elif cfg.name == "folder":
         if not cfg.test_root:
             raise ConfigError("data=folder evaluation needs data.test_root (held-out images, same layout)")
@@ -90,6 +98,15 @@ def evaluate(cfg, progress: bool = True) -> dict:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     encoder, encoder_identity, recorded = load_any_encoder(cfg.checkpoint)
+    model = None
+    if any(name in TEXT_EVALUATORS for name in cfg.eval.evaluators):
+        from objectives.clip import load_clip
+
+        try:
+            model = load_clip(cfg.checkpoint)
+        except ValueError as err:
+            raise ConfigError(f"eval={'+'.join(cfg.eval.evaluators)}: {err}") from err
+        encoder = model.backbone
     native = encoder.patch_embed.img_size[0]
     img_size = cfg.data.img_size or (recorded.img_size if recorded else native)
     if img_size != native:
@@ -103,18 +120,27 @@ def evaluate(cfg, progress: bool = True) -> dict:
     except (FileNotFoundError, ValueError) as err:
         raise ConfigError(f"data={cfg.data.name}: {err}") from err
     identity = {"encoder": encoder_identity, "data": dict(cfg.data), "preprocess": preprocess.to_json()}
+    if not test_set.classes and any(e not in ("retrieval",) for e in cfg.eval.evaluators):
+        raise ConfigError(f"data={cfg.data.name} has captions but no class labels: it takes eval=retrieval only, got "
+                          f"{list(cfg.eval.evaluators)}")
     results, timings, feature_dim = run_evaluators(encoder, train_set, test_set, cfg.eval, preprocess,
-                                                   cfg.cache_dir, identity, cfg.seed, progress)
+                                                   cfg.cache_dir, identity, cfg.seed, progress, model=model,
+                                                   data_name=cfg.data.name)
     return {"checkpoint": cfg.checkpoint, "data": cfg.data.name, "features": cfg.eval.features,
             "preprocess": asdict(preprocess), "num_train": len(train_set), "num_test": len(test_set),
             "feature_dim": feature_dim, "results": results, "timings": timings}
 
 
 def run_evaluators(encoder, train_set, test_set, ecfg, preprocess: Preprocess, cache_dir=None, identity=None,
-                   seed: int = 0, progress: bool = True) -> tuple[dict, dict, int | None]:
+                   seed: int = 0, progress: bool = True, model=None,
+                   data_name: str = "") -> tuple[dict, dict, int | None]:
     """The evaluators `ecfg.evaluators` names, on one encoder, its inputs prepared as `preprocess` says; features
-    are extracted once (cached when `cache_dir` and `identity` are given). Returns (results, timings in seconds,
+    are extracted once (cached when `cache_dir` and `identity` are given). zeroshot and retrieval use `model` (an
+    image-text model whose image tower is `encoder`) on the test set. Returns (results, timings in seconds,
     feature dimension)."""
+    needs_model = [name for name in ecfg.evaluators if name in TEXT_EVALUATORS]
+    if needs_model and model is None:
+        raise ConfigError(f"evaluator(s) {needs_model} need an image-text model (objective=clip or siglip)")
     results, timings, feature_dim = {}, {}, None
     if any(name in FEATURE_EVALUATORS for name in ecfg.evaluators):
         views = preprocess.view_builder()
@@ -140,12 +166,38 @@ def run_evaluators(encoder, train_set, test_set, ecfg, preprocess: Preprocess, c
                                      batch_size=ecfg.finetune_batch_size, lr=ecfg.finetune_lr,
                                      layer_decay=ecfg.finetune_layer_decay, augment=ecfg.finetune_augment,
                                      seed=seed, progress=progress),
+        "zeroshot": lambda: zeroshot_eval(model, test_set, preprocess, ecfg, data_name, progress),
+        "retrieval": lambda: retrieval_eval(model, test_set, preprocess, ecfg, progress),
     }
     for name in ecfg.evaluators:
         start = time.perf_counter()
         results[name] = runners[name]()
         timings[f"{name}_s"] = time.perf_counter() - start
     return results, timings, feature_dim
+
+
+def zeroshot_eval(model, test_set, preprocess: Preprocess, ecfg, data_name: str, progress: bool = False) -> dict:
+    from ssl_vit.eval.zeroshot import class_names, embed_pairs, templates_for, zeroshot_accuracy, zeroshot_classifier
+
+    templates = templates_for(data_name, list(ecfg.zeroshot_templates) or list(model.cfg.templates))
+    names = class_names(test_set)
+    device = next(model.parameters()).device
+    classifier = zeroshot_classifier(model, model.text_tokenizer(), names, templates, device)
+    embedded = embed_pairs(model, test_set, preprocess.view_builder(("image",)), None, need_text=False,
+                           batch_size=ecfg.batch_size, device=device, progress=progress, desc="zero-shot")
+    scores = zeroshot_accuracy(embedded["image"], embedded["labels"], classifier.float().cpu())
+    return {**scores, "classes": names, "templates": templates, "num_test": len(embedded["labels"])}
+
+
+def retrieval_eval(model, test_set, preprocess: Preprocess, ecfg, progress: bool = False) -> dict:
+    from ssl_vit.eval.zeroshot import embed_pairs, retrieval_recall
+
+    device = next(model.parameters()).device
+    embedded = embed_pairs(model, test_set, preprocess.view_builder(("image",)), model.text_tokenizer(),
+                           need_text=True, batch_size=ecfg.batch_size, device=device, progress=progress,
+                           desc="retrieval")
+    recalls = retrieval_recall(embedded["image"], embedded["text"], embedded["captions"], list(ecfg.retrieval_ks))
+    return {"accuracy": recalls, "num_pairs": len(embedded["captions"]), "skipped": embedded["skipped"]}
 
 
 def result_rows(report: dict) -> list[tuple[str, float, float]]:
@@ -162,11 +214,15 @@ def result_rows(report: dict) -> list[tuple[str, float, float]]:
 
 def print_table(report: dict) -> None:
     extraction = report["timings"].get("features_train_s", 0) + report["timings"].get("features_test_s", 0)
-    print(f"{report['checkpoint']} on {report['data']} ({report['num_train']} train / {report['num_test']} test, "
-          f"{report['features']} features of dim {report['feature_dim']}; extraction {extraction:.1f} s)")
-    print(f"{'evaluator':<18}{'accuracy':>10}{'time s':>9}")
-    for metric, value, seconds in result_rows(report):
-        print(f"{metric:<18}{100 * value:>9.2f}%{seconds:>9.2f}")
+    features = (f", {report['features']} features of dim {report['feature_dim']}; extraction {extraction:.1f} s"
+                if report["feature_dim"] else "")
+    print(f"{report['checkpoint']} on {report['data']} ({report['num_train']} train / {report['num_test']} test"
+          f"{features})")
+    rows = result_rows(report)
+    width = max([18] + [len(metric) + 2 for metric, _, _ in rows])
+    print(f"{'evaluator':<{width}}{'accuracy':>10}{'time s':>9}")
+    for metric, value, seconds in rows:
+        print(f"{metric:<{width}}{100 * value:>9.2f}%{seconds:>9.2f}")
 
 
 def write_report(report: dict, out_dir: str | Path) -> Path:

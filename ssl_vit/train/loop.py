@@ -7,6 +7,7 @@ Outputs in the run directory (see ssl_vit.train.outputs): `metrics.jsonl`, Tenso
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -78,11 +79,26 @@ def build_components(cfg):
         raise ConfigError(f"unknown model {preset!r}; valid choices: {sorted(PRESETS)}")
     if cfg.objective.name not in OBJECTIVES:
         raise ConfigError(f"unknown objective {cfg.objective.name!r}; valid choices: {sorted(OBJECTIVES)}")
-    img_size = cfg.data.img_size or PRESETS[preset].get("img_size", 224)
+    objective_class = OBJECTIVES[cfg.objective.name]
     try:
-        backbone = build_vit(preset, img_size=img_size, **model_kwargs(cfg.model))
+        fixed = objective_class.fixed_backbone(cfg.objective)
     except ValueError as err:
-        raise ConfigError(f"model={preset} at data.img_size={img_size}: {err}") from err
+        raise ConfigError(str(err)) from err
+    if fixed is not None:  # a pre-trained, locked tower: its architecture, size and normalisation
+        encoder_config, recorded = fixed
+        img_size = _single_size(encoder_config["img_size"])
+        if cfg.data.img_size not in (None, img_size):
+            raise ConfigError(f"data.img_size={cfg.data.img_size}: the locked image tower was trained at {img_size} px "
+                              "(leave data.img_size unset)")
+        backbone = VisionTransformer(**encoder_config)
+    else:
+        recorded = None
+        img_size = cfg.data.img_size or PRESETS[preset].get("img_size", 224)
+        overrides = {**objective_class.model_defaults, **model_kwargs(cfg.model)}
+        try:
+            backbone = build_vit(preset, img_size=img_size, **overrides)
+        except ValueError as err:
+            raise ConfigError(f"model={preset} at data.img_size={img_size}: {err}") from err
     backbone.set_grad_checkpointing(cfg.model.grad_checkpointing)
     if cfg.data.name == "wds" and cfg.data.max_train_samples is not None:
         raise ConfigError("data.max_train_samples does not apply to data=wds (a shard stream has no length); "
@@ -94,24 +110,35 @@ def build_components(cfg):
     if "label" in OBJECTIVES[cfg.objective.name].views and not dataset.classes:
         raise ConfigError(f"objective={cfg.objective.name} needs class labels but data={cfg.data.name} declares no "
                           "classes: set data.num_classes")
-    preprocess = resolve_preprocess(cfg.data, img_size)
+    preprocess = resolve_preprocess(cfg.data, img_size, recorded)
     info = DataInfo(len(dataset.classes), img_size, preprocess.mean, preprocess.std)
     try:
         objective = build_objective(cfg.objective, backbone, info)
     except ValueError as err:
         raise ConfigError(f"objective={cfg.objective.name}: {err}") from err
+    if "text" in objective.views and cfg.data.name in ("folder", "fashion_mnist", "digits"):
+        raise ConfigError(f"objective={cfg.objective.name} needs captions but data={cfg.data.name} has none; use "
+                          "data=synthetic, data=captions, data=tuxpaint or data=wds with 'txt' in the shards")
     views = preprocess.view_builder(objective.views, cfg.data.augment, cfg.data.crop_scale,
-                                    objective.multicrop_options())
+                                    objective.multicrop_options(), objective.text_tokenizer())
     return objective, dataset, views, preprocess
+
+
+def _single_size(size) -> int:
+    return int(size if isinstance(size, int) else size[0])
 
 
 def periodic_eval_sets(cfg, img_size: int):
     """The (train, test) sets that `trainer.eval_every` evaluates on: stratified subsets of eval_max_samples."""
     from ssl_vit.eval.run import EVALUATORS, eval_datasets  # lazily: the evaluators import the engine's optim
 
-    unknown = [e for e in cfg.trainer.eval_evaluators if e not in EVALUATORS or e == "finetune"]
+    text_model = hasattr(OBJECTIVES[cfg.objective.name], "encode_text")
+    valid = ["linear", "knn", "fewshot"] + (["zeroshot", "retrieval"] if text_model else [])
+    unknown = [e for e in cfg.trainer.eval_evaluators if e not in valid]
     if unknown:
-        raise ConfigError(f"unknown trainer.eval_evaluators {unknown}; valid choices: ['linear', 'knn', 'fewshot']")
+        raise ConfigError(f"unknown trainer.eval_evaluators {unknown} for objective={cfg.objective.name}; valid "
+                          f"choices: {valid}" + ("" if text_model or not set(unknown) & set(EVALUATORS) else
+                                                 " (zeroshot and retrieval need an image-text objective)"))
     try:
         train, test = eval_datasets(cfg.data, img_size, cfg.seed)
     except ConfigError as err:
@@ -119,13 +146,15 @@ def periodic_eval_sets(cfg, img_size: int):
     return tuple(limit_samples(d, cfg.trainer.eval_max_samples, cfg.seed) for d in (train, test))
 
 
-def periodic_eval(encoder, eval_sets, cfg, preprocess) -> dict[str, float]:
+def periodic_eval(encoder, eval_sets, cfg, preprocess, model=None) -> dict[str, float]:
+    """Scores of trainer.eval_evaluators; zeroshot / retrieval use `model` (an image-text objective)."""
     from ssl_vit.config import EvalConfig
     from ssl_vit.eval.run import run_evaluators
 
     ecfg = EvalConfig(evaluators=list(cfg.trainer.eval_evaluators), fewshot_shots=[5], fewshot_draws=2)
     was_training = encoder.training
-    results, _, _ = run_evaluators(encoder, *eval_sets, ecfg, preprocess, progress=False)
+    results, _, _ = run_evaluators(encoder, *eval_sets, ecfg, preprocess, progress=False, model=model,
+                                   data_name=cfg.data.name)
     encoder.train(was_training)
     scores = {}
     for name, result in results.items():
@@ -190,17 +219,29 @@ def _flat_hparams(config: dict, prefix: str = "") -> dict:
 
 def train_step(model, optimizer, batches, accelerator, state, meter, cfg) -> tuple[bool, bool]:
     """One optimizer step over grad_accum_steps micro-batches. Returns (applied, loss finite on this rank); the
-    update is skipped when the global gradient norm is non-finite (any rank's non-finite loss makes it so)."""
-    local_finite = torch.ones((), dtype=torch.bool, device=accelerator.device)
-    for _ in range(cfg.trainer.grad_accum_steps):
+    update is skipped when the global gradient norm is non-finite (any rank's non-finite loss makes it so).
+
+    For objectives that cache features (contrastive losses), every micro-batch is first embedded without gradients;
+    each micro-step's loss is then the whole accumulated batch's, and its backward yields only that micro-batch's
+    share of the gradient: it is not averaged over the micro-steps (accelerate divides by their number)."""
+    accum = cfg.trainer.grad_accum_steps
+    micro_batches = []
+    for _ in range(accum):
         batch = next(batches)
         if "skipped" in batch:
             state.skipped_samples += int(batch.pop("skipped").sum())
+        micro_batches.append(_to_device(batch, accelerator.device))
+    cached = None
+    if accum > 1 and accelerator.unwrap_model(model).caches_features:
+        with torch.no_grad():
+            cached = [model(batch, embed_only=True) for batch in micro_batches]
+    local_finite = torch.ones((), dtype=torch.bool, device=accelerator.device)
+    for index, batch in enumerate(micro_batches):
         with accelerator.accumulate(model):
-            outputs = model(_to_device(batch, accelerator.device))
+            outputs = model(batch) if cached is None else model(batch, cached=cached, index=index)
             outputs["loss"] = poisoned(outputs["loss"], state.step + 1)
             local_finite &= torch.isfinite(outputs["loss"].detach())
-            accelerator.backward(outputs["loss"])
+            accelerator.backward(outputs["loss"] if cached is None else outputs["loss"] * accum)
             if accelerator.sync_gradients:
                 # max_norm=inf measures without clipping: the norm decides whether the update is usable. Under
                 # DeepSpeed the engine already stepped (or skipped) inside backward; this reports its norm.
@@ -279,19 +320,29 @@ def pretrain(cfg) -> dict:
         outputs.save_encoder(encoder, unwrapped.encoder.config, step, objective=cfg.objective.name,
                              preprocess=preprocess)
         if unwrapped.saved_heads:
-            outputs.save_heads(heads, step, objective=cfg.objective.name)
+            outputs.save_heads(heads, step, objective=cfg.objective.name,
+                               objective_config=json.dumps(to_container(cfg.objective)))
 
-    def evaluated_encoder() -> VisionTransformer | None:  # collective when the model is sharded
-        """The main process's encoder for periodic evaluation: the live one, or, when the parameters are sharded
-        (a forward pass there is collective), a full copy from the gathered weights."""
+    text_eval = any(e in ("zeroshot", "retrieval") for e in tcfg.eval_evaluators)
+
+    def evaluated_model() -> tuple[VisionTransformer | None, torch.nn.Module | None]:  # collective when sharded
+        """The main process's (encoder, objective) for periodic evaluation (the objective only for zeroshot and
+        retrieval): the live ones, or, when the parameters are sharded (a forward pass there is collective), full
+        copies from the gathered weights."""
         if not is_sharded(accelerator):
-            return unwrapped.encoder if is_main else None
+            return (unwrapped.encoder, unwrapped if text_eval else None) if is_main else (None, None)
+        if text_eval:
+            state = full_state_dict(accelerator, model)  # collective: every rank gathers
+            if not is_main:
+                return None, None
+            copy = evaluation_copy(unwrapped, state, cfg)
+            return copy.encoder, copy
         weights = encoder_state()
         if not is_main:
-            return None
+            return None, None
         encoder = VisionTransformer(**unwrapped.encoder.config)
         encoder.load_state_dict(weights)
-        return encoder.to(accelerator.device)
+        return encoder.to(accelerator.device), None
 
     def save(step: int) -> Path:
         checkpoint = save_checkpoint(accelerator, out_dir, step, tcfg.keep_checkpoints)
@@ -335,9 +386,9 @@ def pretrain(cfg) -> dict:
             if diverged:
                 raise nonfinite_error(state.consecutive_nonfinite, state.step, cfg, save(state.step))
             if eval_sets is not None and (state.step % tcfg.eval_every == 0 or state.step == end_step):
-                encoder = evaluated_encoder()
+                encoder, evaluated = evaluated_model()
                 if is_main:
-                    scores = periodic_eval(encoder, eval_sets, cfg, preprocess)
+                    scores = periodic_eval(encoder, eval_sets, cfg, preprocess, evaluated)
                     outputs.log({"step": state.step, **scores})
                     log.info("step %d: %s", state.step, ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
                 accelerator.wait_for_everyone()
@@ -382,6 +433,19 @@ def pretrain(cfg) -> dict:
                  *((state.step, f"{summary['images_per_s'] or 0:.1f}", summary["encoder"]) if summary["finished"]
                    else (state.step, tcfg.max_steps, out_dir)))
     return summary
+
+
+def evaluation_copy(objective, state: dict, cfg):
+    """An unsharded copy of `objective` holding the gathered `state` (its weights are all in `state`: a locked
+    image tower is not read again from its file)."""
+    from omegaconf import OmegaConf
+
+    settings = OmegaConf.merge(cfg.objective, {"lock_image": False, "image_encoder": None}) \
+        if "lock_image" in cfg.objective else cfg.objective
+    with torch.random.fork_rng(devices=[]):  # building draws initial weights: leave the training RNG as it was
+        copy = type(objective)(VisionTransformer(**objective.encoder.config), settings, objective.data)
+    copy.load_state_dict(state)
+    return copy.to(next(objective.parameters()).device)
 
 
 def encoder_prefix(objective) -> str:
