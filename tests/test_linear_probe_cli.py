@@ -11,9 +11,10 @@ from ssl_vit.export import from_timm, save_encoder
 from ssl_vit.vit import build_vit
 
 
-def _probe(*overrides):
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "linear_probe.py"), *map(str, overrides)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+def _probe(*overrides, script=None):
+    """scripts/linear_probe.py (the old name of scripts/evaluate.py, which it runs) or `script`."""
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / (script or "linear_probe.py")),
+                           *map(str, overrides)], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture
@@ -53,10 +54,18 @@ def test_cli_bad_checkpoint_and_evaluator_are_clear_errors(tmp_path, tiny_checkp
         ([f"checkpoint={tiny_checkpoint}", "eval.evaluators=[svm]"], "unknown evaluator(s) ['svm']; valid choices"),
         ([f"checkpoint={tiny_checkpoint}", "data.max_test_samples=0"], "data.max_test_samples=0 is invalid"),
     ]
-    for index, (args, expected) in enumerate(cases):
-        proc = _probe(*args, f"hydra.run.dir={tmp_path / str(index)}")
+    # two through the CLI (the old script name and the new), the others in-process (each process costs ~6 s)
+    for index, (args, expected) in enumerate(cases[:2]):
+        proc = _probe(*args, f"hydra.run.dir={tmp_path / str(index)}", script="evaluate.py" if index else None)
         assert proc.returncode == 2 and expected in proc.stderr, proc.stderr[-2000:]
         assert proc.stderr.strip().startswith("ssl-vit: error:") and "Traceback" not in proc.stderr
+    from ssl_vit.config import ConfigError
+    from ssl_vit.eval.run import evaluate
+
+    for args, expected in cases[2:]:
+        with pytest.raises(ConfigError) as err:
+            evaluate(_probe_config(*args, f"output_dir={tmp_path}"), progress=False)
+        assert expected.removeprefix("ssl-vit: error: ") in str(err.value)
 
 
 def _probe_config(*overrides):

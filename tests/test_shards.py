@@ -6,7 +6,7 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-from conftest import launch, read_metrics, write_tar
+from conftest import ROOT, launch, read_metrics, write_tar
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -119,9 +119,17 @@ def test_pretraining_on_shards_through_the_cli(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [2, 4, 6] and metrics[-1]["skipped_samples"] == 0
-    proc = launch("objective=supervised", "model=vit_test", "data=wds", f"data.urls={tmp_path / 'shards'}",
-                  f"hydra.run.dir={tmp_path / 'run2'}")
-    assert proc.returncode != 0 and "set data.num_classes" in proc.stderr
+    from hydra import compose, initialize_config_dir
+
+    from ssl_vit.config import ConfigError, register_configs
+    from ssl_vit.train.loop import build_components
+
+    register_configs()
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("pretrain", overrides=["objective=supervised", "model=vit_test", "data=wds",
+                                             f"data.urls={tmp_path / 'shards'}", "output_dir=x"])
+    with pytest.raises(ConfigError, match="set data.num_classes"):
+        build_components(cfg)
 
 
 def _write_idx(path, array, gz):

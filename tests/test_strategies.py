@@ -29,12 +29,12 @@ OBJECTIVES = {
              "objective.text_layers=1", "objective.context_length=16", "data.batch_size=4",
              "trainer.grad_accum_steps=2", "trainer.eval_evaluators=[knn,zeroshot]"],
 }
-# MAE and masked_patch ran under all five when the strategies landed: to keep the suite short, DINOv2 (the
-# objective with the most state: a sharded teacher, centring, masks) and CLIP (a second tower, a loss gathered
-# across ranks, accumulation) cover all five; masked_patch runs under DDP here (the reference of the ZeRO-2
-# non-finite and ZeRO-3 offload tests), MAE its decoder under ZeRO-3 in bf16 below.
-RUNS = [(objective, config) for objective in ("dinov2", "clip") for config in STRATEGIES] + [
-    ("masked_patch", "ddp_cpu2")]
+# MAE and masked_patch ran under all five when the strategies landed, DINOv2 when it landed: to keep the suite
+# short, CLIP (a second tower, a loss gathered across ranks, accumulation) covers all five, DINOv2 (a sharded
+# teacher, centring, masks) the four that differ in how the teacher is updated (ZeRO-1 = ZeRO-2 for it: whole
+# parameters), masked_patch runs under DDP (the reference of the ZeRO-2 non-finite, ZeRO-3 offload and bf16 tests).
+RUNS = [("clip", config) for config in STRATEGIES] + [("dinov2", config) for config in STRATEGIES
+                                                       if config != "zero1_cpu2"] + [("masked_patch", "ddp_cpu2")]
 TINY = ["model=vit_test", "data.batch_size=8", "data.num_samples=64", "trainer.max_steps=5", "trainer.log_every=1",
         "optim.lr=1e-3", "optim.warmup_steps=2"]
 EVAL = ["trainer.eval_every=5", "trainer.eval_evaluators=[knn]", "trainer.eval_max_samples=64",
@@ -84,7 +84,7 @@ def test_every_strategy_gives_the_same_losses_encoders_and_heads(runs, objective
 
 def test_the_dino_teacher_is_the_same_under_every_strategy(runs):
     """The EMA teacher after 5 steps (encoder.safetensors is its backbone; heads.safetensors has its heads) equals
-    the DDP teacher within 1e-6 under ZeRO-1/2/3 and FSDP2, where it is updated shard by shard; the student's last
+    the DDP teacher within 1e-6 under ZeRO-2/3 and FSDP2, where it is updated shard by shard; the student's last
     layer, at lr 0 for the whole run, is unchanged under every strategy (a zero-lr group also works in DeepSpeed)."""
     def teacher(run):
         heads = load_file(run / "heads.safetensors")
@@ -94,7 +94,7 @@ def test_the_dino_teacher_is_the_same_under_every_strategy(runs):
     reference_heads, reference = teacher(runs["dinov2", "ddp_cpu2"])
     initial = reference_heads["teacher.head.last_layer.weight_v"]
     assert not torch.equal(reference_heads["head.mlp.0.weight"], reference_heads["teacher.head.mlp.0.weight"])
-    for config in STRATEGIES:
+    for config in [c for o, c in RUNS if o == "dinov2"]:
         heads, values = teacher(runs["dinov2", config])
         for name, value in reference.items():
             torch.testing.assert_close(values[name], value, atol=1e-6, rtol=0, msg=f"{config}: {name}")
@@ -204,10 +204,9 @@ def test_shipped_accelerate_configs_are_valid_and_say_how_to_run_them(path):
 def test_bf16_under_zero3_trains_and_saves_the_fp32_master_weights(runs, tmp_path):
     """DeepSpeed's bf16 mode keeps bf16 weights in the module and fp32 masters in the optimizer: the encoder file
     must hold the masters (not bf16-rounded copies), and the losses stay close to the fp32 run's."""
-    check_ok(_run("zero3_cpu2", tmp_path, *OBJECTIVES["mae"], "trainer.precision=bf16"))
+    check_ok(_run("zero3_cpu2", tmp_path, *OBJECTIVES["masked_patch"], "trainer.precision=bf16"))
     losses = [m["loss"] for m in read_metrics(tmp_path)]
-    check_ok(_run("zero3_cpu2", tmp_path / "fp32", *OBJECTIVES["mae"]))
-    fp32 = [m["loss"] for m in read_metrics(tmp_path / "fp32")]
+    fp32 = [m["loss"] for m in read_metrics(runs["masked_patch", "ddp_cpu2"]) if "loss" in m]
     assert losses == pytest.approx(fp32, rel=2e-2)
     encoder = load_encoder(tmp_path / "encoder.safetensors").state_dict()
     weight = encoder["blocks.0.attn.qkv.weight"]
