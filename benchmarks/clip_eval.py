@@ -100,7 +100,8 @@ def evaluate_model(model, preprocess) -> dict:
     return {"zeroshot": zeroshot["zeroshot"]["accuracy"], "zeroshot_top5": zeroshot["zeroshot"]["top5"],
             "i2t_R@1": recall["image_to_text_R@1"], "t2i_R@1": recall["text_to_image_R@1"],
             "i2t_R@5": recall["image_to_text_R@5"], "t2i_R@5": recall["text_to_image_R@5"],
-            "retrieval_pairs": retrieval["retrieval"]["num_pairs"], "eval_s": timings["zeroshot_s"] + more["retrieval_s"]}
+            "retrieval_pairs": retrieval["retrieval"]["num_pairs"],
+            "eval_s": timings["zeroshot_s"] + more["retrieval_s"]}
 
 
 def main() -> None:
@@ -148,9 +149,10 @@ def main() -> None:
         steps = f"{info['steps']}" if info else "-"
         rate = f"{info['images_per_s']:.1f}" if info else "-"
         loss = f"{info['final_loss']:.3f}" if info.get("final_loss") is not None else "-"
-        print(f"{name:<22}{steps:>7}{rate:>8}{loss:>8}{100 * row['zeroshot']:>10.1f}%{100 * row['zeroshot_top5']:>7.1f}%"
-              f"{100 * row['i2t_R@1']:>8.1f}%{100 * row['t2i_R@1']:>8.1f}%{100 * row['i2t_R@5']:>8.1f}%"
-              f"{100 * row['t2i_R@5']:>8.1f}%")
+        scores = [row["zeroshot"], row["zeroshot_top5"], row["i2t_R@1"], row["t2i_R@1"], row["i2t_R@5"],
+                  row["t2i_R@5"]]
+        print(f"{name:<22}{steps:>7}{rate:>8}{loss:>8}{100 * scores[0]:>10.1f}%"
+              + "".join(f"{100 * value:>8.1f}%" for value in scores[1:]))
     if "masked_patch encoder" in training:
         info = training["masked_patch encoder"]
         print(f"(lit's masked_patch encoder: {info['steps']} steps at {info['images_per_s']:.1f} img/s, not counted)")

@@ -60,7 +60,7 @@ class CLIPConfig(ObjectiveConfig):
     # transformers (text_tower=hf): a local directory (config, weights, tokenizer), or a config built from scratch
     # ({model_type: bert, hidden_size: 64, ...}) that uses open_clip's tokenizer (vocabulary 49,408, pad id 0)
     hf_model: str | None = None
-    hf_config: dict[str, Any] | None = None
+    hf_config: Any = None  # a mapping (Any: a command-line dict replaces the default as a whole)
     hf_pooler: str = "mean_pooler"  # mean_pooler | cls_pooler | max_pooler
     hf_proj: str = "linear"  # linear | mlp
     init_logit_scale: float = math.log(1 / 0.07)
@@ -156,6 +156,9 @@ def build_text_tower(cfg) -> nn.Module:
         text = HFTextEncoder(cfg.hf_model, cfg.embed_dim, pooler_type=cfg.hf_pooler, proj_type=cfg.hf_proj,
                              pretrained=True)
     else:
+        if not hasattr(cfg.hf_config, "keys"):
+            raise ValueError(f"objective.hf_config must be a mapping like {{model_type: bert, hidden_size: 64}}, got "
+                             f"{cfg.hf_config!r}")
         settings = dict(cfg.hf_config)
         model_type = settings.pop("model_type", None)
         if model_type is None:

@@ -340,3 +340,44 @@ def test_clip_turns_on_the_pre_norm_unless_the_model_config_says_otherwise():
     objective, *_ = build_components(_config("objective=clip_tiny", "model=vit_test", "model.pre_norm=false",
                                              "output_dir=x"))
     assert not objective.backbone.config["pre_norm"]
+
+
+def test_the_image_tower_exports_to_transformers_clip_vision_with_the_projection(clip_run, tmp_path):
+    """scripts/export.py --to hf: CLIPVisionModelWithProjection.from_pretrained loads every weight (no missing or
+    unexpected key), pooler_output = our pooled embedding and image_embeds = our CLIP image embedding."""
+    from transformers import CLIPVisionModelWithProjection
+
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/export.py"), str(clip_run), "--to", "hf", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    model, info = CLIPVisionModelWithProjection.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ours = load_clip(clip_run)
+    images = torch.randn(3, 3, 24, 24)
+    with torch.no_grad():
+        out = model.eval()(pixel_values=images)
+        torch.testing.assert_close(out.image_embeds, ours.encode_image(images), atol=1e-5, rtol=0)
+        pooled = ours.backbone.pool(ours.backbone.forward_features(images))
+        torch.testing.assert_close(model.vision_model(pixel_values=images).pooler_output, pooled, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("options", [{"pre_norm": True, "layer_scale": 0.1, "qkv_bias": False, "norm_bias": False}])
+def test_the_hf_export_folds_layer_scale_and_refuses_what_clip_cannot_hold(tmp_path, options):
+    from transformers import CLIPVisionModelWithProjection
+
+    from ssl_vit.export.hf import export_clip_vision
+
+    torch.manual_seed(0)
+    encoder = build_vit("vit_test", **options).eval()
+    with torch.no_grad():
+        for param in encoder.parameters():
+            if param.ndim == 1:
+                param.add_(0.1 * torch.randn_like(param))
+    export_clip_vision(encoder, tmp_path)
+    model = CLIPVisionModelWithProjection.from_pretrained(tmp_path).eval()
+    images = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model.vision_model(pixel_values=images).pooler_output, encoder(images),
+                                   atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"pre_norm=False .*qk_norm=True \(QK-norm\).*--to open_clip"):
+        export_clip_vision(build_vit("vit_test", qk_norm=True), tmp_path / "refused")
