@@ -137,7 +137,7 @@ def build_text_tower(cfg) -> nn.Module:
         # Its init pass runs at the end of its constructor, where zero.Init has already partitioned the layers (it
         # would see empty shards): run it again on the gathered weights, under a seed drawn before construction so
         # that every strategy starts from the same weights.
-        with writable(*text.parameters()), torch.random.fork_rng(devices=[]):
+        with writable(*text.parameters()), torch.random.fork_rng(devices=_rng_devices()):
             torch.manual_seed(seed)
             text.init_parameters()
         return text
@@ -170,6 +170,11 @@ def build_text_tower(cfg) -> nn.Module:
     if cfg.hf_pooler != "cls_pooler" and getattr(text.transformer, "pooler", None) is not None:
         text.transformer.pooler = None  # unused: its parameters would never get a gradient
     return text
+
+
+def _rng_devices() -> list[int]:
+    """The CUDA devices whose generators `fork_rng` must save and restore (torch.manual_seed seeds them all)."""
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
 
 def share_gradient(value: torch.Tensor | None, parts: int) -> torch.Tensor | None:

@@ -34,6 +34,11 @@ def pairs(tmp_path):
     (root / "vector.svg").write_text("<svg/>")  # a caption without a raster image: not a sample, counted
     (root / "vector.txt").write_text("a vector drawing")
     Image.new("RGB", (8, 8)).save(root / "lonely.png")  # an image without a caption: not a sample, counted
+    palette = Image.new("P", (8, 8), 1)
+    palette.putpalette([0, 0, 0, 0, 90, 0] + [0] * 762)
+    palette.putpixel((0, 0), 0)
+    palette.save(root / "palette.png", transparency=0)  # a palette PNG whose index 0 is transparent (tRNS)
+    (root / "palette.txt").write_text("a green field")
     Image.new("RGB", (8, 8), (0, 255, 0)).save(root / "silent.png")
     (root / "silent.txt").write_text("   \n")  # an empty caption: a sample without text
     return root
@@ -42,12 +47,14 @@ def pairs(tmp_path):
 def test_a_caption_folder_pairs_images_with_captions_and_counts_the_rest(pairs):
     data = CaptionFolder(pairs)
     assert [s["meta"]["path"] for s in (data[i] for i in range(len(data)))] == [
-        "drawing.png", "silent.png", "sub/photo.jpg"]
+        "drawing.png", "palette.png", "silent.png", "sub/photo.jpg"]
     assert data.unpaired == {"captions without a raster image": 1, "images without a caption": 1}
     drawing = data[0]
-    assert drawing["text"] == "a red square\nfr.utf8=un carré rouge" and "text" not in data[1]
+    assert drawing["text"] == "a red square\nfr.utf8=un carré rouge" and "text" not in data[2]
     assert drawing["image"][:, 0, 0].tolist() == [255, 255, 255]  # transparent -> white
     assert drawing["image"][:, 3, 3].tolist() == [200, 0, 0]
+    palette = data[1]["image"]  # palette colours, not indices; the transparent index on white
+    assert palette[:, 0, 0].tolist() == [255, 255, 255] and palette[:, 4, 4].tolist() == [0, 90, 0]
 
 
 def test_splits_are_disjoint_stable_and_cover_every_pair(tmp_path):
@@ -66,9 +73,9 @@ def test_splits_are_disjoint_stable_and_cover_every_pair(tmp_path):
 
 def test_the_text_view_is_tokenised_and_a_sample_without_text_is_skipped_and_counted(pairs):
     views = Preprocess(8).view_builder(("image", "text"), tokenizer=TOKENIZER)
-    loader = iter(build_loader(CaptionFolder(pairs), views, batch_size=3))
+    loader = iter(build_loader(CaptionFolder(pairs), views, batch_size=4))
     batch = next(loader)
-    assert batch["text"].shape == (3, 16) and batch["text"].dtype == torch.int64
+    assert batch["text"].shape == (4, 16) and batch["text"].dtype == torch.int64
     assert int(batch["skipped"].sum()) == 1  # "silent" has no caption: replaced by the next readable sample
     assert (batch["text"][:, 0] == START).all() and (batch["text"] == END).any(dim=1).all()
     assert (batch["text"] == TOKENIZER("a red square\nfr.utf8=un carré rouge")).all(dim=1).any()

@@ -75,6 +75,19 @@ def composite(image: torch.Tensor, background: int) -> torch.Tensor:
     return mixed.round_().clamp_(0, 255).to(torch.uint8).expand(3, -1, -1).contiguous()
 
 
+def _pil_with_alpha(data: torch.Tensor) -> torch.Tensor | None:
+    """uint8 (4, H, W) RGBA of an image with an alpha channel or a transparent palette / colour key (PIL converts
+    every such mode, 16-bit included); None for an opaque or unreadable one (decoded the usual way)."""
+    try:
+        with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
+            if "A" not in image.getbands() and "transparency" not in image.info:
+                return None
+            image.load()
+            return torch.from_numpy(np.asarray(image.convert("RGBA")).copy()).permute(2, 0, 1)
+    except Exception:  # unreadable: the usual path reports why
+        return None
+
+
 def decode_rgb(source: bytes | bytearray | memoryview | torch.Tensor | str | Path,
                background: int | None = None) -> torch.Tensor:
     """Encoded image bytes (or a uint8 tensor of them, or a file path) -> uint8 (3, H, W); with `background` (0-255),
@@ -93,21 +106,17 @@ def decode_rgb(source: bytes | bytearray | memoryview | torch.Tensor | str | Pat
         raise BadSampleError(f"{where}empty file (0 bytes)")
     data = source.flatten() if isinstance(source, torch.Tensor) else torch.frombuffer(bytearray(source),
                                                                                     dtype=torch.uint8)
+    if background is not None:
+        with_alpha = _pil_with_alpha(data)
+        if with_alpha is not None:
+            return composite(with_alpha, background)
     try:
-        if background is not None:
-            image = decode_image(data, mode=ImageReadMode.UNCHANGED)
-            if image.ndim == 3 and image.dtype == torch.uint8 and image.shape[0] in (2, 4):
-                return composite(image, background)
-            return to_uint8_rgb(image)
         return to_uint8_rgb(decode_image(data, mode=ImageReadMode.RGB))
     except RuntimeError as err:
         torchvision_reason = _reason(err)
     try:
         with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
             image.load()
-            if background is not None and ("A" in image.mode or "transparency" in image.info):
-                rgba = torch.from_numpy(np.asarray(image.convert("RGBA")).copy()).permute(2, 0, 1)
-                return composite(rgba, background)
             return _pil_to_uint8_rgb(image)
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...
         pil_reason = _reason(err)

@@ -26,6 +26,10 @@ def _refusals(config: dict) -> list[str]:
                               ("qk_norm", False, "QK-norm"), ("no_embed_class", False, "no class-slot position")):
         if config.get(key, allowed) != allowed:
             problems.append(f"{key}={config[key]} ({why})")
+    for key in ("img_size", "patch_size"):
+        value = config.get(key)
+        if isinstance(value, (list, tuple)) and len(set(value)) > 1:
+            problems.append(f"{key}={list(value)} (CLIPVisionConfig takes square sizes)")
     if not config.get("class_token", True) or config.get("global_pool", "token") != "token":
         problems.append(f"class_token={config.get('class_token', True)}, global_pool={config.get('global_pool')} "
                         "(CLIP pools the class token)")

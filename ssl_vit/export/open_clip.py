@@ -136,11 +136,12 @@ def export_open_clip(model, out_dir: str | Path, preprocess=None) -> Path:
     encoder_config = model.backbone.config
     model_cfg = {"embed_dim": model.cfg.embed_dim, "quick_gelu": False, "custom_text": True,
                  "vision_cfg": vision_config(encoder_config), "text_cfg": text_config(model, out_dir),
-                 "init_logit_scale": float(model.logit_scale.detach().reshape(()))}
+                 "init_logit_scale": float(model.logit_scale.detach().reshape(()).clamp(max=model.cfg.max_logit_scale))}
     state = vision_state(model.backbone.state_dict(), encoder_config, model.image_proj.weight)
     state.update({k: v.detach().float().contiguous().clone() for k, v in model.state_dict().items()
                   if k.startswith("text.")})
-    state["logit_scale"] = model.logit_scale.detach().reshape(()).clone()
+    # open_clip does not clamp in its forward: write the scale training used (ours is clamped in the forward)
+    state["logit_scale"] = model.logit_scale.detach().reshape(()).clamp(max=model.cfg.max_logit_scale).clone()
     if model.logit_bias is not None:
         model_cfg["init_logit_bias"] = float(model.logit_bias.detach().reshape(()))
         state["logit_bias"] = model.logit_bias.detach().reshape(()).clone()

@@ -7,6 +7,7 @@ Outputs in the run directory (see ssl_vit.train.outputs): `metrics.jsonl`, Tenso
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -143,6 +144,9 @@ def periodic_eval_sets(cfg, img_size: int):
         train, test = eval_datasets(cfg.data, img_size, cfg.seed)
     except ConfigError as err:
         raise ConfigError(f"trainer.eval_every needs labelled train/test data: {err}") from err
+    if not test.classes and any(e != "retrieval" for e in cfg.trainer.eval_evaluators):
+        raise ConfigError(f"data={cfg.data.name} has captions but no class labels: trainer.eval_evaluators can only "
+                          f"be [retrieval] here, got {list(cfg.trainer.eval_evaluators)}")
     return tuple(limit_samples(d, cfg.trainer.eval_max_samples, cfg.seed) for d in (train, test))
 
 
@@ -435,6 +439,22 @@ def pretrain(cfg) -> dict:
     return summary
 
 
+@contextlib.contextmanager
+def _without_hf_zero3():
+    """transformers builds models under deepspeed.zero.Init while a ZeRO-3 config is registered with it."""
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:
+        yield
+        return
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
 def evaluation_copy(objective, state: dict, cfg):
     """An unsharded copy of `objective` holding the gathered `state` (its weights are all in `state`: a locked
     image tower is not read again from its file)."""
@@ -442,7 +462,11 @@ def evaluation_copy(objective, state: dict, cfg):
 
     settings = OmegaConf.merge(cfg.objective, {"lock_image": False, "image_encoder": None}) \
         if "lock_image" in cfg.objective else cfg.objective
-    with torch.random.fork_rng(devices=[]):  # building draws initial weights: leave the training RNG as it was
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    # Building draws initial weights: leave every training RNG as it was. Under ZeRO-3 accelerate has told
+    # transformers so, and a transformers text tower would build itself under zero.Init (collective) on this one
+    # rank: switch that off for the copy.
+    with torch.random.fork_rng(devices=devices), _without_hf_zero3():
         copy = type(objective)(VisionTransformer(**objective.encoder.config), settings, objective.data)
     copy.load_state_dict(state)
     return copy.to(next(objective.parameters()).device)
