@@ -10,7 +10,7 @@ Hydra overrides select and change everything in configs/; see configs/pretrain.y
 
 import hydra
 
-from ssl_vit.cli import run_reporting_errors
+from ssl_vit.cli import exit_without_teardown, run_reporting_errors
 from ssl_vit.config import register_configs
 from ssl_vit.train import pretrain
 
@@ -24,3 +24,4 @@ def main(cfg) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()  # a finished distributed run: see ssl_vit.cli
