@@ -1,61 +1,89 @@
-"""Export a trained model for other libraries.
+"""Export an encoder (or a CLIP / SigLIP model) for other libraries.
 
+    python scripts/export.py outputs/<run> --to hf --out exported/hf             # --hf-arch vit|dinov2|clip|siglip
+    python scripts/export.py outputs/<run> --to timm --out exported/timm
+    python scripts/export.py outputs/<run> --to onnx --out exported/onnx
     python scripts/export.py outputs/<clip run> --to open_clip --out exported/clip
-    python scripts/export.py outputs/<run> --to hf --out exported/clip-vision
+    python scripts/export.py hf:<transformers dir> --to safetensors --out exported/ours   # any import, as ours
 then, offline:
-    model, _, preprocess = open_clip.create_model_and_transforms("local-dir:exported/clip")
-    tokenizer = open_clip.get_tokenizer("local-dir:exported/clip")
-    vision = transformers.CLIPVisionModelWithProjection.from_pretrained("exported/clip-vision")
+    transformers.AutoModel.from_pretrained("exported/hf"); AutoImageProcessor.from_pretrained("exported/hf")
+    timm.create_model("local-dir:exported/timm", pretrained=True)
+    onnxruntime.InferenceSession("exported/onnx/model.onnx")
+    open_clip.create_model_and_transforms("local-dir:exported/clip")
 
---to open_clip takes a run directory of objective=clip / siglip (encoder.safetensors + heads.safetensors) and writes
-open_clip_config.json (towers, preprocessing) and open_clip_model.safetensors; encode_image and encode_text equal
-the trained model's (ssl_vit.export.open_clip). --to hf writes the image tower (any run's encoder; with a CLIP run's
-projection as visual_projection) as a transformers CLIPVisionModelWithProjection directory with its image processor
-(ssl_vit.export.hf); pooler_output is the encoder's embedding, image_embeds the CLIP image embedding.
+The source is a run directory, an encoder.safetensors, or any import form (timm:, hf:, open_clip:; see
+ssl_vit/export/pretrained.py). --to hf writes a transformers directory (default --hf-arch: clip for pre-norm models,
+dinov2 with layer scale or registers, siglip without a class token, vit otherwise; a CLIP run's projection becomes
+visual_projection) with its image processor; --to timm a model.safetensors + timm config.json; --to onnx model.onnx
+(dynamic batch, checked with onnxruntime); --to open_clip a CLIP / SigLIP run's image and text towers.
 """
 
 import argparse
 import sys
+from pathlib import Path
 
-TARGETS = ("open_clip", "hf")
+TARGETS = ("hf", "timm", "onnx", "open_clip", "safetensors")
 
 
 def main(argv=None) -> int:
+    from ssl_vit.export.hf import HF_ARCHS
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("source", help="a run directory (or its encoder.safetensors)")
+    parser.add_argument("source", help="a run directory, an encoder.safetensors, timm:..., hf:<dir>, open_clip:...")
     parser.add_argument("--to", required=True, choices=TARGETS, help="the target library's format")
     parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--hf-arch", choices=HF_ARCHS, default=None, help="--to hf: the transformers model class")
     args = parser.parse_args(argv)
     try:
-        if args.to == "open_clip":
-            from ssl_vit.export.open_clip import export_open_clip
-
-            out = export_open_clip(args.source, args.out)
-            print(f"wrote {out}: open_clip.create_model_and_transforms('local-dir:{out}')")
-        else:
-            out = export_hf(args.source, args.out)
-            print(f"wrote {out}: transformers.CLIPVisionModelWithProjection.from_pretrained('{out}')")
+        print(export(args.source, args.to, args.out, args.hf_arch))
     except (ValueError, FileNotFoundError) as err:
         print(f"export: error: {err}", file=sys.stderr)
         return 2
     return 0
 
 
-def export_hf(source: str, out: str):
-    from pathlib import Path
+def export(source: str, to: str, out: str, hf_arch: str | None = None) -> str:
+    """Write the export; returns the line telling how to load it."""
+    if to == "open_clip":
+        from ssl_vit.export.open_clip import export_open_clip
 
+        path = export_open_clip(source, out)
+        return f"wrote {path}: open_clip.create_model_and_transforms('local-dir:{path}')"
+    from ssl_vit.export.pretrained import load_pretrained
+
+    pretrained = load_pretrained(source)
+    encoder, preprocess = pretrained.encoder, pretrained.preprocess
+    if to == "hf":
+        from ssl_vit.export.hf import default_arch, export_hf
+
+        arch = hf_arch or default_arch(encoder.config)
+        path = export_hf(encoder, out, arch, _clip_projection(source) if arch == "clip" else None, preprocess)
+        return f"wrote {path}: transformers.AutoModel.from_pretrained('{path}')"
+    if to == "timm":
+        from ssl_vit.export.timm import export_timm
+
+        path = export_timm(encoder, out, preprocess)
+        return f"wrote {path}: timm.create_model('local-dir:{path}', pretrained=True)"
+    if to == "onnx":
+        from ssl_vit.export.onnx import export_onnx
+
+        path, error = export_onnx(encoder, out, preprocess)
+        return f"wrote {path} (onnxruntime vs torch: max abs difference {error:.2e})"
+    from ssl_vit.export.safetensors import save_encoder
+
+    path = save_encoder(encoder, Path(out) / "encoder.safetensors", preprocess, source=source)
+    return f"wrote {path}: ssl_vit.export.load_encoder('{path}'), checkpoint={path.parent}"
+
+
+def _clip_projection(source: str):
+    """A CLIP / SigLIP run's image projection (heads.safetensors beside the encoder), for --hf-arch clip."""
+    path = Path(source)
+    heads = (path if path.is_dir() else path.parent) / "heads.safetensors"
+    if source.split(":", 1)[0] in ("timm", "hf", "open_clip") or not heads.is_file():
+        return None
     from safetensors.torch import load_file
 
-    from ssl_vit.export import load_encoder, read_preprocess
-    from ssl_vit.export.hf import export_clip_vision
-
-    path = Path(source)
-    encoder_path = path / "encoder.safetensors" if path.is_dir() else path
-    if not encoder_path.is_file():
-        raise FileNotFoundError(f"{source!r} is not an encoder file or a run directory with encoder.safetensors")
-    heads = encoder_path.with_name("heads.safetensors")
-    projection = load_file(str(heads)).get("image_proj.weight") if heads.is_file() else None
-    return export_clip_vision(load_encoder(encoder_path), out, projection, read_preprocess(encoder_path))
+    return load_file(str(heads)).get("image_proj.weight")
 
 
 if __name__ == "__main__":

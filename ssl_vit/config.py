@@ -133,9 +133,15 @@ class ModelConfig:
     mlp_ratio: float | None = None
     mlp_dim: int | None = None
     weight_init: str | None = None  # timm | jax | torch (ssl_vit.init); None: the preset's
+    act_layer: str | None = None  # gelu | gelu_tanh | quick_gelu (ssl_vit.vit.ACTIVATIONS); None: gelu
+    # Start from pre-trained weights: an encoder file or run directory, timm:<name or file>, hf:<dir>,
+    # open_clip:<dir> (ssl_vit.export.pretrained); the architecture is the source's, position embeddings resampled
+    # to data.img_size as the source library does it.
+    init_from: str | None = None
 
 
-MODEL_OVERRIDE_FIELDS = tuple(f.name for f in fields(ModelConfig) if f.name not in ("name", "grad_checkpointing"))
+MODEL_OVERRIDE_FIELDS = tuple(f.name for f in fields(ModelConfig)
+                              if f.name not in ("name", "grad_checkpointing", "init_from"))
 
 
 @dataclass

@@ -29,6 +29,17 @@ GLOBAL_POOLS = ("token", "avg")
 # Conventions differ: timm resamples bicubic with antialiasing (its `resample_abs_pos_embed` default); DINOv2 and HF
 # transformers resample bicubic without it; FlexiViT / RADIO bilinear without it.
 POS_EMBED_INTERP_MODES = ("bicubic", "bilinear")
+# MLP activations: exact GELU (the paper, timm, DINOv2, HF "gelu"), tanh-approximated GELU (SigLIP, HF
+# "gelu_pytorch_tanh"), QuickGELU x * sigmoid(1.702 x) (OpenAI's CLIP weights, HF "quick_gelu").
+ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
+
+
+def make_activation(name: str) -> nn.Module:
+    from timm.layers import QuickGELU
+
+    if name not in ACTIVATIONS:
+        raise ValueError(f"act_layer {name!r} is not one of {list(ACTIVATIONS)}")
+    return QuickGELU() if name == "quick_gelu" else nn.GELU(approximate="tanh" if name == "gelu_tanh" else "none")
 
 # Presets are plain keyword arguments; anything not given takes the VisionTransformer default.
 PRESETS: dict[str, dict] = {
@@ -186,10 +197,10 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-    def __init__(self, dim, hidden_dim, drop=0.0, weight_init="timm"):
+    def __init__(self, dim, hidden_dim, drop=0.0, weight_init="timm", act_layer="gelu"):
         super().__init__()
         self.fc1 = Linear(dim, hidden_dim, scheme=weight_init, role="mlp")
-        self.act = nn.GELU()
+        self.act = make_activation(act_layer)
         self.fc2 = Linear(hidden_dim, dim, scheme=weight_init, role="mlp")
         self.drop = nn.Dropout(drop)
 
@@ -205,14 +216,14 @@ class Block(nn.Module):
     """Pre-norm block of the paper: z = z + MSA(LN(z)); z = z + MLP(LN(z))."""
 
     def __init__(self, dim, num_heads, mlp_dim, qkv_bias=True, qk_norm=False, norm_layer=nn.LayerNorm,
-                 layer_scale=None, drop_path=0.0, attn_drop=0.0, proj_drop=0.0, weight_init="timm"):
+                 layer_scale=None, drop_path=0.0, attn_drop=0.0, proj_drop=0.0, weight_init="timm", act_layer="gelu"):
         super().__init__()
         self.norm1 = norm_layer(dim)
         self.attn = Attention(dim, num_heads, qkv_bias, qk_norm, norm_layer, attn_drop, proj_drop, weight_init)
         self.ls1 = _layer_scale(dim, layer_scale)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = norm_layer(dim)
-        self.mlp = Mlp(dim, mlp_dim, proj_drop, weight_init)
+        self.mlp = Mlp(dim, mlp_dim, proj_drop, weight_init, act_layer)
         self.ls2 = _layer_scale(dim, layer_scale)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
@@ -231,7 +242,7 @@ class ParallelBlock(nn.Module):
     """
 
     def __init__(self, dim, num_heads, mlp_dim, qkv_bias=False, qk_norm=True, norm_layer=nn.LayerNorm,
-                 layer_scale=None, drop_path=0.0, attn_drop=0.0, proj_drop=0.0, weight_init="timm"):
+                 layer_scale=None, drop_path=0.0, attn_drop=0.0, proj_drop=0.0, weight_init="timm", act_layer="gelu"):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
@@ -246,7 +257,7 @@ class ParallelBlock(nn.Module):
         self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.attn_drop = attn_drop
-        self.mlp_act = nn.GELU()
+        self.mlp_act = make_activation(act_layer)
         self.mlp_drop = nn.Dropout(proj_drop)
         self.attn_out_proj = Linear(dim, dim, scheme=weight_init)
         self.mlp_out_proj = Linear(mlp_dim, dim, scheme=weight_init, role="mlp")
@@ -308,6 +319,7 @@ class VisionTransformer(nn.Module):
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
         weight_init: str = "timm",
+        act_layer: str = "gelu",
     ):
         super().__init__()
         # The constructor arguments, so that a saved encoder can be rebuilt (ssl_vit.export).
@@ -319,6 +331,7 @@ class VisionTransformer(nn.Module):
             raise ValueError("global_pool='token' needs class_token=True; use global_pool='avg' without one")
         _check_pos_embed_interp(pos_embed_interp)
         check_scheme(weight_init)
+        make_activation(act_layer)  # a bad name fails here, naming the choices
 
         def norm_layer(dim):
             return nn.LayerNorm(dim, eps=norm_eps, bias=norm_bias)
@@ -347,7 +360,7 @@ class VisionTransformer(nn.Module):
         self.blocks = nn.Sequential(*[
             block(embed_dim, num_heads, mlp_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, norm_layer=norm_layer,
                   layer_scale=layer_scale, drop_path=rate, attn_drop=attn_drop, proj_drop=proj_drop,
-                  weight_init=weight_init)
+                  weight_init=weight_init, act_layer=act_layer)
             for rate in drop_rates
         ])
         # As in timm: average pooling normalises after pooling (fc_norm), token pooling before (norm).

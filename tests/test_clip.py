@@ -2,6 +2,7 @@
 against one, feature-caching accumulation against one big batch, zero-shot and retrieval, a short run that learns
 shapes, LiT's frozen tower, the open_clip export."""
 
+import json
 import math
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from objectives import DataInfo
 from objectives.clip import CLIP, SigLIP, load_clip, share_gradient
 from ssl_vit.config import ConfigError, register_configs
 from ssl_vit.eval.zeroshot import retrieval_recall, zeroshot_accuracy, zeroshot_classifier
+from ssl_vit.export.pretrained import load_pretrained
 from ssl_vit.vit import build_vit
 
 TOWERS = dict(embed_dim=16, context_length=16, text_width=16, text_heads=2, text_layers=1)
@@ -236,6 +238,10 @@ def test_the_open_clip_export_reproduces_encode_image_and_encode_text(clip_run, 
                                    ours.encode_text(ours.text_tokenizer()(captions)), atol=1e-5, rtol=0)
     assert preprocess.transforms[0].size == 24
     assert float(model.logit_scale.detach()) == float(ours.scale_and_bias()[0].log().detach())
+    imported = load_pretrained(f"open_clip:{tmp_path / 'export'}")  # and back: open_clip's image tower as ours
+    with torch.no_grad():
+        torch.testing.assert_close(imported.encoder(images), ours.backbone(images), atol=1e-5, rtol=0)
+    assert imported.preprocess.img_size == 24 and imported.preprocess.mean == ours.data.mean
 
 
 @pytest.mark.parametrize("options", [
@@ -258,11 +264,51 @@ def test_the_open_clip_export_maps_every_image_tower_option(tmp_path, options):
     export_open_clip(ours, tmp_path)
     model = open_clip.create_model(f"local-dir:{tmp_path}").eval()
     assert float(model.logit_scale.detach().exp()) == pytest.approx(100.0)
+    back = load_pretrained(f"open_clip:{tmp_path}").encoder  # the import maps every option back
+    with torch.no_grad():
+        images = torch.randn(2, 3, 16, 16)
+        torch.testing.assert_close(back(images), ours.backbone(images), atol=1e-5, rtol=0)
     images, tokens = torch.randn(3, 3, 16, 16), ours.text_tokenizer()(["a disc", "a red star"])
     with torch.no_grad():
         torch.testing.assert_close(model.encode_image(images), ours.encode_image(images), atol=1e-5, rtol=0)
         torch.testing.assert_close(model.encode_text(tokens), ours.encode_text(tokens), atol=1e-5, rtol=0)
     assert float(model.logit_bias) == float(ours.logit_bias)
+
+
+@pytest.mark.parametrize("vision", [{"layers": 2, "width": 32, "head_width": 16, "patch_size": 4, "image_size": 16},
+                                    {"layers": 2, "width": 32, "head_width": 16, "patch_size": 4, "image_size": 16,
+                                     "ls_init_value": 0.1, "no_ln_pre": True, "pool_type": "avg",
+                                     "final_ln_after_pool": True}])
+def test_open_clip_checkpoints_import_by_name_and_file_with_quick_gelu(tmp_path, vision):
+    """open_clip:<name>:<file>: a registered open_clip architecture (OpenAI-style QuickGELU, nn.MultiheadAttention
+    blocks) and its checkpoint file; our encoder's pooled embedding x visual.proj = open_clip's image features."""
+    import open_clip
+
+    config = {"embed_dim": 16, "quick_gelu": True, "vision_cfg": vision,
+              "text_cfg": {"context_length": 8, "vocab_size": 100, "width": 32, "heads": 2, "layers": 1}}
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny-quickgelu.json").write_text(json.dumps(config))
+    open_clip.add_model_config(tmp_path / "configs")
+    torch.manual_seed(0)
+    model = open_clip.create_model("tiny-quickgelu").eval()
+    with torch.no_grad():
+        for param in model.visual.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    imported = load_pretrained(f"open_clip:tiny-quickgelu:{tmp_path / 'weights.pt'}")
+    assert imported.encoder.config["act_layer"] == "quick_gelu"
+    images = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(imported.encoder(images) @ model.visual.proj, model.visual(images),
+                                   atol=1e-5, rtol=0)
+    # at another size, the position embeddings resample as open_clip's own loader does (resize_pos_embed)
+    model_24 = open_clip.create_model("tiny-quickgelu", pretrained=str(tmp_path / "weights.pt"),
+                                      force_image_size=24).eval()
+    imported.encoder.set_img_size(24)
+    images = torch.randn(2, 3, 24, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(imported.encoder(images) @ model.visual.proj, model_24.visual(images),
+                                   atol=1e-5, rtol=0)
 
 
 def test_the_open_clip_export_refuses_what_it_cannot_represent(tmp_path):
@@ -367,9 +413,9 @@ def test_the_image_tower_exports_to_transformers_clip_vision_with_the_projection
 
 @pytest.mark.parametrize("options", [{"pre_norm": True, "layer_scale": 0.1, "qkv_bias": False, "norm_bias": False}])
 def test_the_hf_export_folds_layer_scale_and_refuses_what_clip_cannot_hold(tmp_path, options):
-    from transformers import CLIPVisionModelWithProjection
+    from transformers import CLIPVisionModel
 
-    from ssl_vit.export.hf import export_clip_vision
+    from ssl_vit.export.hf import export_hf
 
     torch.manual_seed(0)
     encoder = build_vit("vit_test", **options).eval()
@@ -377,11 +423,13 @@ def test_the_hf_export_folds_layer_scale_and_refuses_what_clip_cannot_hold(tmp_p
         for param in encoder.parameters():
             if param.ndim == 1:
                 param.add_(0.1 * torch.randn_like(param))
-    export_clip_vision(encoder, tmp_path)
-    model = CLIPVisionModelWithProjection.from_pretrained(tmp_path).eval()
+    export_hf(encoder, tmp_path, "clip")
+    model, info = CLIPVisionModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values()), info  # without a projection: a plain CLIPVisionModel directory
+    model.eval()
     images = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
-        torch.testing.assert_close(model.vision_model(pixel_values=images).pooler_output, encoder(images),
+        torch.testing.assert_close(model(pixel_values=images).pooler_output, encoder(images),
                                    atol=1e-5, rtol=0)
-    with pytest.raises(ValueError, match=r"pre_norm=False .*qk_norm=True \(QK-norm\).*--to open_clip"):
-        export_clip_vision(build_vit("vit_test", qk_norm=True), tmp_path / "refused")
+    with pytest.raises(ValueError, match=r"qk_norm=True \(.*open_clip does\); pre_norm=False .*--hf-arch vit"):
+        export_hf(build_vit("vit_test", qk_norm=True), tmp_path / "refused", "clip")

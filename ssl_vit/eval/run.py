@@ -16,12 +16,12 @@ import torch
 from ssl_vit.config import ConfigError, validate_config
 from ssl_vit.data import DATASETS, CaptionFolder, Digits, FashionMNIST, FolderDataset, SyntheticShapes, TuxPaintStamps
 from ssl_vit.data.subset import limit_samples
-from ssl_vit.eval.features import FEATURE_KINDS, cache_key, cached, extract_features, file_fingerprint
+from ssl_vit.eval.features import FEATURE_KINDS, cache_key, cached, extract_features
 from ssl_vit.eval.fewshot import fewshot_eval
 from ssl_vit.eval.finetune import finetune
 from ssl_vit.eval.knn import knn_eval
 from ssl_vit.eval.linear import linear_probe
-from ssl_vit.export import from_timm, load_encoder, read_preprocess
+from ssl_vit.export.pretrained import load_pretrained
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
 
 EVALUATORS = ("linear", "knn", "fewshot", "finetune", "zeroshot", "retrieval")
@@ -29,40 +29,14 @@ FEATURE_EVALUATORS = EVALUATORS[:3]
 TEXT_EVALUATORS = ("zeroshot", "retrieval")  # need an image-text model
 
 
-def timm_preprocess(model) -> Preprocess:
-    """The eval transform timm declares for a model (pretrained_cfg: mean, std, interpolation, crop_pct)."""
-    pcfg = dict(getattr(model, "pretrained_cfg", None) or {})
-    size = model.patch_embed.img_size
-    interpolation = pcfg.get("interpolation", "bicubic")
-    return Preprocess(img_size=int(size[0]), mean=list(pcfg.get("mean", Preprocess(1).mean)),
-                      std=list(pcfg.get("std", Preprocess(1).std)),
-                      interpolation=interpolation if interpolation in ("bilinear", "bicubic", "nearest") else "bicubic",
-                      crop_pct=float(pcfg.get("crop_pct", 1.0)))
-
-
 def load_any_encoder(spec: str):
-    """An encoder from `encoder.safetensors`, a run directory holding one, or `timm:<name>` (random weights: no
-    model hub here). Returns (encoder, identity for the feature cache, its recorded preprocessing or None)."""
-    if spec.startswith("timm:"):
-        import timm
-
-        name = spec.removeprefix("timm:")
-        try:
-            model = timm.create_model(name, pretrained=False, num_classes=0)
-        except RuntimeError as err:
-            raise ConfigError(f"checkpoint={spec}: {err}") from err
-        return from_timm(model), {"timm": name, "seed": torch.initial_seed()}, timm_preprocess(model)
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        path = path / "encoder.safetensors"
-    if not path.is_file():
-        raise ConfigError(f"checkpoint={spec!r} is not an encoder file, a run directory with encoder.safetensors, "
-                          "or timm:<model name>")
+    """An encoder from any source `ssl_vit.export.pretrained` reads (ours, timm:, hf:, open_clip:). Returns
+    (encoder, identity for the feature cache, its recorded preprocessing or None); ConfigError on a bad spec."""
     try:
-        return load_encoder(path), file_fingerprint(path), read_preprocess(path)
-    except Exception as err:  # safetensors' own errors for truncated / foreign files, bad metadata
-        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"checkpoint={spec!r} is not a readable ssl_vit encoder file ({first})") from err
+        source = load_pretrained(spec)
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as err:
+        raise ConfigError(f"checkpoint: {err}") from err
+    return source.encoder, source.identity, source.preprocess
 
 
 def eval_datasets(cfg, img_size: int, seed: int = 0):

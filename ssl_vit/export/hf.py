@@ -1,14 +1,26 @@
-"""Our ViT as a transformers `CLIPVisionModelWithProjection` directory (`from_pretrained` in transformers 5.x and 4.x).
+"""Our ViT to and from transformers: `ViTModel`, `Dinov2Model` (`Dinov2WithRegistersModel` with registers),
+`CLIPVisionModel(WithProjection)` and `SiglipVisionModel`, exact in fp32 both ways.
 
-CLIP's vision layout has a norm before the blocks (`pre_layrnorm`: our `model.pre_norm`, which the clip objectives
-turn on; it also drops the patch-embedding bias) and a final norm on the pooled class token only (`post_layernorm`):
-layer scale is folded into `out_proj` / `fc2` (exact); no qkv bias or norm bias is written as zeros; eps and the
-activation (exact GELU, where CLIP's default is quick_gelu) are set explicitly. The weights are written under the
-`vision_model.` names, which 4.x and 5.x both load exactly (5.x's own `save_pretrained` names load in 4.x as random
-weights with only a warning). `pooler_output` is our pooled embedding (class token after the final norm) and
-`image_embeds` our image-text embedding before normalisation. Refused, naming the option: no pre-norm (CLIP always
-normalises before the blocks), registers, parallel blocks, QK-norm, no class token or average pooling, position
-embeddings without the class slot.
+Export writes a `save_pretrained` directory (config.json, model.safetensors, preprocessor_config.json) whose weights
+carry transformers 4.x names (`vision_model.` for CLIP / SigLIP, `encoder.layer.i.attention.attention.query` for
+ViT / DINOv2): 4.37+ and 5.x load them exactly (5.x converts them on load; 5.x's own `save_pretrained` names load
+in 4.x as random weights with only a warning). eps and the activation are written explicitly (HF's defaults
+differ: ViTConfig eps 1e-12, CLIPVisionConfig quick_gelu, SigLIP tanh-GELU). What each target holds:
+
+    target  class token  registers  pre-norm  final norm                      layer scale     pooler_output
+    vit     required     no         no        all tokens (`layernorm`)        folded (exact)  our embedding (*)
+    dinov2  required     yes        no        all tokens (`layernorm`)        `lambda1`       our embedding
+    clip    required     no         required  pooled class token only         folded (exact)  our embedding
+    siglip  none         no         no        all tokens (our `fc_norm`) (**) folded (exact)  none (no MAP head)
+
+(*) ViT's pooler is written as the identity (dense = I, `pooler_act` linear). (**) Our average-pooling models
+normalise after pooling; SigLIP normalises every token: its `last_hidden_state` is `fc_norm` of each token, and
+`hidden_states` are exactly ours. QK-norm and parallel blocks fit none of them (timm, ONNX and safetensors take
+every option). A patch-embedding bias folds into CLIP's position embeddings; position embeddings without the class
+slot (`no_embed_class`) become a zero class slot, register position embeddings fold into the register tokens.
+
+Import (`from_hf`) loads a directory with the installed transformers (any saved version, sharded or not) and maps
+its weights back; the result resamples position embeddings as transformers does (bicubic, no antialiasing).
 """
 
 from __future__ import annotations
@@ -19,96 +31,337 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+HF_ARCHS = ("vit", "dinov2", "clip", "siglip")
+HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu"}
+# transformers activation names -> ours (gelu_new is the same tanh formula as gelu_pytorch_tanh)
+FROM_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_python": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                       "gelu_new": "gelu_tanh", "quick_gelu": "quick_gelu"}
 
-def _refusals(config: dict) -> list[str]:
-    problems = [] if config.get("pre_norm") else ["pre_norm=False (CLIP normalises before the blocks: pre_layrnorm)"]
-    for key, allowed, why in (("num_registers", 0, "registers"), ("parallel_block", False, "parallel blocks"),
-                              ("qk_norm", False, "QK-norm"), ("no_embed_class", False, "no class-slot position")):
-        if config.get(key, allowed) != allowed:
-            problems.append(f"{key}={config[key]} ({why})")
-    for key in ("img_size", "patch_size"):
-        value = config.get(key)
-        if isinstance(value, (list, tuple)) and len(set(value)) > 1:
-            problems.append(f"{key}={list(value)} (CLIPVisionConfig takes square sizes)")
-    if not config.get("class_token", True) or config.get("global_pool", "token") != "token":
-        problems.append(f"class_token={config.get('class_token', True)}, global_pool={config.get('global_pool')} "
-                        "(CLIP pools the class token)")
+# Per-block names: (ours, transformers 4.x, transformers 5.x in-memory); q / k / v are the thirds of our qkv.
+_VIT_ATTENTION = (("q", "attention.attention.query", "attention.q_proj"),
+                  ("k", "attention.attention.key", "attention.k_proj"),
+                  ("v", "attention.attention.value", "attention.v_proj"),
+                  ("attn.proj", "attention.output.dense", "attention.o_proj"))
+_VIT_BLOCK = (("norm1", "layernorm_before", "layernorm_before"), ("norm2", "layernorm_after", "layernorm_after"),
+              *_VIT_ATTENTION, ("mlp.fc1", "intermediate.dense", "mlp.fc1"), ("mlp.fc2", "output.dense", "mlp.fc2"))
+_DINOV2_BLOCK = (("norm1", "norm1", "norm1"), ("norm2", "norm2", "norm2"), *_VIT_ATTENTION,
+                 ("mlp.fc1", "mlp.fc1", "mlp.fc1"), ("mlp.fc2", "mlp.fc2", "mlp.fc2"))
+_CLIP_BLOCK = (("norm1", "layer_norm1", "layer_norm1"), ("norm2", "layer_norm2", "layer_norm2"),
+               ("q", "self_attn.q_proj", "self_attn.q_proj"), ("k", "self_attn.k_proj", "self_attn.k_proj"),
+               ("v", "self_attn.v_proj", "self_attn.v_proj"), ("attn.proj", "self_attn.out_proj", "self_attn.out_proj"),
+               ("mlp.fc1", "mlp.fc1", "mlp.fc1"), ("mlp.fc2", "mlp.fc2", "mlp.fc2"))
+# arch -> (block names, 4.x block prefix, 5.x block prefix, 4.x global prefix)
+_LAYOUTS = {
+    "vit": (_VIT_BLOCK, "encoder.layer.{i}.", "layers.{i}.", ""),
+    "dinov2": (_DINOV2_BLOCK, "encoder.layer.{i}.", "encoder.layer.{i}.", ""),
+    "clip": (_CLIP_BLOCK, "encoder.layers.{i}.", "encoder.layers.{i}.", "vision_model."),
+    "siglip": (_CLIP_BLOCK, "encoder.layers.{i}.", "encoder.layers.{i}.", "vision_model."),
+}
+_OTHER_TARGETS = "timm, onnx and safetensors export every option"
+
+
+def _square(value, key: str, problems: list[str]) -> int:
+    if isinstance(value, (list, tuple)):
+        if len(set(value)) > 1:
+            problems.append(f"{key}={list(value)} (transformers' vision configs take square sizes)")
+        return int(value[0])
+    return int(value)
+
+
+def refusals(config: dict, arch: str) -> list[str]:
+    """What `arch` cannot represent in an encoder config, each naming the option and the targets that take it."""
+    problems = []
+    if config.get("parallel_block"):
+        problems.append("parallel_block=True (no transformers vision model has parallel blocks)")
+    if config.get("qk_norm"):
+        problems.append("qk_norm=True (no transformers ViT-family model has QK-norm; open_clip does)")
+    if config.get("num_registers", 0) and arch != "dinov2":
+        problems.append(f"num_registers={config['num_registers']} (of these, only --hf-arch dinov2 has registers)")
+    class_token, pool = config.get("class_token", True), config.get("global_pool", "token")
+    if arch == "siglip":
+        if class_token:
+            problems.append("class_token=True (SigLIP has no class token; use --hf-arch vit, dinov2 or clip)")
+    elif not class_token or pool != "token":
+        problems.append(f"class_token={class_token}, global_pool={pool!r} ({arch} pools the class token; an "
+                        "average-pooled model without class token exports as --hf-arch siglip)")
+    if arch == "clip" and not config.get("pre_norm"):
+        problems.append("pre_norm=False (CLIP normalises before the blocks: pre_layrnorm; use --hf-arch vit or dinov2)")
+    if arch != "clip" and config.get("pre_norm"):
+        problems.append(f"pre_norm=True ({arch} has no norm before the blocks; use --hf-arch clip)")
+    if arch == "dinov2":
+        width = config["embed_dim"]
+        mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
+        if mlp_dim % width:
+            problems.append(f"mlp_dim={mlp_dim} (Dinov2Config takes width x an integer mlp_ratio)")
+    _square(config["img_size"], "img_size", problems)
+    _square(config["patch_size"], "patch_size", problems)
     return problems
 
 
-def clip_vision_config(config: dict, projection_dim: int | None = None):
-    from transformers import CLIPVisionConfig
+def default_arch(config: dict) -> str:
+    """The transformers class an encoder maps to most directly: CLIP for pre-norm models, DINOv2 for layer scale or
+    registers, SigLIP without a class token, ViT otherwise."""
+    if config.get("pre_norm"):
+        return "clip"
+    if not config.get("class_token", True):
+        return "siglip"
+    if config.get("num_registers") or config.get("layer_scale") is not None:
+        return "dinov2"
+    return "vit"
 
-    problems = _refusals(config)
+
+def hf_config(config: dict, arch: str, projection_dim: int | None = None):
+    """The transformers config of our encoder as `arch` (ValueError naming everything `arch` cannot hold)."""
+    import transformers
+
+    if arch not in HF_ARCHS:
+        raise ValueError(f"unknown transformers target {arch!r}; valid choices: {list(HF_ARCHS)}")
+    problems = refusals(config, arch)
     if problems:
-        raise ValueError("CLIPVisionModel cannot represent this encoder: " + "; ".join(problems)
-                         + ". The open_clip export (scripts/export.py --to open_clip) takes layer scale and QK-norm.")
+        raise ValueError(f"transformers {arch} cannot represent this encoder: " + "; ".join(problems)
+                         + f". {_OTHER_TARGETS}.")
     width = config["embed_dim"]
-    size, patch = config["img_size"], config["patch_size"]
-    return CLIPVisionConfig(
-        hidden_size=width, intermediate_size=config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0)),
-        num_hidden_layers=config["depth"], num_attention_heads=config["num_heads"], num_channels=3,
-        image_size=size if isinstance(size, int) else size[0], patch_size=patch if isinstance(patch, int) else patch[0],
-        hidden_act="gelu", layer_norm_eps=config.get("norm_eps", 1e-6), attention_dropout=0.0,
-        projection_dim=projection_dim or width, architectures=["CLIPVisionModelWithProjection"])
+    mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
+    common = dict(hidden_size=width, num_hidden_layers=config["depth"], num_attention_heads=config["num_heads"],
+                  num_channels=config.get("in_chans", 3), image_size=_square(config["img_size"], "", []),
+                  patch_size=_square(config["patch_size"], "", []),
+                  hidden_act=HF_ACTIVATIONS[config.get("act_layer", "gelu")],
+                  layer_norm_eps=config.get("norm_eps", 1e-6))
+    if arch == "vit":
+        return transformers.ViTConfig(**common, intermediate_size=mlp_dim, qkv_bias=True, pooler_act="linear",
+                                      pooler_output_size=width, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0, architectures=["ViTModel"])
+    if arch == "dinov2":
+        registers = config.get("num_registers", 0)
+        kwargs = dict(common, mlp_ratio=mlp_dim // width, qkv_bias=True, use_swiglu_ffn=False,
+                      layerscale_value=config.get("layer_scale") or 1.0, hidden_dropout_prob=0.0,
+                      attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
+        if registers:
+            if not hasattr(transformers, "Dinov2WithRegistersConfig"):
+                raise ValueError(f"num_registers={registers}: this transformers {transformers.__version__} has no "
+                                 "Dinov2WithRegistersModel (4.48+)")
+            return transformers.Dinov2WithRegistersConfig(**kwargs, num_register_tokens=registers,
+                                                           architectures=["Dinov2WithRegistersModel"])
+        return transformers.Dinov2Config(**kwargs, architectures=["Dinov2Model"])
+    if arch == "clip":
+        return transformers.CLIPVisionConfig(**common, intermediate_size=mlp_dim, attention_dropout=0.0,
+                                             projection_dim=projection_dim or width,
+                                             architectures=["CLIPVisionModelWithProjection" if projection_dim
+                                                            else "CLIPVisionModel"])
+    return transformers.SiglipVisionConfig(**common, intermediate_size=mlp_dim, attention_dropout=0.0,
+                                           vision_use_head=False, architectures=["SiglipVisionModel"])
 
 
-def clip_vision_state(state: dict, config: dict, projection: torch.Tensor | None = None) -> dict:
-    """Our encoder state dict (and (out, in) projection weight) under transformers' CLIP vision names."""
-    width, prefix = config["embed_dim"], "vision_model."
+def hf_state(state: dict, config: dict, arch: str, projection: torch.Tensor | None = None) -> dict:
+    """Our encoder state dict under `arch`'s transformers 4.x names (which 5.x loads too)."""
+    width, depth = config["embed_dim"], config["depth"]
+    block_names, block4, _, prefix = _LAYOUTS[arch]
+    registers = config.get("num_registers", 0)
     out = {}
 
-    def norm(target: str, source: str) -> None:
-        out[f"{target}.weight"] = state[f"{source}.weight"]
-        out[f"{target}.bias"] = state.get(f"{source}.bias", torch.zeros(width))
+    def get(name: str, size: int | None = None, fill: float = 0.0) -> torch.Tensor:
+        return state[name] if name in state else torch.full((size or width,), fill)
 
-    out["embeddings.class_embedding"] = state["cls_token"].reshape(width)
-    out["embeddings.patch_embedding.weight"] = state["patch_embed.proj.weight"]
-    out["embeddings.position_embedding.weight"] = state["pos_embed"][0]
-    norm("pre_layrnorm", "norm_pre")
-    for i in range(config["depth"]):
-        ours, theirs = f"blocks.{i}", f"encoder.layers.{i}"
-        qkv_w = state[f"{ours}.attn.qkv.weight"]
-        qkv_b = state.get(f"{ours}.attn.qkv.bias", torch.zeros(3 * width))
-        for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
-            out[f"{theirs}.self_attn.{name}.weight"] = qkv_w[j * width:(j + 1) * width]
-            out[f"{theirs}.self_attn.{name}.bias"] = qkv_b[j * width:(j + 1) * width]
-        gamma1 = state.get(f"{ours}.ls1.gamma", torch.ones(width))
-        gamma2 = state.get(f"{ours}.ls2.gamma", torch.ones(width))
-        out[f"{theirs}.self_attn.out_proj.weight"] = state[f"{ours}.attn.proj.weight"] * gamma1[:, None]
-        out[f"{theirs}.self_attn.out_proj.bias"] = state[f"{ours}.attn.proj.bias"] * gamma1
-        out[f"{theirs}.mlp.fc1.weight"] = state[f"{ours}.mlp.fc1.weight"]
-        out[f"{theirs}.mlp.fc1.bias"] = state[f"{ours}.mlp.fc1.bias"]
-        out[f"{theirs}.mlp.fc2.weight"] = state[f"{ours}.mlp.fc2.weight"] * gamma2[:, None]
-        out[f"{theirs}.mlp.fc2.bias"] = state[f"{ours}.mlp.fc2.bias"] * gamma2
-        norm(f"{theirs}.layer_norm1", f"{ours}.norm1")
-        norm(f"{theirs}.layer_norm2", f"{ours}.norm2")
-    norm("post_layernorm", "norm")
+    def norm(target: str, source: str) -> None:
+        out[f"{target}.weight"], out[f"{target}.bias"] = state[f"{source}.weight"], get(f"{source}.bias")
+
+    # position embeddings with exactly one (class) prefix slot, or none (SigLIP)
+    pos = state["pos_embed"][0].clone()
+    pos_prefix = 0 if config.get("no_embed_class") else int(config.get("class_token", True)) + registers
+    patch_pos = pos[pos_prefix:]
+    class_pos = pos[:1] if pos_prefix else torch.zeros(1, width)
+    reg_pos = pos[1:pos_prefix] if pos_prefix else torch.zeros(registers, width)
+    patch_bias = state.get("patch_embed.proj.bias")
+    for i in range(depth):
+        ours, theirs = f"blocks.{i}.", block4.format(i=i)
+        qkv_w, qkv_b = state[f"{ours}attn.qkv.weight"], get(f"{ours}attn.qkv.bias", 3 * width)
+        gammas = [get(f"{ours}ls{j}.gamma", fill=1.0) for j in (1, 2)]
+        fold = arch != "dinov2"
+        for mine, hf, _ in block_names:
+            if mine in ("q", "k", "v"):
+                j = "qkv".index(mine)
+                out[f"{theirs}{hf}.weight"] = qkv_w[j * width:(j + 1) * width]
+                out[f"{theirs}{hf}.bias"] = qkv_b[j * width:(j + 1) * width]
+            elif mine.startswith("norm"):
+                norm(theirs + hf, ours + mine)
+            else:
+                weight, bias = state[f"{ours}{mine}.weight"], state[f"{ours}{mine}.bias"]
+                gamma = gammas[0] if mine == "attn.proj" else gammas[1] if mine == "mlp.fc2" else None
+                if fold and gamma is not None:  # gamma * (W x + b) = (gamma W) x + gamma b
+                    weight, bias = weight * gamma[:, None], bias * gamma
+                out[f"{theirs}{hf}.weight"], out[f"{theirs}{hf}.bias"] = weight, bias
+        if not fold:
+            out[f"{theirs}layer_scale1.lambda1"], out[f"{theirs}layer_scale2.lambda1"] = gammas
+    if arch in ("vit", "dinov2"):
+        out["embeddings.cls_token"] = state["cls_token"]
+        out["embeddings.position_embeddings"] = torch.cat([class_pos, patch_pos])[None]
+        out["embeddings.patch_embeddings.projection.weight"] = state["patch_embed.proj.weight"]
+        out["embeddings.patch_embeddings.projection.bias"] = patch_bias
+        norm("layernorm", "norm")
+        if arch == "vit":  # the pooler as the identity: pooler_output = the class token after the final norm
+            out["pooler.dense.weight"], out["pooler.dense.bias"] = torch.eye(width), torch.zeros(width)
+        else:
+            out["embeddings.mask_token"] = torch.zeros(1, width)
+            if registers:
+                out["embeddings.register_tokens"] = state["reg_token"] + reg_pos[None]
+    elif arch == "clip":
+        out["embeddings.class_embedding"] = state["cls_token"].reshape(width)
+        out["embeddings.patch_embedding.weight"] = state["patch_embed.proj.weight"]
+        if patch_bias is not None:  # CLIP's conv has no bias: the same constant on every patch slot
+            patch_pos = patch_pos + patch_bias
+        out["embeddings.position_embedding.weight"] = torch.cat([class_pos, patch_pos])
+        norm("pre_layrnorm", "norm_pre")
+        norm("post_layernorm", "norm")
+    else:
+        out["embeddings.patch_embedding.weight"] = state["patch_embed.proj.weight"]
+        out["embeddings.patch_embedding.bias"] = patch_bias if patch_bias is not None else torch.zeros(width)
+        out["embeddings.position_embedding.weight"] = patch_pos
+        norm("post_layernorm", "fc_norm")
     tensors = {prefix + k: v.detach().float().contiguous().clone() for k, v in out.items()}
-    tensors["visual_projection.weight"] = (projection if projection is not None else torch.eye(width)).detach() \
-        .float().contiguous().clone()
+    if projection is not None:  # CLIPVisionModelWithProjection's image_embeds
+        tensors["visual_projection.weight"] = projection.detach().float().contiguous().clone()
     return tensors
 
 
-def export_clip_vision(encoder, out_dir: str | Path, projection: torch.Tensor | None = None,
-                       preprocess=None) -> Path:
-    """Write `encoder` (+ an image-text projection) as a CLIPVisionModelWithProjection directory: config.json,
-    model.safetensors and, with `preprocess`, preprocessor_config.json (CLIPImageProcessor: shortest side resized
-    to the image size, centre crop, the encoder's mean and std)."""
+def processor_config(preprocess) -> dict:
+    """CLIPImageProcessor settings that reproduce our eval transform (shorter side to img_size / crop_pct, centre
+    crop, rescale, normalise) for every target: ViT's and SigLIP's own processors have no centre crop."""
+    return {"image_processor_type": "CLIPImageProcessor", "do_resize": True,
+            "size": {"shortest_edge": int(preprocess.img_size / preprocess.crop_pct) if preprocess.crop_pct < 1
+                     else preprocess.img_size},
+            "do_center_crop": True, "crop_size": {"height": preprocess.img_size, "width": preprocess.img_size},
+            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+            "image_mean": list(preprocess.mean), "image_std": list(preprocess.std),
+            "resample": {"bilinear": 2, "bicubic": 3, "nearest": 0}[preprocess.interpolation], "do_convert_rgb": True}
+
+
+def export_hf(encoder, out_dir: str | Path, arch: str | None = None, projection: torch.Tensor | None = None,
+              preprocess=None) -> Path:
+    """Write `encoder` as a transformers `arch` directory (default: `default_arch`); `projection` (CLIP only) becomes
+    `visual_projection`, `preprocess` the preprocessor_config.json."""
+    config = encoder.config
+    arch = arch or default_arch(config)
+    if projection is not None and arch != "clip":
+        raise ValueError(f"an image-text projection goes into --hf-arch clip only, not {arch}")
+    hf = hf_config(config, arch, projection.shape[0] if projection is not None else None)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = encoder.config
-    hf_config = clip_vision_config(config, projection.shape[0] if projection is not None else None)
-    hf_config.save_pretrained(out_dir)
-    save_file(clip_vision_state(encoder.state_dict(), config, projection), str(out_dir / "model.safetensors"),
+    hf.save_pretrained(out_dir)
+    save_file(hf_state(encoder.state_dict(), config, arch, projection), str(out_dir / "model.safetensors"),
               metadata={"format": "pt"})
     if preprocess is not None:
-        resample = {"bilinear": 2, "bicubic": 3, "nearest": 0}[preprocess.interpolation]
-        processor = {"image_processor_type": "CLIPImageProcessor", "do_resize": True,
-                     "size": {"shortest_edge": int(preprocess.img_size / preprocess.crop_pct)}, "do_center_crop": True,
-                     "crop_size": {"height": preprocess.img_size, "width": preprocess.img_size},
-                     "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-                     "image_mean": list(preprocess.mean), "image_std": list(preprocess.std), "resample": resample,
-                     "do_convert_rgb": True}
-        (out_dir / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+        (out_dir / "preprocessor_config.json").write_text(json.dumps(processor_config(preprocess), indent=2) + "\n")
     return out_dir
+
+
+# ----- import -----
+_MODEL_TYPES = {"vit": "vit", "dinov2": "dinov2", "dinov2_with_registers": "dinov2", "clip_vision_model": "clip",
+                "clip": "clip", "siglip_vision_model": "siglip", "siglip": "siglip"}
+
+
+def _arch_of(hf_cfg) -> str:
+    arch = _MODEL_TYPES.get(hf_cfg.model_type)
+    if arch is None:
+        raise ValueError(f"transformers model_type {hf_cfg.model_type!r} cannot be imported; supported: "
+                         f"{sorted(_MODEL_TYPES)}")
+    return arch
+
+
+def load_hf_vision(path: str | Path):
+    """(the vision transformer module, its config, our arch name) of a transformers directory; CLIP / SigLIP
+    image-text directories give their vision tower."""
+    import transformers
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{str(path)!r} is not a transformers model directory (no config.json)")
+    hf_cfg = transformers.AutoConfig.from_pretrained(path)
+    arch = _arch_of(hf_cfg)
+    if hf_cfg.model_type in ("clip", "siglip", "clip_vision_model"):  # a CLIP / SigLIP model: its vision tower
+        with_projection = "CLIPVisionModelWithProjection" in (hf_cfg.architectures or [])
+        cls = transformers.CLIPVisionModelWithProjection if with_projection else \
+            transformers.CLIPVisionModel if arch == "clip" else transformers.SiglipVisionModel
+        model = cls.from_pretrained(path)
+    else:
+        model = transformers.AutoModel.from_pretrained(path)
+    model = model.eval()
+    return getattr(model, "vision_model", model), model.config, arch
+
+
+def from_hf(path: str | Path):
+    """Our encoder from a transformers ViTModel / Dinov2Model / Dinov2WithRegistersModel / CLIPVisionModel /
+    SiglipVisionModel directory (or a CLIP / SigLIP model's vision tower), weights included. Dropped: ViT's pooler
+    (dense + tanh on the class token) and SigLIP's attention-pooling head; every token output is exact."""
+    from ssl_vit.vit import VisionTransformer
+
+    module, hf_cfg, arch = load_hf_vision(path)
+    state = module.state_dict()
+    act = FROM_HF_ACTIVATIONS.get(hf_cfg.hidden_act)
+    if act is None:
+        raise ValueError(f"{path}: hidden_act {hf_cfg.hidden_act!r} has no equivalent here; supported: "
+                         f"{sorted(FROM_HF_ACTIVATIONS)}")
+    if getattr(hf_cfg, "use_swiglu_ffn", False):
+        raise ValueError(f"{path}: use_swiglu_ffn=True (DINOv2 giant's SwiGLU MLP) is not supported")
+    width, depth = hf_cfg.hidden_size, hf_cfg.num_hidden_layers
+    registers = getattr(hf_cfg, "num_register_tokens", 0) if arch == "dinov2" else 0
+    mlp_dim = int(width * hf_cfg.mlp_ratio) if arch == "dinov2" else hf_cfg.intermediate_size
+    size, patch = hf_cfg.image_size, hf_cfg.patch_size
+    kwargs = dict(img_size=size, patch_size=patch, in_chans=hf_cfg.num_channels, embed_dim=width, depth=depth,
+                  num_heads=hf_cfg.num_attention_heads, mlp_dim=mlp_dim, act_layer=act, norm_eps=hf_cfg.layer_norm_eps,
+                  class_token=arch != "siglip", global_pool="avg" if arch == "siglip" else "token",
+                  num_registers=registers, pre_norm=arch == "clip", layer_scale=None,
+                  # transformers' interpolate_pos_encoding: bicubic without antialiasing
+                  pos_embed_interp="bicubic", pos_embed_antialias=False)
+    if arch == "dinov2":
+        kwargs["layer_scale"] = float(hf_cfg.layerscale_value)
+    ours = _our_state(state, arch, width, depth, registers)
+    encoder = VisionTransformer(**kwargs)
+    if "patch_embed.proj.bias" in encoder.state_dict() and "patch_embed.proj.bias" not in ours:
+        ours["patch_embed.proj.bias"] = torch.zeros(width)
+    encoder.load_state_dict(ours, strict=True)
+    return encoder.eval()
+
+
+def _our_state(state: dict, arch: str, width: int, depth: int, registers: int) -> dict:
+    """transformers weights (5.x in-memory names, or 4.x names) -> ours."""
+    block_names, block4, block5, _ = _LAYOUTS[arch]
+
+    def pick(i: int, hf4: str, hf5: str, kind: str) -> torch.Tensor:
+        new, old = f"{block5.format(i=i)}{hf5}.{kind}", f"{block4.format(i=i)}{hf4}.{kind}"
+        return state[new] if new in state else state[old]
+
+    ours = {}
+    for i in range(depth):
+        mine_prefix = f"blocks.{i}."
+        for mine, hf4, hf5 in block_names:
+            if mine not in ("q", "k", "v"):
+                for kind in ("weight", "bias"):
+                    ours[f"{mine_prefix}{mine}.{kind}"] = pick(i, hf4, hf5, kind)
+        qkv = [(hf4, hf5) for mine, hf4, hf5 in block_names if mine in ("q", "k", "v")]
+        for kind in ("weight", "bias"):
+            ours[f"{mine_prefix}attn.qkv.{kind}"] = torch.cat([pick(i, hf4, hf5, kind) for hf4, hf5 in qkv])
+        if arch == "dinov2":
+            for j in (1, 2):
+                ours[f"{mine_prefix}ls{j}.gamma"] = pick(i, f"layer_scale{j}", f"layer_scale{j}", "lambda1")
+    if arch in ("vit", "dinov2"):
+        ours["cls_token"] = state["embeddings.cls_token"]
+        pos = state["embeddings.position_embeddings"]
+        if registers:  # our register slots get zero position embeddings (DINOv2 adds none to them)
+            pos = torch.cat([pos[:, :1], torch.zeros(1, registers, width), pos[:, 1:]], dim=1)
+            ours["reg_token"] = state["embeddings.register_tokens"]
+        ours["pos_embed"] = pos
+        ours["patch_embed.proj.weight"] = state["embeddings.patch_embeddings.projection.weight"]
+        ours["patch_embed.proj.bias"] = state["embeddings.patch_embeddings.projection.bias"]
+        ours["norm.weight"], ours["norm.bias"] = state["layernorm.weight"], state["layernorm.bias"]
+    elif arch == "clip":
+        ours["cls_token"] = state["embeddings.class_embedding"].reshape(1, 1, width)
+        ours["pos_embed"] = state["embeddings.position_embedding.weight"][None]
+        ours["patch_embed.proj.weight"] = state["embeddings.patch_embedding.weight"]
+        ours["norm_pre.weight"], ours["norm_pre.bias"] = state["pre_layrnorm.weight"], state["pre_layrnorm.bias"]
+        ours["norm.weight"], ours["norm.bias"] = state["post_layernorm.weight"], state["post_layernorm.bias"]
+    else:
+        ours["pos_embed"] = state["embeddings.position_embedding.weight"][None]
+        ours["patch_embed.proj.weight"] = state["embeddings.patch_embedding.weight"]
+        ours["patch_embed.proj.bias"] = state["embeddings.patch_embedding.bias"]
+        ours["fc_norm.weight"], ours["fc_norm.bias"] = state["post_layernorm.weight"], state["post_layernorm.bias"]
+    return {k: v.detach().float().clone() for k, v in ours.items()}

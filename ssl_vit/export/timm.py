@@ -47,6 +47,20 @@ def layer_scale_init(model: nn.Module) -> float | None:
                      "gammas differ); pass it as from_timm(model, layer_scale=...)")
 
 
+def activation_name(act: nn.Module) -> str:
+    """Our `act_layer` name for a timm block's MLP activation (ValueError for one we do not have)."""
+    from timm.layers import QuickGELU
+    from timm.layers.activations import GELU, GELUTanh
+
+    if isinstance(act, QuickGELU):
+        return "quick_gelu"
+    if isinstance(act, GELUTanh) or (isinstance(act, nn.GELU) and act.approximate == "tanh"):
+        return "gelu_tanh"
+    if isinstance(act, (nn.GELU, GELU)):  # timm's GELU is F.gelu, exact
+        return "gelu"
+    raise ValueError(f"unsupported timm MLP activation {type(act).__name__}; supported: GELU, GELU(tanh), QuickGELU")
+
+
 def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embed_antialias: bool | None = None,
               layer_scale: float | None = None) -> VisionTransformer:
     """Rebuild a timm `VisionTransformer` (standard or 22B-style parallel blocks) as ours, weights included.
@@ -85,9 +99,90 @@ def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embe
         qkv_bias=(block.in_proj.bias is not None) if parallel else (block.attn.qkv.bias is not None),
         qk_norm=not isinstance(attn.q_norm, nn.Identity), norm_bias=norm.bias is not None, norm_eps=norm.eps,
         pre_norm=not isinstance(model.norm_pre, nn.Identity), parallel_block=parallel,
+        act_layer=activation_name(block.mlp_act if parallel else block.mlp.act),
         # The init value (the loaded weights then set the gammas themselves).
         layer_scale=(layer_scale if layer_scale is not None else layer_scale_init(model)) if has_layer_scale else None,
     )
     ours = VisionTransformer(**kwargs)
     ours.load_state_dict(model.state_dict(), strict=True)
     return ours
+
+
+# Our presets' timm architectures: (embed_dim, depth, num_heads, mlp_dim) -> timm name stem (+ _patch{P}_{size}).
+TIMM_NAMES = {(192, 12, 3, 768): "vit_tiny", (384, 12, 6, 1536): "vit_small", (768, 12, 12, 3072): "vit_base",
+              (1024, 24, 16, 4096): "vit_large", (1280, 32, 16, 5120): "vit_huge", (1408, 40, 16, 6144): "vit_giant"}
+_TIMM_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "quick_gelu": "quick_gelu"}
+
+
+def timm_architecture(config: dict) -> str:
+    """The timm model name of an encoder config: the preset's (vit_base_patch16_224, ...) or, for sizes timm has no
+    name for (the test presets), the base architecture whose `model_args` then set every size."""
+    width, depth, heads = config["embed_dim"], config["depth"], config["num_heads"]
+    mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
+    patch = config["patch_size"] if isinstance(config["patch_size"], int) else config["patch_size"][0]
+    stem = TIMM_NAMES.get((width, depth, heads, mlp_dim))
+    import timm
+
+    for name in (f"{stem}_patch{patch}_224", f"{stem}_patch{patch}_clip_224") if stem else ():
+        if timm.is_model(name):
+            return name
+    return "vit_base_patch16_224"
+
+
+def timm_model_args(config: dict) -> dict:
+    """timm `VisionTransformer` keyword arguments that rebuild our encoder exactly (JSON-serialisable, as in a timm
+    hub config.json); ValueError naming what plain keyword arguments cannot express."""
+    problems = []
+    if config.get("parallel_block"):
+        problems.append("parallel_block=True (timm takes block_fn=ParallelScalingBlock, not expressible in a config "
+                        "file: build timm's model yourself and load model.safetensors)")
+    if not config.get("norm_bias", True):
+        problems.append("norm_bias=False (timm's VisionTransformer has no bias-free LayerNorm argument)")
+    if config.get("norm_eps", 1e-6) != 1e-6:
+        problems.append(f"norm_eps={config['norm_eps']} (timm's config files build LayerNorm with eps 1e-6)")
+    if problems:
+        raise ValueError("a timm config cannot express: " + "; ".join(problems)
+                         + ". --to hf / onnx / safetensors take these.")
+    width = config["embed_dim"]
+    mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
+    size = config["img_size"]
+    args = dict(img_size=size if isinstance(size, int) else list(size), patch_size=config["patch_size"],
+                in_chans=config.get("in_chans", 3), embed_dim=width, depth=config["depth"],
+                num_heads=config["num_heads"], mlp_ratio=mlp_dim / width, qkv_bias=config.get("qkv_bias", True),
+                qk_norm=config.get("qk_norm", False), init_values=config.get("layer_scale"),
+                class_token=config.get("class_token", True), global_pool=config.get("global_pool", "token"),
+                reg_tokens=config.get("num_registers", 0), no_embed_class=config.get("no_embed_class", False),
+                pre_norm=config.get("pre_norm", False), act_layer=_TIMM_ACTIVATIONS[config.get("act_layer", "gelu")],
+                num_classes=0)
+    if config.get("pre_norm"):
+        args["fc_norm"] = False
+    return args
+
+
+def export_timm(encoder, out_dir, preprocess=None):
+    """A timm model directory: model.safetensors (our names are timm's) and a hub-style config.json
+    (architecture, model_args, pretrained_cfg with the preprocessing). Load with
+    `timm.create_model("local-dir:DIR", pretrained=True)` or
+    `timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file="DIR/model.safetensors"), **args)`."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    config = encoder.config
+    args = timm_model_args(config)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    size = args["img_size"] if isinstance(args["img_size"], list) else [args["img_size"]] * 2
+    # our eval transform's defaults where nothing was recorded (timm's architecture defaults crop 87.5% bicubic)
+    pretrained_cfg = {"input_size": [args["in_chans"], *size], "num_classes": 0, "fixed_input_size": False,
+                      "interpolation": "bilinear", "crop_pct": 1.0, "crop_mode": "center"}
+    if preprocess is not None:
+        pretrained_cfg.update(mean=list(preprocess.mean), std=list(preprocess.std),
+                              interpolation=preprocess.interpolation, crop_pct=preprocess.crop_pct, crop_mode="center")
+    hub = {"architecture": timm_architecture(config), "num_classes": 0, "num_features": config["embed_dim"],
+           "global_pool": args["global_pool"], "model_args": args, "pretrained_cfg": pretrained_cfg}
+    (out_dir / "config.json").write_text(json.dumps(hub, indent=2) + "\n")
+    state = {k: v.detach().float().contiguous().clone() for k, v in encoder.state_dict().items()}
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir

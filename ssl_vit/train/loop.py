@@ -26,6 +26,7 @@ from objectives import OBJECTIVES, DataInfo, build_objective
 from ssl_vit.config import ConfigError, model_kwargs, to_container, validate_config
 from ssl_vit.data import DataError, build_dataset, make_loader
 from ssl_vit.data.subset import limit_samples
+from ssl_vit.init import writable
 from ssl_vit.preprocess import resolve_preprocess
 from ssl_vit.train.checkpoint import (
     list_checkpoints,
@@ -72,9 +73,58 @@ class TrainState:
             setattr(self, key, value)
 
 
-def build_components(cfg):
+# Model settings that may differ from an `init_from` source's (training-time regularisation, resampling rule).
+INIT_FROM_ADJUSTABLE = ("drop_path", "attn_drop", "proj_drop", "pos_embed_interp", "pos_embed_antialias",
+                        "weight_init")
+
+
+def init_source(cfg):
+    """The pre-trained encoder `model.init_from` names (ssl_vit.export.pretrained), or None. Load it before building
+    the model under zero.Init: a timm / transformers source built there would be partitioned."""
+    spec = cfg.model.get("init_from")
+    if not spec:
+        return None
+    from ssl_vit.export.pretrained import SOURCES, load_pretrained
+
+    try:
+        # building the source model must not move the run's seed, nor be partitioned by transformers' ZeRO-3 hook
+        with torch.random.fork_rng(devices=[]), _without_hf_zero3():
+            return load_pretrained(spec)
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as err:
+        raise ConfigError(f"model.init_from: {err} (valid forms: {list(SOURCES)})") from err
+
+
+def _backbone_from(source, cfg, img_size: int) -> VisionTransformer:
+    """A backbone with the source's architecture at `img_size` (position embeddings resampled as the source library
+    does), its weights, and the run's regularisation settings."""
+    overrides = model_kwargs(cfg.model)
+    conflicts = {k: v for k, v in overrides.items() if k not in INIT_FROM_ADJUSTABLE}
+    if conflicts:
+        raise ConfigError(f"model.init_from={cfg.model.init_from}: the architecture is the source's; remove "
+                          f"{', '.join(f'model.{k}={v}' for k, v in conflicts.items())} (adjustable: "
+                          f"{list(INIT_FROM_ADJUSTABLE)})")
+    encoder = source.encoder
+    for key in ("pos_embed_interp", "pos_embed_antialias"):
+        if key in overrides:
+            setattr(encoder, key, overrides[key])
+            encoder.config[key] = overrides[key]
+    if _single_size(encoder.config["img_size"]) != img_size:
+        try:
+            encoder.set_img_size(img_size)
+        except ValueError as err:
+            raise ConfigError(f"model.init_from={cfg.model.init_from} at data.img_size={img_size}: {err}") from err
+    # The run's init scheme (the preset's unless model.weight_init says otherwise): the objective's heads follow it,
+    # so the same weights from any source start the same run.
+    overrides.setdefault("weight_init", PRESETS[cfg.model.name].get("weight_init", "timm"))
+    backbone = VisionTransformer(**{**encoder.config, **overrides})
+    with writable(*backbone.parameters()):
+        backbone.load_state_dict(encoder.state_dict())
+    return backbone
+
+
+def build_components(cfg, source=None):
     """The objective (with its backbone), dataset, view builder and preprocessing a config names; ConfigError on a
-    bad value."""
+    bad value. `source`: the `init_source(cfg)` already loaded (pretrain loads it outside zero.Init)."""
     preset = cfg.model.name
     if preset not in PRESETS:
         raise ConfigError(f"unknown model {preset!r}; valid choices: {sorted(PRESETS)}")
@@ -85,6 +135,10 @@ def build_components(cfg):
         fixed = objective_class.fixed_backbone(cfg.objective)
     except ValueError as err:
         raise ConfigError(str(err)) from err
+    source = source if source is not None else init_source(cfg)
+    if fixed is not None and source is not None:
+        raise ConfigError(f"model.init_from={cfg.model.init_from} and objective={cfg.objective.name} with a locked "
+                          "image tower both set the encoder; use one")
     if fixed is not None:  # a pre-trained, locked tower: its architecture, size and normalisation
         encoder_config, recorded = fixed
         img_size = _single_size(encoder_config["img_size"])
@@ -92,6 +146,10 @@ def build_components(cfg):
             raise ConfigError(f"data.img_size={cfg.data.img_size}: the locked image tower was trained at {img_size} px "
                               "(leave data.img_size unset)")
         backbone = VisionTransformer(**encoder_config)
+    elif source is not None:  # pre-trained weights to start from: the source's architecture at the run's size
+        recorded = source.preprocess
+        img_size = cfg.data.img_size or _single_size(source.encoder.config["img_size"])
+        backbone = _backbone_from(source, cfg, img_size)
     else:
         recorded = None
         img_size = cfg.data.img_size or PRESETS[preset].get("img_size", 224)
@@ -271,8 +329,9 @@ def pretrain(cfg) -> dict:
         check_writable(out_dir)
     threads = configure_threads(tcfg.cpu_threads, accelerator)
     set_seed(cfg.seed)  # identical initialisation on every rank
+    source = init_source(cfg)
     with construction_context(accelerator):
-        objective, dataset, views, preprocess = build_components(cfg)
+        objective, dataset, views, preprocess = build_components(cfg, source)
     optimizer = build_optimizer(objective, cfg.optim, num_layers=len(objective.encoder.blocks))
     lrs = schedule(cfg.optim.lr, cfg.optim.min_lr, tcfg.max_steps, cfg.optim.warmup_steps, cfg.optim.schedule)
     wds = weight_decay_schedule(cfg.optim, tcfg.max_steps)

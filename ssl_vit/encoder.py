@@ -1,0 +1,101 @@
+"""`VisionEncoder`: a pre-trained ViT as the image side of a vision-language model (LLaVA-style) or any downstream
+model: loaded from any source, carrying its preprocessing, returning patch tokens from a chosen layer.
+
+Layers are numbered as transformers' `hidden_states`: index 0 is the token sequence entering the blocks (after the
+pre-norm of CLIP-style models), index i the output of block i (1-based), so with L blocks `layer=-1` is the last
+block's output and `layer=-2` the output of block L-1 (0-based block L-2), both BEFORE the final norm: LLaVA's default
+`vision_feature_layer=-2` is `hidden_states[-2]`, which is timm's `forward_intermediates(indices=[L-2])` (norm=False).
+`layer=None` returns the final, normalised tokens (`last_hidden_state`; average-pooled models, whose norm comes
+after pooling, then give the last block's output). `drop_prefix=True` drops the class token and registers (LLaVA's
+`vision_feature_select_strategy="default"` drops index 0, the same without registers; Prismatic drops all prefix
+tokens).
+
+    encoder = VisionEncoder.from_pretrained("outputs/<run>", layer=-2)       # or "hf:<dir>", "timm:...", ...
+    pixels = encoder.preprocess([Image.open("cat.jpg")])                    # (1, 3, S, S), the encoder's transform
+    tokens = encoder(pixels)                                                # (1, patches, D)
+    projector = mlp_projector(encoder.hidden_size, 4096)                    # LLaVA-1.5's 2-layer MLP
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from ssl_vit.preprocess import Preprocess
+from ssl_vit.vit import VisionTransformer
+
+
+class VisionEncoder(nn.Module):
+    def __init__(self, vit: VisionTransformer, preprocessing: Preprocess | None = None, layer: int | None = -2,
+                 drop_prefix: bool = True):
+        super().__init__()
+        depth = len(vit.blocks)
+        if layer is not None and not -(depth + 1) <= layer <= depth:
+            raise ValueError(f"layer={layer} is out of range for {depth} blocks: valid are {-(depth + 1)}..{depth} "
+                             "(hidden_states indices) or None (the final normalised tokens)")
+        self.vit = vit
+        self.preprocessing = preprocessing or Preprocess(img_size=int(vit.patch_embed.img_size[0]))
+        self.layer, self.drop_prefix = layer, drop_prefix
+
+    @classmethod
+    def from_pretrained(cls, spec: str, layer: int | None = -2, drop_prefix: bool = True,
+                        img_size: int | None = None) -> VisionEncoder:
+        """Any source `ssl_vit.export.pretrained` reads (ours, timm:, hf:, open_clip:), in eval mode; `img_size`
+        resamples the position embeddings as the source library does."""
+        from ssl_vit.export.pretrained import load_pretrained
+
+        source = load_pretrained(spec)
+        preprocessing = source.preprocess or Preprocess(img_size=int(source.encoder.patch_embed.img_size[0]))
+        if img_size is not None and img_size != preprocessing.img_size:
+            source.encoder.set_img_size(img_size)
+            preprocessing = Preprocess(img_size, preprocessing.mean, preprocessing.std, preprocessing.interpolation,
+                                       preprocessing.crop_pct)
+        return cls(source.encoder, preprocessing, layer, drop_prefix).eval()
+
+    @property
+    def hidden_size(self) -> int:
+        return self.vit.embed_dim
+
+    @property
+    def num_patches(self) -> int:
+        return self.vit.patch_embed.num_patches
+
+    def preprocess(self, images) -> torch.Tensor:
+        """PIL images, HWC uint8 arrays or CHW uint8 tensors -> (B, C, S, S): resize the shorter side, centre-crop,
+        scale to [0, 1], normalise (the encoder's recorded eval transform; transformers' CLIPImageProcessor from
+        our HF export gives the same pixels)."""
+        views = self.preprocessing.view_builder(("image",))
+        batch = []
+        for image in images if isinstance(images, (list, tuple)) else [images]:
+            if not isinstance(image, torch.Tensor):
+                array = np.asarray(image.convert("RGB") if hasattr(image, "convert") else image)
+                image = torch.from_numpy(np.array(array, dtype=np.uint8)).permute(2, 0, 1)
+            batch.append(views({"image": image})["image"])
+        return torch.stack(batch)
+
+    def hidden_states(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
+        """[tokens entering the blocks, output of block 1, ..., output of block L]: transformers' hidden_states."""
+        x = self.vit.norm_pre(self.vit.embed(pixel_values))
+        states = [x]
+        for block in self.vit.blocks:
+            x = block(x)
+            states.append(x)
+        return states
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        if self.layer is None:
+            tokens = self.vit.forward_features(pixel_values)
+        else:
+            depth = len(self.vit.blocks)
+            index = self.layer % (depth + 1)
+            x = self.vit.norm_pre(self.vit.embed(pixel_values))
+            for block in self.vit.blocks[:index]:  # stops at the chosen layer: later blocks are not run
+                x = block(x)
+            tokens = x
+        return tokens[:, self.vit.num_prefix_tokens:] if self.drop_prefix else tokens
+
+
+def mlp_projector(vision_width: int, llm_width: int) -> nn.Sequential:
+    """LLaVA-1.5's projector (`mlp2x_gelu`): Linear(vision, llm) -> GELU -> Linear(llm, llm), applied per token."""
+    return nn.Sequential(nn.Linear(vision_width, llm_width), nn.GELU(), nn.Linear(llm_width, llm_width))

@@ -1,0 +1,58 @@
+"""The encoder as an ONNX graph (`torch.onnx.export`, dynamic batch), checked with onnxruntime after writing.
+
+Input `pixel_values` (batch, channels, height, width) at the encoder's image size, normalised as its preprocessing
+says (written beside the graph as preprocess.json); outputs `embedding` (batch, D), the pooled embedding, and
+`last_hidden_state` (batch, tokens, D), every token after the final norm (prefix tokens first).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MODEL_FILE = "model.onnx"
+
+
+class _Outputs(nn.Module):
+    def __init__(self, encoder):
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, pixel_values):
+        tokens = self.encoder.forward_features(pixel_values)
+        return self.encoder.forward_head(tokens, pre_logits=True), tokens
+
+
+def export_onnx(encoder, out_dir: str | Path, preprocess=None, opset: int = 18,
+                check_batch: int = 3) -> tuple[Path, float]:
+    """Write DIR/model.onnx (+ preprocess.json); returns (path, max |onnxruntime - torch|) on a random batch of
+    `check_batch` images (a batch size other than the traced one: the batch dimension is dynamic)."""
+    import onnxruntime
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / MODEL_FILE
+    module = _Outputs(encoder).eval().float()
+    height, width = encoder.patch_embed.img_size
+    example = torch.randn(2, encoder.config.get("in_chans", 3), height, width)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's warnings about Python-side shape checks
+        torch.onnx.export(module, (example,), str(path), input_names=["pixel_values"],
+                          output_names=["embedding", "last_hidden_state"], opset_version=opset, dynamo=False,
+                          dynamic_axes={"pixel_values": {0: "batch"}, "embedding": {0: "batch"},
+                                        "last_hidden_state": {0: "batch"}})
+    if preprocess is not None:
+        (out_dir / "preprocess.json").write_text(preprocess.to_json() + "\n")
+    check = torch.randn(check_batch, *example.shape[1:], generator=torch.Generator().manual_seed(0))
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    embedding, tokens = session.run(None, {"pixel_values": check.numpy()})
+    with torch.no_grad():
+        ref_embedding, ref_tokens = module(check)
+    error = max(float((torch.from_numpy(embedding) - ref_embedding).abs().max()),
+                float((torch.from_numpy(tokens) - ref_tokens).abs().max()))
+    return path, error
+
+
