@@ -5,10 +5,10 @@ Layers are numbered as transformers' `hidden_states`: index 0 is the token seque
 pre-norm of CLIP-style models), index i the output of block i (1-based), so with L blocks `layer=-1` is the last
 block's output and `layer=-2` the output of block L-1 (0-based block L-2), both BEFORE the final norm: LLaVA's default
 `vision_feature_layer=-2` is `hidden_states[-2]`, which is timm's `forward_intermediates(indices=[L-2])` (norm=False).
-`layer=None` returns the final, normalised tokens (`last_hidden_state`; average-pooled models, whose norm comes
-after pooling, then give the last block's output). `drop_prefix=True` drops the class token and registers (LLaVA's
-`vision_feature_select_strategy="default"` drops index 0, the same without registers; Prismatic drops all prefix
-tokens).
+`layer=None` returns the final, normalised tokens (transformers' ViT / DINOv2 `last_hidden_state`; CLIP's comes
+before its `post_layernorm`; average-pooled models, whose norm comes after pooling, give the last block's
+output). `drop_prefix=True` drops the class token and registers (LLaVA's `vision_feature_select_strategy="default"`
+drops index 0, the same without registers; Prismatic drops all prefix tokens).
 
     encoder = VisionEncoder.from_pretrained("outputs/<run>", layer=-2)       # or "hf:<dir>", "timm:...", ...
     pixels = encoder.preprocess([Image.open("cat.jpg")])                    # (1, 3, S, S), the encoder's transform
@@ -47,10 +47,11 @@ class VisionEncoder(nn.Module):
 
         source = load_pretrained(spec)
         preprocessing = source.preprocess or Preprocess(img_size=int(source.encoder.patch_embed.img_size[0]))
-        if img_size is not None and img_size != preprocessing.img_size:
-            source.encoder.set_img_size(img_size)
+        if img_size is not None:
             preprocessing = Preprocess(img_size, preprocessing.mean, preprocessing.std, preprocessing.interpolation,
                                        preprocessing.crop_pct)
+        if preprocessing.img_size != source.encoder.patch_embed.img_size[0]:  # e.g. DINOv2: 518 native, 224 used
+            source.encoder.set_img_size(preprocessing.img_size)
         return cls(source.encoder, preprocessing, layer, drop_prefix).eval()
 
     @property

@@ -28,6 +28,16 @@ def launch(*overrides, config="cpu", env=None, timeout=300, **popen) -> subproce
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout, **popen)
 
 
+def export_script():
+    """scripts/export.py as a module (its `main(argv)` in-process: each CLI process costs ~6 s of imports)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("export_script", ROOT / "scripts" / "export.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 

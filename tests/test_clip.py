@@ -5,12 +5,11 @@ shapes, LiT's frozen tower, the open_clip export."""
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ACCELERATE, ROOT, check_ok, read_metrics
+from conftest import ACCELERATE, ROOT, check_ok, export_script, read_metrics
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
@@ -224,8 +223,7 @@ def test_a_short_clip_run_classifies_held_out_shapes_zero_shot_above_chance(clip
 def test_the_open_clip_export_reproduces_encode_image_and_encode_text(clip_run, tmp_path):
     import open_clip
 
-    subprocess.run([sys.executable, str(ROOT / "scripts/export.py"), str(clip_run),
-                    "--to", "open_clip", "--out", str(tmp_path / "export")], check=True, cwd=ROOT)
+    assert export_script().main([str(clip_run), "--to", "open_clip", "--out", str(tmp_path / "export")]) == 0
     ours = load_clip(clip_run)
     model, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{tmp_path / 'export'}")
     tokenizer = open_clip.get_tokenizer(f"local-dir:{tmp_path / 'export'}")
@@ -301,6 +299,12 @@ def test_open_clip_checkpoints_import_by_name_and_file_with_quick_gelu(tmp_path,
     with torch.no_grad():
         torch.testing.assert_close(imported.encoder(images) @ model.visual.proj, model.visual(images),
                                    atol=1e-5, rtol=0)
+    from ssl_vit.export.pretrained import from_open_clip_visual
+
+    model.visual.register_parameter("head_scale", torch.nn.Parameter(torch.ones(2)))  # an option we lack
+    with pytest.raises(ValueError, match=r"without an equivalent here \(weights \['head_scale'\]\)"):
+        from_open_clip_visual(model.visual)
+    del model.visual.head_scale
     # at another size, the position embeddings resample as open_clip's own loader does (resize_pos_embed)
     model_24 = open_clip.create_model("tiny-quickgelu", pretrained=str(tmp_path / "weights.pt"),
                                       force_image_size=24).eval()
@@ -397,9 +401,7 @@ def test_the_image_tower_exports_to_transformers_clip_vision_with_the_projection
     unexpected key), pooler_output = our pooled embedding and image_embeds = our CLIP image embedding."""
     from transformers import CLIPVisionModelWithProjection
 
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/export.py"), str(clip_run), "--to", "hf", "--out",
-                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert export_script().main([str(clip_run), "--to", "hf", "--out", str(tmp_path)]) == 0
     model, info = CLIPVisionModelWithProjection.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     ours = load_clip(clip_run)

@@ -3,13 +3,14 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY, check_ok, launch, read_metrics
+from conftest import ROOT, TINY, check_ok, export_script, launch, read_metrics
 
 from ssl_vit.export import save_encoder
 from ssl_vit.export.hf import export_hf, from_hf
@@ -110,9 +111,11 @@ def test_hf_export_refuses_what_the_target_cannot_hold_naming_the_option_and_alt
     assert not (tmp_path / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("arch,options", [("vit", {}), ("dinov2", {"layer_scale": 0.1}), ("clip", {"pre_norm": True})])
+@pytest.mark.parametrize("arch,options", [("vit", {}), ("dinov2", {"layer_scale": 0.1}), ("clip", {"pre_norm": True}),
+                                          ("dinov2", {"layer_scale": 0.1, "num_registers": 2})])
 def test_hf_import_resamples_position_embeddings_as_transformers_does(tmp_path, arch, options):
-    """Our imported encoder at 24 px = the transformers model at 24 px with interpolate_pos_encoding=True."""
+    """Our imported encoder at 24 px = the transformers model at 24 px with interpolate_pos_encoding=True (bicubic;
+    Dinov2WithRegisters antialiases, the others do not)."""
     import transformers
 
     export_hf(perturbed(**options), tmp_path, arch)
@@ -166,10 +169,12 @@ def test_hf_exports_load_exactly_in_transformers_4(tmp_path):
 
 # ----- timm -----
 TIMM_CASES = [{}, {"layer_scale": 0.1, "qk_norm": True, "num_registers": 2, "act_layer": "quick_gelu"},
-              {"pre_norm": True}, {"class_token": False, "global_pool": "avg", "no_embed_class": True}]
+              {"pre_norm": True}, {"class_token": False, "global_pool": "avg", "no_embed_class": True},
+              {"pre_norm": True, "class_token": False, "global_pool": "avg"}]
 
 
-@pytest.mark.parametrize("options", TIMM_CASES, ids=["plain", "ls-qknorm-reg-quickgelu", "prenorm", "avg"])
+@pytest.mark.parametrize("options", TIMM_CASES,
+                         ids=["plain", "ls-qknorm-reg-quickgelu", "prenorm", "avg", "prenorm-avg"])
 def test_timm_export_loads_through_timms_own_loader_and_imports_back(tmp_path, options):
     import timm
 
@@ -189,8 +194,13 @@ def test_timm_export_loads_through_timms_own_loader_and_imports_back(tmp_path, o
     assert by_dir.pretrained_cfg["crop_pct"] == 0.875
 
 
-def test_timm_names_for_presets():
-    from ssl_vit.export.timm import timm_architecture
+def test_timm_names_for_presets_and_refusals():
+    from ssl_vit.export.timm import timm_architecture, timm_model_args
+
+    with pytest.raises(ValueError, match=r"mlp_dim=480 \(timm rebuilds int\(width x mlp_ratio\) = 479\)"):
+        timm_model_args(build_vit("vit_test", embed_dim=104, num_heads=2, mlp_dim=480).config)
+    with pytest.raises(ValueError, match=r"parallel_block=True .*norm_bias=False .*norm_eps=1e-05"):
+        timm_model_args(build_vit("vit_test_22b", norm_eps=1e-5).config)
 
     assert timm_architecture(build_vit("vit_b16", img_size=32).config) == "vit_base_patch16_224"
     assert timm_architecture(build_vit("vit_s16", img_size=32).config) == "vit_small_patch16_224"
@@ -277,29 +287,40 @@ def test_onnx_export_matches_in_onnxruntime_with_a_dynamic_batch(tmp_path, optio
 
 
 # ----- the export script -----
-def test_export_script_converts_between_every_format(tmp_path):
-    """ours -> timm -> (import) -> hf -> (import) -> ours, through scripts/export.py; then onnx; bad input exits 2
-    naming the problem. The weights survive the whole chain."""
+def test_export_script_converts_between_every_format(tmp_path, capsys):
+    """ours -> timm (the real CLI) -> (import) -> hf -> (import) -> ours -> onnx through scripts/export.py; bad input
+    exits 2 naming the problem. The weights and the preprocessing survive the whole chain."""
     encoder = perturbed(layer_scale=0.1)
     save_encoder(encoder, tmp_path / "run" / "encoder.safetensors", Preprocess(16, mean=[0.5] * 3, std=[0.25] * 3))
-    script = [sys.executable, str(ROOT / "scripts/export.py")]
-    steps = [[str(tmp_path / "run"), "--to", "timm", "--out", str(tmp_path / "timm")],
-             [f"timm:{tmp_path / 'timm'}", "--to", "hf", "--out", str(tmp_path / "hf")],
-             [f"hf:{tmp_path / 'hf'}", "--to", "safetensors", "--out", str(tmp_path / "back")],
-             [str(tmp_path / "back"), "--to", "onnx", "--out", str(tmp_path / "onnx")]]
-    for args in steps:
-        proc = subprocess.run(script + args, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "onnxruntime vs torch" in proc.stdout
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/export.py"), str(tmp_path / "run"), "--to", "timm",
+                           "--out", str(tmp_path / "timm")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "timm.create_model('local-dir:" in proc.stdout, proc.stderr[-2000:]
+    script = export_script()
+    for args in ([f"timm:{tmp_path / 'timm'}", "--to", "hf", "--out", str(tmp_path / "hf")],
+                 [f"hf:{tmp_path / 'hf'}", "--to", "safetensors", "--out", str(tmp_path / "back")],
+                 [str(tmp_path / "back"), "--to", "onnx", "--out", str(tmp_path / "onnx")]):
+        assert script.main(args) == 0
+    assert "onnxruntime vs torch" in capsys.readouterr().out
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "dinov2"  # layer scale
     back = load_pretrained(str(tmp_path / "back"))
     x = images()
     with torch.no_grad():
         close(back.encoder(x), encoder(x))
     assert back.preprocess.mean == [0.5] * 3 and back.preprocess.std == [0.25] * 3  # carried through timm and HF
-    proc = subprocess.run(script + [str(tmp_path / "run"), "--to", "hf", "--hf-arch", "siglip", "--out",
-                                    str(tmp_path / "bad")], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "class_token=True (SigLIP has no class token" in proc.stderr
+    bad = [str(tmp_path / "run"), "--to", "hf", "--hf-arch", "siglip", "--out", str(tmp_path / "bad")]
+    assert script.main(bad) == 2
+    assert "class_token=True (SigLIP has no class token" in capsys.readouterr().err
+
+
+def test_hf_preprocessor_configs_in_the_older_number_form_read_as_transformers_reads_them(tmp_path):
+    """openai/clip-vit-large-patch14-336 style: "size": 336, "crop_size": 336 (plain numbers)."""
+    from ssl_vit.export.pretrained import hf_preprocess
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({
+        "size": 256, "crop_size": 224, "do_center_crop": True, "image_mean": [0.48, 0.46, 0.41],
+        "image_std": [0.27, 0.26, 0.28], "resample": 3}))
+    read = hf_preprocess(tmp_path, 518)
+    assert read.img_size == 224 and int(224 / read.crop_pct) == 256 and read.interpolation == "bicubic"
 
 
 @pytest.mark.parametrize("spec,message", [("hf:/nonexistent", "no config.json"),
@@ -428,20 +449,37 @@ def test_init_from_starts_training_from_imported_weights_in_every_format(tmp_pat
     assert abs(losses["ours"] - losses["scratch"]) > 1e-3
 
 
-def test_init_from_through_the_cli_resamples_to_the_run_size_and_refuses_architecture_overrides(tmp_path):
+def test_init_from_under_zero3_through_the_cli_resamples_to_the_run_size_and_refuses_source_changes(tmp_path):
+    """ZeRO-3 with zero.Init, 2 processes: the transformers source is built outside DeepSpeed's partitioning
+    (transformers' own ZeRO-3 hook off) and loaded into the sharded backbone at data.img_size=24 (resampled as
+    transformers does); after one step at learning rate 0 (warm-up) the saved encoder is that exactly."""
     from ssl_vit.export.safetensors import load_encoder
 
-    encoder = perturbed(layer_scale=0.1)
-    export_hf(encoder, tmp_path / "hf", "dinov2")
+    export_hf(perturbed(layer_scale=0.1), tmp_path / "hf", "dinov2")
     run = tmp_path / "run"
-    check_ok(launch(*TINY, "objective=supervised", "trainer.max_steps=2", "data.img_size=24",
-                    f"model.init_from=hf:{tmp_path / 'hf'}", f"hydra.run.dir={run}"))
+    check_ok(launch(*TINY, "objective=masked_patch", "trainer.max_steps=1", "data.img_size=24",
+                    f"model.init_from=hf:{tmp_path / 'hf'}", f"hydra.run.dir={run}", config="zero3_cpu2"))
+    assert read_metrics(run)[0]["lr"] == 0.0
     trained = load_encoder(run / "encoder.safetensors")
     assert trained.config["img_size"] == [24, 24] and trained.config["layer_scale"] == 0.1
     assert trained.config["pos_embed_antialias"] is False  # DINOv2 / transformers resampling recorded
-    proc = launch(*TINY, "trainer.max_steps=1", f"model.init_from=hf:{tmp_path / 'hf'}", "model.depth=4",
-                  f"hydra.run.dir={tmp_path / 'bad'}")
-    assert proc.returncode != 0 and "remove model.depth=4 (adjustable:" in proc.stderr
+    expected = from_hf(tmp_path / "hf")
+    expected.set_img_size(24)
+    for key, value in expected.state_dict().items():
+        close(trained.state_dict()[key], value, atol=0)
+    from hydra import compose, initialize_config_dir
+
+    from ssl_vit.config import ConfigError, register_configs
+    from ssl_vit.train.loop import build_components
+
+    register_configs()
+    for overrides, message in ((["model.depth=4"], "remove model.depth=4 (adjustable:"),
+                               (["objective=mae"], "set objective.fixed_pos_embed=false")):
+        with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+            cfg = compose("pretrain", overrides=["model=vit_test", f"model.init_from=hf:{tmp_path / 'hf'}",
+                                                 "output_dir=x", *overrides])
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            build_components(cfg)
 
 
 def test_evaluate_takes_imported_checkpoints(tmp_path):
@@ -509,23 +547,6 @@ def test_hf_import_of_directories_transformers_wrote_itself(tmp_path, name):
     assert ours.config["act_layer"] == {"clip": "quick_gelu", "sigl": "gelu_tanh"}.get(name[:4], "gelu")
 
 
-def test_init_from_under_zero3_loads_the_source_into_the_partitioned_model(tmp_path):
-    """ZeRO-3 with zero.Init: the transformers source is built outside DeepSpeed's partitioning (transformers' own
-    ZeRO-3 hook off), the weights go into the sharded backbone; after one step at learning rate 0 (warm-up) the
-    saved encoder is the source exactly."""
-    from ssl_vit.export.safetensors import load_encoder
-
-    encoder = perturbed(layer_scale=0.1)
-    export_hf(encoder, tmp_path / "hf", "dinov2")
-    run = tmp_path / "run"
-    check_ok(launch(*TINY, "objective=masked_patch", "trainer.max_steps=1", f"model.init_from=hf:{tmp_path / 'hf'}",
-                    f"hydra.run.dir={run}", config="zero3_cpu2"))
-    assert read_metrics(run)[0]["lr"] == 0.0
-    saved = load_encoder(run / "encoder.safetensors").state_dict()
-    for key, value in encoder.state_dict().items():
-        close(saved[key], value, atol=0)
-
-
 def test_init_from_gives_a_dino_teacher_and_student_the_source_weights(tmp_path):
     from hydra import compose, initialize_config_dir
 
@@ -543,3 +564,15 @@ def test_init_from_gives_a_dino_teacher_and_student_the_source_weights(tmp_path)
     for module in (objective.encoder, objective.backbone):  # the teacher (evaluated, exported) and the student
         for key, value in encoder.state_dict().items():
             close(module.state_dict()[key], value, atol=0)
+
+
+def test_vision_encoder_runs_at_the_size_its_preprocessing_gives(tmp_path):
+    """A source whose processor gives another size than its native one (DINOv2: 518 native, 224 used) is resampled
+    to the size its pixels come in at, so `num_patches` is what `forward` returns."""
+    from ssl_vit import VisionEncoder
+
+    export_hf(perturbed(img_size=32), tmp_path, "vit", preprocess=Preprocess(16))
+    encoder = VisionEncoder.from_pretrained(f"hf:{tmp_path}")
+    pixels = encoder.preprocess([np.full((40, 60, 3), 128, dtype=np.uint8)])
+    assert pixels.shape == (1, 3, 16, 16)
+    assert encoder(pixels).shape[1] == encoder.num_patches == 16

@@ -20,7 +20,8 @@ every option). A patch-embedding bias folds into CLIP's position embeddings; pos
 slot (`no_embed_class`) become a zero class slot, register position embeddings fold into the register tokens.
 
 Import (`from_hf`) loads a directory with the installed transformers (any saved version, sharded or not) and maps
-its weights back; the result resamples position embeddings as transformers does (bicubic, no antialiasing).
+its weights back; the result resamples position embeddings as transformers does (bicubic; antialiased only for
+Dinov2WithRegisters).
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ def processor_config(preprocess) -> dict:
 def export_hf(encoder, out_dir: str | Path, arch: str | None = None, projection: torch.Tensor | None = None,
               preprocess=None) -> Path:
     """Write `encoder` as a transformers `arch` directory (default: `default_arch`); `projection` (CLIP only) becomes
-    `visual_projection`, `preprocess` the preprocessor_config.json."""
+    `visual_projection`, `preprocess` (default: ours at the encoder's size) the preprocessor_config.json."""
     config = encoder.config
     arch = arch or default_arch(config)
     if projection is not None and arch != "clip":
@@ -249,8 +250,11 @@ def export_hf(encoder, out_dir: str | Path, arch: str | None = None, projection:
     hf.save_pretrained(out_dir)
     save_file(hf_state(encoder.state_dict(), config, arch, projection), str(out_dir / "model.safetensors"),
               metadata={"format": "pt"})
-    if preprocess is not None:
-        (out_dir / "preprocessor_config.json").write_text(json.dumps(processor_config(preprocess), indent=2) + "\n")
+    if preprocess is None:  # nothing recorded: our eval transform's defaults at the encoder's size
+        from ssl_vit.preprocess import Preprocess
+
+        preprocess = Preprocess(img_size=hf.image_size)
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(processor_config(preprocess), indent=2) + "\n")
     return out_dir
 
 
@@ -310,8 +314,9 @@ def from_hf(path: str | Path):
                   num_heads=hf_cfg.num_attention_heads, mlp_dim=mlp_dim, act_layer=act, norm_eps=hf_cfg.layer_norm_eps,
                   class_token=arch != "siglip", global_pool="avg" if arch == "siglip" else "token",
                   num_registers=registers, pre_norm=arch == "clip", layer_scale=None,
-                  # transformers' interpolate_pos_encoding: bicubic without antialiasing
-                  pos_embed_interp="bicubic", pos_embed_antialias=False)
+                  # transformers' interpolate_pos_encoding: bicubic, antialiased only in Dinov2WithRegisters (as the
+                  # original DINOv2 register models: interpolate_antialias=True)
+                  pos_embed_interp="bicubic", pos_embed_antialias=hf_cfg.model_type == "dinov2_with_registers")
     if arch == "dinov2":
         kwargs["layer_scale"] = float(hf_cfg.layerscale_value)
     ours = _our_state(state, arch, width, depth, registers)

@@ -2,11 +2,13 @@
 
 Input `pixel_values` (batch, channels, height, width) at the encoder's image size, normalised as its preprocessing
 says (written beside the graph as preprocess.json); outputs `embedding` (batch, D), the pooled embedding, and
-`last_hidden_state` (batch, tokens, D), every token after the final norm (prefix tokens first).
+`last_hidden_state` (batch, tokens, D), `forward_features`: every token (prefix tokens first) after the final norm
+(average-pooled models normalise after pooling: their tokens are the last block's output).
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 
@@ -35,7 +37,7 @@ def export_onnx(encoder, out_dir: str | Path, preprocess=None, opset: int = 18,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / MODEL_FILE
-    module = _Outputs(encoder).eval().float()
+    module = _Outputs(copy.deepcopy(encoder)).eval().float()  # the caller's encoder keeps its mode and dtype
     height, width = encoder.patch_embed.img_size
     example = torch.randn(2, encoder.config.get("in_chans", 3), height, width)
     with torch.no_grad(), warnings.catch_warnings():

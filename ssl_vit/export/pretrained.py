@@ -118,8 +118,8 @@ def _from_hf_dir(rest: str) -> Pretrained:
     path = Path(rest).expanduser()
     encoder = from_hf(path)
     preprocess = hf_preprocess(path, encoder.patch_embed.img_size[0])
-    weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
-    return Pretrained(encoder, preprocess, _fingerprint(weights[0]) if weights else {"hf": str(path)})
+    weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))  # every shard of a sharded model
+    return Pretrained(encoder, preprocess, {"hf": [_fingerprint(w) for w in weights]})
 
 
 def hf_preprocess(path: Path, img_size: int) -> Preprocess | None:
@@ -130,7 +130,10 @@ def hf_preprocess(path: Path, img_size: int) -> Preprocess | None:
         return None
     cfg = json.loads(file.read_text())
     size, crop = cfg.get("size") or {}, cfg.get("crop_size") or {}
-    crop_size = crop.get("height", img_size) if cfg.get("do_center_crop") else img_size
+    # older files hold plain numbers (transformers' get_size_dict: size -> shortest edge, crop -> square)
+    size = {"shortest_edge": size} if isinstance(size, (int, float)) else size
+    crop = {"height": crop, "width": crop} if isinstance(crop, (int, float)) else crop
+    crop_size = crop.get("height", img_size) if cfg.get("do_center_crop") else size.get("height", img_size)
     shortest = size.get("shortest_edge", size.get("height", crop_size))
     resample = {0: "nearest", 2: "bilinear", 3: "bicubic"}.get(cfg.get("resample", 3), "bicubic")
     # our resize is int(img_size / crop_pct): crop_size / (shortest + 0.5) gives exactly `shortest` back
@@ -204,10 +207,11 @@ def from_open_clip_visual(visual, ls_init_value: float | None = None) -> VisionT
     has_ls = not isinstance(block.ls_1, torch.nn.Identity)
     qk_norm = hasattr(attn, "ln_q") and not isinstance(attn.ln_q, torch.nn.Identity)
     pre_norm = not isinstance(visual.ln_pre, torch.nn.Identity)
+    qkv_bias = getattr(attn, "in_proj_bias", None) is not None
     config = dict(img_size=list(visual.image_size), patch_size=list(visual.patch_size),
                   in_chans=visual.conv1.in_channels, embed_dim=width, depth=len(blocks), num_heads=attn.num_heads,
                   mlp_dim=block.mlp.c_fc.out_features, act_layer=act_layer, norm_eps=block.ln_1.eps,
-                  pre_norm=pre_norm, global_pool=pool, qk_norm=qk_norm,
+                  pre_norm=pre_norm, global_pool=pool, qk_norm=qk_norm, qkv_bias=qkv_bias,
                   layer_scale=(ls_init_value or 1e-5) if has_ls else None,
                   pos_embed_interp="bicubic", pos_embed_antialias=True)  # open_clip's resize_pos_embed
     state = visual.state_dict()
@@ -228,10 +232,22 @@ def from_open_clip_visual(visual, ls_init_value: float | None = None) -> VisionT
             ours[f"{mine}{my_name}.weight"] = state[f"{theirs}{their_name}.weight"]
             ours[f"{mine}{my_name}.bias"] = state[f"{theirs}{their_name}.bias"]
         ours[f"{mine}attn.qkv.weight"] = state[f"{theirs}attn.in_proj_weight"]
-        ours[f"{mine}attn.qkv.bias"] = state[f"{theirs}attn.in_proj_bias"]
+        if qkv_bias:
+            ours[f"{mine}attn.qkv.bias"] = state[f"{theirs}attn.in_proj_bias"]
         if has_ls:
             for j in (1, 2):
                 ours[f"{mine}ls{j}.gamma"] = state[f"{theirs}ls_{j}.gamma"]
+    used = {"conv1.weight", "class_embedding", "positional_embedding", "ln_pre.weight", "ln_pre.bias", "ln_post.weight",
+            "ln_post.bias", "proj"}
+    used |= {f"transformer.resblocks.{i}.{name}" for i in range(len(blocks)) for name in (
+        "ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.in_proj_weight", "attn.in_proj_bias",
+        "attn.out_proj.weight", "attn.out_proj.bias", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight",
+        "mlp.c_proj.bias", "ls_1.gamma", "ls_2.gamma", "attn.ln_q.weight", "attn.ln_q.bias", "attn.ln_k.weight",
+        "attn.ln_k.bias")}
+    unmapped = sorted(set(state) - used)
+    if unmapped:  # open_clip's scale_attn / scale_fc / head scaling / cosine attention: no equivalent here
+        raise ValueError(f"open_clip image tower options without an equivalent here (weights {unmapped[:4]}); "
+                         "supported: open_clip's standard and custom ViT blocks, layer scale, QK-norm")
     encoder = VisionTransformer(**config)
     encoder.load_state_dict({k: v.detach().float().clone() for k, v in ours.items()}, strict=True)
     return encoder.eval()

@@ -87,6 +87,8 @@ def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embe
     if layer_scale is not None and not has_layer_scale:
         raise ValueError("layer_scale was given but this timm model has no layer scale")
     family_interp, family_antialias = DINOV2_POS_EMBED_RESAMPLING if is_dinov2(model) else TIMM_POS_EMBED_RESAMPLING
+    if is_dinov2(model) and model.num_reg_tokens:  # DINOv2's register models: interpolate_antialias=True
+        family_antialias = True
     kwargs = dict(
         img_size=model.patch_embed.img_size, patch_size=model.patch_embed.patch_size,
         in_chans=model.patch_embed.proj.in_channels, num_classes=getattr(model, "num_classes", 0),
@@ -138,13 +140,15 @@ def timm_model_args(config: dict) -> dict:
                         "file: build timm's model yourself and load model.safetensors)")
     if not config.get("norm_bias", True):
         problems.append("norm_bias=False (timm's VisionTransformer has no bias-free LayerNorm argument)")
+    width = config["embed_dim"]
+    mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
+    if int(width * (mlp_dim / width)) != mlp_dim:
+        problems.append(f"mlp_dim={mlp_dim} (timm rebuilds int(width x mlp_ratio) = {int(width * (mlp_dim / width))})")
     if config.get("norm_eps", 1e-6) != 1e-6:
         problems.append(f"norm_eps={config['norm_eps']} (timm's config files build LayerNorm with eps 1e-6)")
     if problems:
         raise ValueError("a timm config cannot express: " + "; ".join(problems)
                          + ". --to hf / onnx / safetensors take these.")
-    width = config["embed_dim"]
-    mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
     size = config["img_size"]
     args = dict(img_size=size if isinstance(size, int) else list(size), patch_size=config["patch_size"],
                 in_chans=config.get("in_chans", 3), embed_dim=width, depth=config["depth"],
@@ -154,8 +158,6 @@ def timm_model_args(config: dict) -> dict:
                 reg_tokens=config.get("num_registers", 0), no_embed_class=config.get("no_embed_class", False),
                 pre_norm=config.get("pre_norm", False), act_layer=_TIMM_ACTIVATIONS[config.get("act_layer", "gelu")],
                 num_classes=0)
-    if config.get("pre_norm"):
-        args["fc_norm"] = False
     return args
 
 

@@ -117,9 +117,24 @@ def _backbone_from(source, cfg, img_size: int) -> VisionTransformer:
     # so the same weights from any source start the same run.
     overrides.setdefault("weight_init", PRESETS[cfg.model.name].get("weight_init", "timm"))
     backbone = VisionTransformer(**{**encoder.config, **overrides})
-    with writable(*backbone.parameters()):
-        backbone.load_state_dict(encoder.state_dict())
+    load_module_by_module(backbone, encoder.state_dict())
     return backbone
+
+
+def load_module_by_module(module: torch.nn.Module, state: dict) -> None:
+    """`module.load_state_dict(state)` (strict), one submodule's own parameters at a time: under ZeRO-3 only that
+    submodule is gathered, never the whole model."""
+    expected = set(module.state_dict())
+    if expected != set(state):
+        raise ValueError(f"weights do not fit the model: missing {sorted(expected - set(state))[:5]}, unexpected "
+                         f"{sorted(set(state) - expected)[:5]}")
+    for prefix, submodule in module.named_modules():
+        own = dict(submodule.named_parameters(recurse=False))
+        if not own:
+            continue
+        with writable(*own.values()), torch.no_grad():
+            for name, param in own.items():
+                param.copy_(state[f"{prefix}.{name}" if prefix else name])
 
 
 def build_components(cfg, source=None):
@@ -148,7 +163,18 @@ def build_components(cfg, source=None):
         backbone = VisionTransformer(**encoder_config)
     elif source is not None:  # pre-trained weights to start from: the source's architecture at the run's size
         recorded = source.preprocess
-        img_size = cfg.data.img_size or _single_size(source.encoder.config["img_size"])
+        # as evaluation does: data.img_size, else the size the source's preprocessing gives, else its native size
+        img_size = cfg.data.img_size or (recorded.img_size if recorded else
+                                         _single_size(source.encoder.config["img_size"]))
+        if getattr(cfg.objective, "fixed_pos_embed", False):
+            raise ConfigError(f"model.init_from={cfg.model.init_from} with objective={cfg.objective.name}: its "
+                              "fixed sin-cos position embeddings would replace the source's; set "
+                              "objective.fixed_pos_embed=false")
+        differ = {k: (source.encoder.config.get(k), v) for k, v in objective_class.model_defaults.items()
+                  if source.encoder.config.get(k) != v}
+        if differ:
+            log.warning("model.init_from: objective=%s builds its own models with %s; the source has %s (kept)",
+                        cfg.objective.name, {k: v[1] for k, v in differ.items()}, {k: v[0] for k, v in differ.items()})
         backbone = _backbone_from(source, cfg, img_size)
     else:
         recorded = None
