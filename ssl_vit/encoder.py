@@ -18,6 +18,8 @@ drops index 0, the same without registers; Prismatic drops all prefix tokens).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from torch import nn
@@ -48,8 +50,7 @@ class VisionEncoder(nn.Module):
         source = load_pretrained(spec)
         preprocessing = source.preprocess or Preprocess(img_size=int(source.encoder.patch_embed.img_size[0]))
         if img_size is not None:
-            preprocessing = Preprocess(img_size, preprocessing.mean, preprocessing.std, preprocessing.interpolation,
-                                       preprocessing.crop_pct)
+            preprocessing = dataclasses.replace(preprocessing, img_size=img_size)
         if preprocessing.img_size != source.encoder.patch_embed.img_size[0]:  # e.g. DINOv2: 518 native, 224 used
             source.encoder.set_img_size(preprocessing.img_size)
         return cls(source.encoder, preprocessing, layer, drop_prefix).eval()

@@ -1,6 +1,8 @@
 """How images become encoder inputs, recorded in every encoder file so that evaluation and export use what
 pre-training used: resize the shorter side to img_size / crop_pct, centre-crop img_size, scale to [0, 1],
-normalise per channel with mean and std (the rule of timm's eval transform; crop_pct 1 = no border cropped)."""
+normalise per channel with mean and std (the rule of timm's eval transform; crop_pct 1 = no border cropped).
+`resize_mode="squash"` resizes both sides to img_size instead, without a crop (transformers' ViT and SigLIP
+processors, open_clip's "squash")."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+RESIZE_MODES = ("shortest", "squash")
 
 # Per-dataset channel statistics; anything not listed (natural images) uses ImageNet's.
 DATASET_STATS = {
@@ -25,8 +28,11 @@ class Preprocess:
     std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))
     interpolation: str = "bilinear"
     crop_pct: float = 1.0
+    resize_mode: str = "shortest"
 
     def __post_init__(self):
+        if self.resize_mode not in RESIZE_MODES:
+            raise ValueError(f"unknown resize_mode {self.resize_mode!r}; valid choices: {list(RESIZE_MODES)}")
         if self.interpolation not in INTERPOLATIONS:
             raise ValueError(f"unknown interpolation {self.interpolation!r}; valid choices: {list(INTERPOLATIONS)}")
         if not 0 < self.crop_pct <= 1:
@@ -38,7 +44,7 @@ class Preprocess:
         from ssl_vit.data.views import ViewBuilder
 
         return ViewBuilder(views, self.img_size, self.mean, self.std, augment, crop_scale, self.interpolation,
-                           self.crop_pct, multicrop, tokenizer)
+                           self.crop_pct, multicrop, tokenizer, self.resize_mode)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -63,4 +69,5 @@ def resolve_preprocess(data_cfg, img_size: int, recorded: Preprocess | None = No
         std=list(data_cfg.std) if data_cfg.get("std") is not None else default_std,
         interpolation=recorded.interpolation if recorded else "bilinear",
         crop_pct=recorded.crop_pct if recorded else 1.0,
+        resize_mode=recorded.resize_mode if recorded else "shortest",
     )

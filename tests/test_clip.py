@@ -19,6 +19,7 @@ from objectives.clip import CLIP, SigLIP, load_clip, share_gradient
 from ssl_vit.config import ConfigError, register_configs
 from ssl_vit.eval.zeroshot import retrieval_recall, zeroshot_accuracy, zeroshot_classifier
 from ssl_vit.export.pretrained import load_pretrained
+from ssl_vit.preprocess import Preprocess
 from ssl_vit.vit import build_vit
 
 TOWERS = dict(embed_dim=16, context_length=16, text_width=16, text_heads=2, text_layers=1)
@@ -259,10 +260,12 @@ def test_the_open_clip_export_maps_every_image_tower_option(tmp_path, options):
                 param.add_(0.1 * torch.randn_like(param))
     with torch.no_grad():
         ours.logit_scale.fill_(5.0)  # past ln 100: open_clip does not clamp, so the export writes the clamped value
-    export_open_clip(ours, tmp_path)
+    export_open_clip(ours, tmp_path, Preprocess(16, mean=[0.5] * 3, std=[0.3] * 3, resize_mode="squash"))
     model = open_clip.create_model(f"local-dir:{tmp_path}").eval()
     assert float(model.logit_scale.detach().exp()) == pytest.approx(100.0)
-    back = load_pretrained(f"open_clip:{tmp_path}").encoder  # the import maps every option back
+    imported = load_pretrained(f"open_clip:{tmp_path}")
+    assert imported.preprocess == Preprocess(16, mean=[0.5] * 3, std=[0.3] * 3, resize_mode="squash")
+    back = imported.encoder  # the import maps every option back
     with torch.no_grad():
         images = torch.randn(2, 3, 16, 16)
         torch.testing.assert_close(back(images), ours.backbone(images), atol=1e-5, rtol=0)

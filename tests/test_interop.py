@@ -179,7 +179,9 @@ def test_timm_export_loads_through_timms_own_loader_and_imports_back(tmp_path, o
     import timm
 
     encoder = perturbed(**options)
-    export_timm(encoder, tmp_path, Preprocess(16, interpolation="bicubic", crop_pct=0.875))
+    squash = bool(options.get("pre_norm"))  # and the squash resize through timm's crop_mode
+    export_timm(encoder, tmp_path, Preprocess(16, interpolation="bicubic", crop_pct=0.875,
+                                              resize_mode="squash" if squash else "shortest"))
     hub = json.loads((tmp_path / "config.json").read_text())
     by_dir = timm.create_model(f"local-dir:{tmp_path}", pretrained=True).eval()
     by_file = timm.create_model(hub["architecture"], pretrained=True, **hub["model_args"],
@@ -191,6 +193,7 @@ def test_timm_export_loads_through_timms_own_loader_and_imports_back(tmp_path, o
         back = load_pretrained(f"timm:{tmp_path}")
         close(back.encoder(x), encoder(x))
     assert back.preprocess.interpolation == "bicubic" and back.preprocess.crop_pct == 0.875
+    assert back.preprocess.resize_mode == ("squash" if squash else "shortest")
     assert by_dir.pretrained_cfg["crop_pct"] == 0.875
 
 
@@ -397,26 +400,54 @@ def test_llava_takes_the_exported_clip_tower_unchanged_and_our_encoder_gives_its
     assert logits.shape == (1, prompt.shape[1], 100) and torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("crop_pct", [1.0, 0.875])
-def test_auto_image_processor_equals_our_preprocessing_on_real_photos(tmp_path, crop_pct):
+PHOTOS = ("astronaut", "chelsea", "coffee")  # 512x512, 300x451, 400x600
+
+
+def _photos():
     from PIL import Image
     from skimage import data
+
+    return [Image.fromarray(getattr(data, name)()) for name in PHOTOS]
+
+
+@pytest.mark.parametrize("crop_pct,resize_mode", [(1.0, "shortest"), (0.875, "shortest"), (1.0, "squash")])
+def test_auto_image_processor_of_our_export_equals_our_preprocessing_on_real_photos(tmp_path, crop_pct, resize_mode):
     from transformers import AutoImageProcessor
 
     from ssl_vit import VisionEncoder
 
     preprocess = Preprocess(32, mean=[0.48, 0.46, 0.41], std=[0.27, 0.26, 0.28], interpolation="bicubic",
-                            crop_pct=crop_pct)
+                            crop_pct=crop_pct, resize_mode=resize_mode)
     export_hf(perturbed(img_size=32), tmp_path, "vit", preprocess=preprocess)
     processor = AutoImageProcessor.from_pretrained(tmp_path)
     encoder = VisionEncoder.from_pretrained(f"hf:{tmp_path}")
     read_back = encoder.preprocessing  # from preprocessor_config.json
     assert (read_back.mean, read_back.std, read_back.interpolation) == (preprocess.mean, preprocess.std, "bicubic")
-    assert int(32 / read_back.crop_pct) == int(32 / crop_pct)  # the same resize before the crop
-    for photo in (data.astronaut(), data.chelsea(), data.coffee()):  # 512x512, 300x451, 400x600
-        image = Image.fromarray(photo)
-        theirs = processor(images=image, return_tensors="pt")["pixel_values"]
-        close(encoder.preprocess([image]), theirs)
+    assert read_back.resize_mode == resize_mode and int(32 / read_back.crop_pct) == int(32 / crop_pct)
+    for image in _photos():
+        close(encoder.preprocess([image]), processor(images=image, return_tensors="pt")["pixel_values"])
+
+
+@pytest.mark.parametrize("processor_class", ["ViTImageProcessor", "SiglipImageProcessor", "BitImageProcessor"])
+def test_transformers_own_image_processors_are_read_as_they_resize(tmp_path, processor_class):
+    """Directories with transformers' own processors: ViT's and SigLIP's resize both sides (squash), DINOv2's
+    BitImageProcessor the shorter side then a centre crop; ours equals theirs on the photos (non-square ones too)."""
+    import transformers
+
+    from ssl_vit import VisionEncoder
+
+    export_hf(perturbed(img_size=32), tmp_path, "vit")
+    options = dict(image_mean=[0.5, 0.45, 0.4], image_std=[0.25, 0.26, 0.27], resample=3)
+    if processor_class == "BitImageProcessor":
+        options.update(size={"shortest_edge": 36}, crop_size={"height": 32, "width": 32}, do_center_crop=True)
+    else:
+        options.update(size={"height": 32, "width": 32})
+    getattr(transformers, processor_class)(**options).save_pretrained(tmp_path)
+    processor = transformers.AutoImageProcessor.from_pretrained(tmp_path)
+    encoder = VisionEncoder.from_pretrained(f"hf:{tmp_path}")
+    assert encoder.preprocessing.resize_mode == ("shortest" if processor_class == "BitImageProcessor" else "squash")
+    for image in _photos():
+        close(encoder.preprocess([image]), processor(images=image, return_tensors="pt")["pixel_values"])
 
 
 # ----- imports into training and evaluation -----

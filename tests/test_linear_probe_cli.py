@@ -96,7 +96,7 @@ def test_the_encoders_recorded_preprocessing_is_the_default_and_data_values_over
     finally:
         torch.set_num_threads(threads)  # the CLI's setting is for its whole process; not for the rest of the tests
     assert report["preprocess"] == {"img_size": 16, "mean": [0.1] * 3, "std": [0.2] * 3,
-                                    "interpolation": "bicubic", "crop_pct": 1.0}
+                                    "interpolation": "bicubic", "crop_pct": 1.0, "resize_mode": "shortest"}
     assert (report["num_train"], report["num_test"]) == (200, 50)
     from ssl_vit.data import Digits
     from ssl_vit.data.subset import limit_samples

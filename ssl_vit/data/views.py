@@ -21,12 +21,13 @@ VIEW_KINDS = ("image", "pixels", "crops", "label", "text")
 
 class ViewBuilder:
     """Without augmentation: resize the shorter side to img_size / crop_pct, centre-crop img_size (timm's eval
-    transform; `ssl_vit.preprocess`). `multicrop`: the keyword arguments of `MultiCropViews` other than the global
-    size and normalisation (needed for the `crops` view). `tokenizer`: str -> (context_length,) tensor for `text`."""
+    transform; `ssl_vit.preprocess`), or with resize_mode "squash" both sides to img_size. `multicrop`: the keyword
+    arguments of `MultiCropViews` other than the global size and normalisation (needed for the `crops` view).
+    `tokenizer`: str -> (context_length,) tensor for `text`."""
 
     def __init__(self, views, img_size: int, mean, std, augment: bool = False, crop_scale=(0.35, 1.0),
                  interpolation: str = "bilinear", crop_pct: float = 1.0, multicrop: dict | None = None,
-                 tokenizer=None):
+                 tokenizer=None, resize_mode: str = "shortest"):
         unknown = [v for v in views if v not in VIEW_KINDS]
         if unknown:
             raise ValueError(f"unknown view(s) {unknown}; valid choices: {list(VIEW_KINDS)}")
@@ -46,6 +47,8 @@ class ViewBuilder:
                 v2.RandomResizedCrop(img_size, scale=tuple(crop_scale), interpolation=mode, antialias=True),
                 v2.RandomHorizontalFlip(),
             ])
+        elif resize_mode == "squash":  # both sides to img_size, no crop
+            self.spatial = v2.Resize((img_size, img_size), interpolation=mode, antialias=True)
         else:
             resize = int(img_size / crop_pct) if crop_pct < 1 else img_size
             self.spatial = v2.Compose([v2.Resize(resize, interpolation=mode, antialias=True),

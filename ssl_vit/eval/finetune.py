@@ -43,7 +43,7 @@ def classification_accuracy(model, dataset, views, batch_size: int = 256) -> flo
 
 
 def finetune(encoder, train_set, test_set, *, mean, std, interpolation: str = "bilinear", crop_pct: float = 1.0,
-             img_size: int | None = None, steps: int = 300,
+             resize_mode: str = "shortest", img_size: int | None = None, steps: int = 300,
              batch_size: int = 64, lr: float = 1e-3, min_lr: float = 1e-6, warmup_steps: int = 30,
              weight_decay: float = 0.05, layer_decay: float | None = 0.75, augment: bool = True, seed: int = 0,
              num_workers: int = 0, progress: bool = True) -> dict:
@@ -68,6 +68,7 @@ def finetune(encoder, train_set, test_set, *, mean, std, interpolation: str = "b
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    test_views = ViewBuilder(("image", "label"), img_size, mean, std, interpolation=interpolation, crop_pct=crop_pct)
+    test_views = ViewBuilder(("image", "label"), img_size, mean, std, interpolation=interpolation, crop_pct=crop_pct,
+                             resize_mode=resize_mode)
     return {"accuracy": classification_accuracy(model, test_set, test_views), "steps": steps, "img_size": img_size,
             "layer_decay": layer_decay, "first_loss": losses[0], "last_loss": sum(losses[-10:]) / len(losses[-10:])}

@@ -226,11 +226,16 @@ def hf_state(state: dict, config: dict, arch: str, projection: torch.Tensor | No
 
 def processor_config(preprocess) -> dict:
     """CLIPImageProcessor settings that reproduce our eval transform (shorter side to img_size / crop_pct, centre
-    crop, rescale, normalise) for every target: ViT's and SigLIP's own processors have no centre crop."""
-    return {"image_processor_type": "CLIPImageProcessor", "do_resize": True,
-            "size": {"shortest_edge": int(preprocess.img_size / preprocess.crop_pct) if preprocess.crop_pct < 1
-                     else preprocess.img_size},
-            "do_center_crop": True, "crop_size": {"height": preprocess.img_size, "width": preprocess.img_size},
+    crop, rescale, normalise; or, with resize_mode "squash", both sides to img_size without a crop) for every target:
+    ViT's and SigLIP's own processors have no centre crop."""
+    size = preprocess.img_size
+    if preprocess.resize_mode == "squash":
+        resize = {"size": {"height": size, "width": size}, "do_center_crop": False}
+    else:
+        resize = {"size": {"shortest_edge": int(size / preprocess.crop_pct) if preprocess.crop_pct < 1 else size},
+                  "do_center_crop": True}
+    return {"image_processor_type": "CLIPImageProcessor", "do_resize": True, **resize,
+            "crop_size": {"height": size, "width": size},
             "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
             "image_mean": list(preprocess.mean), "image_std": list(preprocess.std),
             "resample": {"bilinear": 2, "bicubic": 3, "nearest": 0}[preprocess.interpolation], "do_convert_rgb": True}

@@ -148,7 +148,7 @@ def export_open_clip(model, out_dir: str | Path, preprocess=None) -> Path:
     preprocess_cfg = {}
     if preprocess is not None:
         preprocess_cfg = {"size": preprocess.img_size, "mean": list(preprocess.mean), "std": list(preprocess.std),
-                          "interpolation": preprocess.interpolation, "resize_mode": "shortest"}
+                          "interpolation": preprocess.interpolation, "resize_mode": preprocess.resize_mode}
     (out_dir / CONFIG_FILE).write_text(json.dumps({"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg},
                                                   indent=2) + "\n")
     save_file(state, str(out_dir / WEIGHTS_FILE))

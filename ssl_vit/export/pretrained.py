@@ -79,7 +79,8 @@ def timm_preprocess(model) -> Preprocess:
     return Preprocess(img_size=int(size[0]), mean=list(pcfg.get("mean", Preprocess(1).mean)),
                       std=list(pcfg.get("std", Preprocess(1).std)),
                       interpolation=interpolation if interpolation in INTERPOLATIONS else "bicubic",
-                      crop_pct=float(pcfg.get("crop_pct", 1.0)))
+                      crop_pct=float(pcfg.get("crop_pct", 1.0)),
+                      resize_mode="squash" if pcfg.get("crop_mode") == "squash" else "shortest")
 
 
 def _from_timm_spec(rest: str) -> Pretrained:
@@ -133,13 +134,16 @@ def hf_preprocess(path: Path, img_size: int) -> Preprocess | None:
     # older files hold plain numbers (transformers' get_size_dict: size -> shortest edge, crop -> square)
     size = {"shortest_edge": size} if isinstance(size, (int, float)) else size
     crop = {"height": crop, "width": crop} if isinstance(crop, (int, float)) else crop
+    resample = {0: "nearest", 2: "bilinear", 3: "bicubic"}.get(cfg.get("resample", 3), "bicubic")
+    mean, std = cfg.get("image_mean", Preprocess(1).mean), cfg.get("image_std", Preprocess(1).std)
+    if "shortest_edge" not in size and not cfg.get("do_center_crop"):  # ViT / SigLIP: both sides resized, no crop
+        return Preprocess(img_size=int(size.get("height", img_size)), mean=mean, std=std, interpolation=resample,
+                          resize_mode="squash")
     crop_size = crop.get("height", img_size) if cfg.get("do_center_crop") else size.get("height", img_size)
     shortest = size.get("shortest_edge", size.get("height", crop_size))
-    resample = {0: "nearest", 2: "bilinear", 3: "bicubic"}.get(cfg.get("resample", 3), "bicubic")
     # our resize is int(img_size / crop_pct): crop_size / (shortest + 0.5) gives exactly `shortest` back
     crop_pct = 1.0 if shortest <= crop_size else crop_size / (shortest + 0.5)
-    return Preprocess(img_size=int(crop_size), mean=cfg.get("image_mean", Preprocess(1).mean),
-                      std=cfg.get("image_std", Preprocess(1).std), interpolation=resample, crop_pct=crop_pct)
+    return Preprocess(img_size=int(crop_size), mean=mean, std=std, interpolation=resample, crop_pct=crop_pct)
 
 
 def _from_open_clip_spec(rest: str) -> Pretrained:
@@ -172,12 +176,19 @@ def _from_open_clip_spec(rest: str) -> Pretrained:
 
 
 def _open_clip_preprocess(visual) -> Preprocess:
-    size = visual.image_size[0] if isinstance(visual.image_size, (tuple, list)) else visual.image_size
-    mean, std = getattr(visual, "image_mean", None), getattr(visual, "image_std", None)
+    """open_clip's preprocess_cfg (size, mean, std, interpolation, resize_mode shortest | squash)."""
+    cfg = dict(getattr(visual, "preprocess_cfg", None) or {})
+    size = cfg.get("size", visual.image_size)
+    size = size[0] if isinstance(size, (tuple, list)) else size
     from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
-    return Preprocess(img_size=int(size), mean=list(mean or OPENAI_DATASET_MEAN), std=list(std or OPENAI_DATASET_STD),
-                      interpolation="bicubic")
+    mode = cfg.get("resize_mode", "shortest")
+    if mode not in ("shortest", "squash"):
+        raise ValueError(f"open_clip resize_mode {mode!r} has no equivalent here (supported: shortest, squash)")
+    interpolation = cfg.get("interpolation", "bicubic")
+    return Preprocess(img_size=int(size), mean=list(cfg.get("mean") or OPENAI_DATASET_MEAN),
+                      std=list(cfg.get("std") or OPENAI_DATASET_STD),
+                      interpolation=interpolation if interpolation in INTERPOLATIONS else "bicubic", resize_mode=mode)
 
 
 def from_open_clip_visual(visual, ls_init_value: float | None = None) -> VisionTransformer:

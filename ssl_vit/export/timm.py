@@ -181,7 +181,8 @@ def export_timm(encoder, out_dir, preprocess=None):
                       "interpolation": "bilinear", "crop_pct": 1.0, "crop_mode": "center"}
     if preprocess is not None:
         pretrained_cfg.update(mean=list(preprocess.mean), std=list(preprocess.std),
-                              interpolation=preprocess.interpolation, crop_pct=preprocess.crop_pct, crop_mode="center")
+                              interpolation=preprocess.interpolation, crop_pct=preprocess.crop_pct,
+                              crop_mode="squash" if preprocess.resize_mode == "squash" else "center")
     hub = {"architecture": timm_architecture(config), "num_classes": 0, "num_features": config["embed_dim"],
            "global_pool": args["global_pool"], "model_args": args, "pretrained_cfg": pretrained_cfg}
     (out_dir / "config.json").write_text(json.dumps(hub, indent=2) + "\n")
