@@ -11,6 +11,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+# accelerate's own launch entry point: `accelerate launch` runs exactly this (launch_command_parser + launch_command)
+# after the accelerate CLI has registered all its other subcommands, whose imports (timm, torchvision models via
+# `accelerate estimate-memory`) cost ~4 s per launch here. The `accelerate` command itself is run by
+# test_pretrain_cli (launcher="accelerate").
+ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 
 
 @pytest.fixture(autouse=True)
@@ -18,10 +23,11 @@ def _seed():
     torch.manual_seed(0)
 
 
-def launch(*overrides, config="cpu", env=None, timeout=300, **popen) -> subprocess.CompletedProcess:
-    """Run scripts/pretrain.py through the real `accelerate launch` in a subprocess (env: None unsets; popen: more
-    subprocess.run arguments, e.g. preexec_fn)."""
-    cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs" / "accelerate" / f"{config}.yaml"),
+def launch(*overrides, config="cpu", env=None, timeout=300, launcher=None, **popen) -> subprocess.CompletedProcess:
+    """Run scripts/pretrain.py through accelerate's launcher in a subprocess (env: None unsets; launcher="accelerate":
+    the `accelerate launch` command itself; popen: more subprocess.run arguments, e.g. preexec_fn)."""
+    start = [ACCELERATE, "launch"] if launcher == "accelerate" else ACCELERATE_LAUNCH
+    cmd = [*start, "--config_file", str(ROOT / "configs" / "accelerate" / f"{config}.yaml"),
            str(ROOT / "scripts" / "pretrain.py"), "trainer.progress=false", *overrides]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env = {k: v for k, v in full_env.items() if v is not None}  # None removes a variable

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ACCELERATE, ROOT, check_ok, export_script, read_metrics
+from conftest import ACCELERATE_LAUNCH, ROOT, check_ok, export_script, read_metrics
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
@@ -331,7 +331,7 @@ def test_a_lit_run_trains_only_the_text_side_from_a_saved_encoder(clip_run, tmp_
     overrides = ["objective=clip_tiny", "objective.lock_image=true", f"objective.image_encoder={clip_run}",
                  "objective.embed_dim=16", "objective.text_width=16", "objective.text_heads=2",
                  "objective.text_layers=1"]
-    proc = subprocess.run([ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/cpu.yaml"),
+    proc = subprocess.run([*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "configs/accelerate/cpu.yaml"),
                            str(ROOT / "scripts/pretrain.py"), *overrides, "data.batch_size=16", "trainer.max_steps=3",
                            "trainer.progress=false", f"hydra.run.dir={tmp_path}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)

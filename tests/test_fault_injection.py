@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import ACCELERATE, ROOT, TINY, check_ok, launch, read_metrics
+from conftest import ACCELERATE_LAUNCH, ROOT, TINY, check_ok, launch, read_metrics
 from safetensors.torch import load_file
 
 from ssl_vit.export import load_encoder, read_metadata
@@ -52,7 +52,7 @@ def _assert_matches_reference(run_dir, reference_run):
 def _kill_at_random(run_dir, args, first_step: int, last_step: int) -> int:
     """Launch, SIGKILL the whole process group once a random step in [first_step, last_step] is logged."""
     kill_at = random.randint(first_step, last_step)
-    cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs" / "accelerate" / "cpu.yaml"),
+    cmd = [*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "configs" / "accelerate" / "cpu.yaml"),
            str(ROOT / "scripts" / "pretrain.py"), "trainer.progress=false", *args]
     process = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)

@@ -95,7 +95,8 @@ def test_bad_configuration_messages_name_the_valid_choices(override, expected):
 
 
 def test_masked_patch_pretraining_through_the_cli_lowers_the_loss(tmp_path):
-    _ok(launch("objective=masked_patch", *TINY, "trainer.max_steps=20", f"hydra.run.dir={tmp_path}"))
+    _ok(launch("objective=masked_patch", *TINY, "trainer.max_steps=20", f"hydra.run.dir={tmp_path}",
+               launcher="accelerate"))  # the `accelerate launch` command as the README gives it
     metrics = read_metrics(tmp_path)
     losses = [m["loss"] for m in metrics]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import ACCELERATE, ROOT, check_ok, launch, read_metrics
+from conftest import ACCELERATE_LAUNCH, ROOT, check_ok, launch, read_metrics
 from safetensors.torch import load_file
 
 from ssl_vit.export import load_encoder
@@ -150,7 +150,7 @@ INIT_TARGETS = {  # the std each scheme gives two large weights of vit_b16 (ssl_
 
 
 def test_zero3_partitions_every_large_parameter_and_zero_init_keeps_the_intended_init(tmp_path):
-    cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/zero3_cpu2.yaml"),
+    cmd = [*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "configs/accelerate/zero3_cpu2.yaml"),
            str(ROOT / "tests/helpers/zero3_probe.py"), "vit_b16", ",".join(INIT_TARGETS), str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -174,7 +174,7 @@ def test_zero3_with_cpu_offload_gives_the_same_losses(runs, tmp_path):
     config = config.replace("deepspeed/zero3.json", "deepspeed/zero3_offload.json").replace("29523", "29529")
     path = tmp_path / "zero3_offload_cpu2.yaml"
     path.write_text(config)
-    cmd = [ACCELERATE, "launch", "--config_file", str(path), str(ROOT / "scripts/pretrain.py"),
+    cmd = [*ACCELERATE_LAUNCH, "--config_file", str(path), str(ROOT / "scripts/pretrain.py"),
            "trainer.progress=false", *TINY, *OBJECTIVES["masked_patch"], f"hydra.run.dir={tmp_path / 'run'}"]
     check_ok(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600))
     losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
