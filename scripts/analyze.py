@@ -35,7 +35,8 @@ from ssl_vit.preprocess import Preprocess
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="encoder.safetensors, a run directory, or timm:<model name>")
+    parser.add_argument("checkpoint", help="encoder.safetensors, a run directory, or an import form: timm:..., "
+                        "hf:<dir>, open_clip:... (ssl_vit/export/pretrained.py)")
     parser.add_argument("--images", default="synthetic", choices=("synthetic", "digits"))
     parser.add_argument("--num-images", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None, help="default: beside the checkpoint")
