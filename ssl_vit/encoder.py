@@ -76,11 +76,12 @@ class VisionEncoder(nn.Module):
             batch.append(views({"image": image})["image"])
         return torch.stack(batch)
 
-    def hidden_states(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
-        """[tokens entering the blocks, output of block 1, ..., output of block L]: transformers' hidden_states."""
+    def hidden_states(self, pixel_values: torch.Tensor, stop: int | None = None) -> list[torch.Tensor]:
+        """[tokens entering the blocks, output of block 1, ..., output of block L]: transformers' hidden_states
+        (up to index `stop` only: later blocks are not run)."""
         x = self.vit.norm_pre(self.vit.embed(pixel_values))
         states = [x]
-        for block in self.vit.blocks:
+        for block in self.vit.blocks[:stop]:
             x = block(x)
             states.append(x)
         return states
@@ -89,12 +90,7 @@ class VisionEncoder(nn.Module):
         if self.layer is None:
             tokens = self.vit.forward_features(pixel_values)
         else:
-            depth = len(self.vit.blocks)
-            index = self.layer % (depth + 1)
-            x = self.vit.norm_pre(self.vit.embed(pixel_values))
-            for block in self.vit.blocks[:index]:  # stops at the chosen layer: later blocks are not run
-                x = block(x)
-            tokens = x
+            tokens = self.hidden_states(pixel_values, stop=self.layer % (len(self.vit.blocks) + 1))[-1]
         return tokens[:, self.vit.num_prefix_tokens:] if self.drop_prefix else tokens
 
 

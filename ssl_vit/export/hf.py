@@ -61,12 +61,9 @@ _LAYOUTS = {
 _OTHER_TARGETS = "timm, onnx and safetensors export every option"
 
 
-def _square(value, key: str, problems: list[str]) -> int:
-    if isinstance(value, (list, tuple)):
-        if len(set(value)) > 1:
-            problems.append(f"{key}={list(value)} (transformers' vision configs take square sizes)")
-        return int(value[0])
-    return int(value)
+def _side(value) -> int:
+    """The side of a square size given as an int or a pair (refusals() has checked it is square)."""
+    return int(value[0] if isinstance(value, (list, tuple)) else value)
 
 
 def refusals(config: dict, arch: str) -> list[str]:
@@ -94,8 +91,10 @@ def refusals(config: dict, arch: str) -> list[str]:
         mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
         if mlp_dim % width:
             problems.append(f"mlp_dim={mlp_dim} (Dinov2Config takes width x an integer mlp_ratio)")
-    _square(config["img_size"], "img_size", problems)
-    _square(config["patch_size"], "patch_size", problems)
+    for key in ("img_size", "patch_size"):
+        value = config[key]
+        if isinstance(value, (list, tuple)) and len(set(value)) > 1:
+            problems.append(f"{key}={list(value)} (transformers' vision configs take square sizes)")
     return problems
 
 
@@ -124,8 +123,8 @@ def hf_config(config: dict, arch: str, projection_dim: int | None = None):
     width = config["embed_dim"]
     mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
     common = dict(hidden_size=width, num_hidden_layers=config["depth"], num_attention_heads=config["num_heads"],
-                  num_channels=config.get("in_chans", 3), image_size=_square(config["img_size"], "", []),
-                  patch_size=_square(config["patch_size"], "", []),
+                  num_channels=config.get("in_chans", 3), image_size=_side(config["img_size"]),
+                  patch_size=_side(config["patch_size"]),
                   hidden_act=HF_ACTIVATIONS[config.get("act_layer", "gelu")],
                   layer_norm_eps=config.get("norm_eps", 1e-6))
     if arch == "vit":
@@ -324,7 +323,11 @@ def from_hf(path: str | Path):
                   pos_embed_interp="bicubic", pos_embed_antialias=hf_cfg.model_type == "dinov2_with_registers")
     if arch == "dinov2":
         kwargs["layer_scale"] = float(hf_cfg.layerscale_value)
-    ours = _our_state(state, arch, width, depth, registers)
+    try:
+        ours = _our_state(state, arch, width, depth, registers)
+    except KeyError as err:
+        raise ValueError(f"{path}: a {type(module).__name__} without the weight {err} (a layout this import does "
+                         f"not know; supported: {sorted(_MODEL_TYPES)})") from None
     encoder = VisionTransformer(**kwargs)
     if "patch_embed.proj.bias" in encoder.state_dict() and "patch_embed.proj.bias" not in ours:
         ours["patch_embed.proj.bias"] = torch.zeros(width)

@@ -93,8 +93,8 @@ def _from_timm_spec(rest: str) -> Pretrained:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"timm:{rest}: the directory has no config.json (a timm model directory)")
         model = timm.create_model(f"local-dir:{path}", pretrained=True, num_classes=0)
-        identity = _fingerprint(next(p for p in (path / "model.safetensors", path / "pytorch_model.bin")
-                                     if p.is_file()))
+        identity = {"timm": [_fingerprint(p) for p in (path / "model.safetensors", path / "pytorch_model.bin")
+                             if p.is_file()]}
     else:
         name, _, file = rest.partition(":")
         if not timm.is_model(name):
@@ -195,7 +195,6 @@ def from_open_clip_visual(visual, ls_init_value: float | None = None) -> VisionT
     """Our encoder from an open_clip `VisionTransformer` (`model.visual`): class token pooling (ln_post on every
     token) or average pooling (ln_post after pooling); the projection `proj` is not part of the encoder."""
     from open_clip.transformer import VisionTransformer as OpenClipViT
-    from timm.layers import QuickGELU
 
     if not isinstance(visual, OpenClipViT):
         raise ValueError(f"only open_clip VisionTransformer image towers import, not {type(visual).__name__}")
@@ -213,7 +212,7 @@ def from_open_clip_visual(visual, ls_init_value: float | None = None) -> VisionT
     attn = block.attn
     width = visual.conv1.out_channels
     act = block.mlp.gelu
-    act_layer = "quick_gelu" if isinstance(act, QuickGELU) or type(act).__name__ == "QuickGELU" else \
+    act_layer = "quick_gelu" if type(act).__name__ == "QuickGELU" else \
         "gelu_tanh" if getattr(act, "approximate", "none") == "tanh" else "gelu"
     has_ls = not isinstance(block.ls_1, torch.nn.Identity)
     qk_norm = hasattr(attn, "ln_q") and not isinstance(attn.ln_q, torch.nn.Identity)
@@ -225,36 +224,36 @@ def from_open_clip_visual(visual, ls_init_value: float | None = None) -> VisionT
                   pre_norm=pre_norm, global_pool=pool, qk_norm=qk_norm, qkv_bias=qkv_bias,
                   layer_scale=(ls_init_value or 1e-5) if has_ls else None,
                   pos_embed_interp="bicubic", pos_embed_antialias=True)  # open_clip's resize_pos_embed
-    state = visual.state_dict()
-    ours = {"patch_embed.proj.weight": state["conv1.weight"], "cls_token": state["class_embedding"].reshape(1, 1, -1),
-            "pos_embed": state["positional_embedding"][None]}
-    if not pre_norm:
+    state, used = visual.state_dict(), {"proj"}  # the image-text projection is not part of the encoder
+
+    def take(key: str) -> torch.Tensor:
+        used.add(key)
+        return state[key]
+
+    def copy_layer(theirs: str, mine: str) -> None:
+        for kind in ("weight", "bias"):
+            ours[f"{mine}.{kind}"] = take(f"{theirs}.{kind}")
+
+    ours = {"patch_embed.proj.weight": take("conv1.weight"), "cls_token": take("class_embedding").reshape(1, 1, -1),
+            "pos_embed": take("positional_embedding")[None]}
+    if pre_norm:
+        copy_layer("ln_pre", "norm_pre")
+    else:  # open_clip's conv1 has no bias
         ours["patch_embed.proj.bias"] = torch.zeros(width)
-    else:
-        ours["norm_pre.weight"], ours["norm_pre.bias"] = state["ln_pre.weight"], state["ln_pre.bias"]
-    final = "fc_norm" if pool == "avg" else "norm"
-    ours[f"{final}.weight"], ours[f"{final}.bias"] = state["ln_post.weight"], state["ln_post.bias"]
+    copy_layer("ln_post", "fc_norm" if pool == "avg" else "norm")
     for i in range(len(blocks)):
         theirs, mine = f"transformer.resblocks.{i}.", f"blocks.{i}."
         pairs = [("ln_1", "norm1"), ("ln_2", "norm2"), ("attn.out_proj", "attn.proj"), ("mlp.c_fc", "mlp.fc1"),
                  ("mlp.c_proj", "mlp.fc2")] + ([("attn.ln_q", "attn.q_norm"), ("attn.ln_k", "attn.k_norm")]
                                                 if qk_norm else [])
         for their_name, my_name in pairs:
-            ours[f"{mine}{my_name}.weight"] = state[f"{theirs}{their_name}.weight"]
-            ours[f"{mine}{my_name}.bias"] = state[f"{theirs}{their_name}.bias"]
-        ours[f"{mine}attn.qkv.weight"] = state[f"{theirs}attn.in_proj_weight"]
+            copy_layer(theirs + their_name, mine + my_name)
+        ours[f"{mine}attn.qkv.weight"] = take(f"{theirs}attn.in_proj_weight")
         if qkv_bias:
-            ours[f"{mine}attn.qkv.bias"] = state[f"{theirs}attn.in_proj_bias"]
+            ours[f"{mine}attn.qkv.bias"] = take(f"{theirs}attn.in_proj_bias")
         if has_ls:
             for j in (1, 2):
-                ours[f"{mine}ls{j}.gamma"] = state[f"{theirs}ls_{j}.gamma"]
-    used = {"conv1.weight", "class_embedding", "positional_embedding", "ln_pre.weight", "ln_pre.bias", "ln_post.weight",
-            "ln_post.bias", "proj"}
-    used |= {f"transformer.resblocks.{i}.{name}" for i in range(len(blocks)) for name in (
-        "ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.in_proj_weight", "attn.in_proj_bias",
-        "attn.out_proj.weight", "attn.out_proj.bias", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight",
-        "mlp.c_proj.bias", "ls_1.gamma", "ls_2.gamma", "attn.ln_q.weight", "attn.ln_q.bias", "attn.ln_k.weight",
-        "attn.ln_k.bias")}
+                ours[f"{mine}ls{j}.gamma"] = take(f"{theirs}ls_{j}.gamma")
     unmapped = sorted(set(state) - used)
     if unmapped:  # open_clip's scale_attn / scale_fc / head scaling / cosine attention: no equivalent here
         raise ValueError(f"open_clip image tower options without an equivalent here (weights {unmapped[:4]}); "
