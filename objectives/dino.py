@@ -151,7 +151,7 @@ class DINO(Objective):
     # ----- the data and schedule hooks -----
     def multicrop_options(self) -> dict:
         cfg = self.cfg
-        patch = self.backbone.patch_embed.patch_size[0]
+        patch = self.backbone.patch_embed.stride[0]  # pixels per token
         return dict(local_size=cfg.local_crop_size or local_crop_size(self.data.img_size, patch),
                     n_global=cfg.global_crops, n_local=cfg.local_crops, global_scale=list(cfg.global_crop_scale),
                     local_scale=list(cfg.local_crop_scale))

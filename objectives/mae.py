@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from objectives.base import DataInfo, Objective, ObjectiveConfig
-from objectives.patches import patchify, per_sample_shuffle, unpatchify
+from objectives.patches import patchify, per_sample_shuffle, refuse_hybrid, unpatchify
 from ssl_vit.config import checked
 from ssl_vit.init import Linear, writable
 from ssl_vit.vit import Block, sincos_pos_embed_2d
@@ -55,6 +55,7 @@ class MAE(Objective):
         super().__init__(backbone, cfg, data)
         if not 0 <= cfg.mask_ratio < 1:
             raise ValueError(f"mask_ratio must be in [0, 1), got {cfg.mask_ratio}")
+        refuse_hybrid(backbone, "mae")
         patch = backbone.patch_embed.patch_size
         if patch[0] != patch[1]:
             raise ValueError(f"MAE needs square patches, got {patch}")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from objectives.base import DataInfo, Objective, ObjectiveConfig
-from objectives.patches import patchify, per_sample_shuffle
+from objectives.patches import patchify, per_sample_shuffle, refuse_hybrid
 from ssl_vit.config import checked
 from ssl_vit.init import Linear
 
@@ -95,6 +95,7 @@ class MaskedPatch(Objective):
             raise ValueError(f"need 0 < mask_ratio <= 1 and mask/random/keep probabilities >= 0 summing to 1, "
                              f"got mask_ratio={cfg.mask_ratio} and {probs}")
         self.probs = probs
+        refuse_hybrid(backbone, "masked_patch")
         patch = backbone.patch_embed.patch_size
         if patch[0] != patch[1]:
             raise ValueError(f"masked_patch needs square patches, got {patch}")

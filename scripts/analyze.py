@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     except ConfigError as err:
         parser.error(str(err))
     encoder.eval()
-    size, patch = encoder.patch_embed.img_size[0], encoder.patch_embed.patch_size[0]
+    size, patch = encoder.patch_embed.img_size[0], encoder.patch_embed.stride[0]  # image pixels per token
     dataset = SyntheticShapes(args.num_images, size, seed=7) if args.images == "synthetic" else Digits("test")
     preprocess = recorded or Preprocess(size)  # the encoder's own normalisation (ImageNet's if it records none)
     views = preprocess.view_builder(("image", "pixels"))
@@ -62,8 +62,11 @@ def main(argv=None) -> int:
         plot_pos_embed_similarity(pos_embed_similarity(encoder), out / "pos_embed_similarity.png"),
         plot_attention_distance(mean_attention_distance(attentions, grid, patch, prefix),
                                 out / "attention_distance.png", size),
-        plot_filter_components(*patch_embedding_components(encoder), out / "patch_filters_pca.png"),
     ]
+    if encoder.config.get("stem", "patch") == "patch":
+        written.append(plot_filter_components(*patch_embedding_components(encoder), out / "patch_filters_pca.png"))
+    else:
+        print("hybrid stem: the projection sees ResNet features, not pixels: filter PCA skipped", file=sys.stderr)
     if prefix and encoder.cls_token is not None:
         maps = class_token_rollout_maps(attentions, grid, prefix)
         written.append(plot_rollout(pixels, maps, out / "attention_rollout.png"))

@@ -134,6 +134,13 @@ class ModelConfig:
     mlp_dim: int | None = None
     weight_init: str | None = None  # timm | jax | torch (ssl_vit.init); None: the preset's
     act_layer: str | None = None  # gelu | gelu_tanh | quick_gelu (ssl_vit.vit.ACTIVATIONS); None: gelu
+    # Hybrid (ssl_vit.stem): stem=resnet takes tokens from a ResNet-v2 feature map, 1x1 patches unless patch_size
+    # says otherwise; stem_layers = blocks per stage (R50 hybrid: [3, 4, 9], stride 16), stem_channels = stage
+    # widths (None: ResNet's 256, 512, ...), stem_width = the 7x7 stem conv's width.
+    stem: str | None = None  # patch | resnet
+    stem_layers: list[int] | None = checked(None, ge=1)
+    stem_channels: list[int] | None = checked(None, ge=1)
+    stem_width: int | None = checked(None, ge=1)
     # Start from pre-trained weights: an encoder file or run directory, timm:<name or file>, hf:<dir>,
     # open_clip:<dir> (ssl_vit.export.pretrained); the architecture is the source's, position embeddings resampled
     # to data.img_size as the source library does it.
@@ -366,8 +373,18 @@ def register_configs() -> None:
 
 
 def model_kwargs(model_cfg) -> dict:
-    """The VisionTransformer overrides set in a model config (fields left at None keep the preset's value)."""
-    return {k: model_cfg[k] for k in MODEL_OVERRIDE_FIELDS if model_cfg.get(k) is not None}
+    """The VisionTransformer overrides set in a model config (fields left at None keep the preset's value).
+
+    `stem=resnet` on a plain preset means 1x1 patches of the ResNet map (the paper's hybrid) unless patch_size is set.
+    """
+    kwargs = {k: model_cfg[k] for k in MODEL_OVERRIDE_FIELDS if model_cfg.get(k) is not None}
+    for key in ("stem_layers", "stem_channels"):
+        if key in kwargs:
+            kwargs[key] = list(kwargs[key])
+    preset = PRESETS.get(model_cfg.get("name"), {})
+    if kwargs.get("stem") == "resnet" and preset.get("stem") != "resnet" and "patch_size" not in kwargs:
+        kwargs["patch_size"] = 1
+    return kwargs
 
 
 def to_container(cfg) -> dict:

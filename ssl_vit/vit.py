@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ssl_vit.init import LayerScale, Linear, PatchProjection, check_scheme, init_embeddings
+from ssl_vit.stem import HybridPatchEmbed, check_stem
 
 GLOBAL_POOLS = ("token", "avg")
 # Interpolation modes for resampling position embeddings to a new grid (the ones F.interpolate can antialias).
@@ -50,6 +51,9 @@ PRESETS: dict[str, dict] = {
         qkv_bias=False, norm_bias=False, qk_norm=True, parallel_block=True, class_token=False, global_pool="avg",
     ),
     "vit_tiny": dict(img_size=32, patch_size=4, embed_dim=64, depth=4, num_heads=4),
+    # A hybrid for tests: a one-stage ResNet-v2 (stride 4) and 2x2 patches of its map, 4x4 tokens at 32 px.
+    "vit_tiny_r": dict(img_size=32, patch_size=2, embed_dim=32, depth=2, num_heads=2, stem="resnet",
+                       stem_layers=[1], stem_channels=[128], stem_width=32),
     # The paper's table (Dosovitskiy et al. 2021, Table 1) plus ViT-g and ViT-22B.
     "vit_ti16": dict(patch_size=16, embed_dim=192, depth=12, num_heads=3),
     "vit_s16": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
@@ -57,6 +61,10 @@ PRESETS: dict[str, dict] = {
     "vit_l16": dict(patch_size=16, embed_dim=1024, depth=24, num_heads=16),
     "vit_h14": dict(patch_size=14, embed_dim=1280, depth=32, num_heads=16),
     "vit_g14": dict(patch_size=14, embed_dim=1408, depth=40, num_heads=16, mlp_dim=6144),
+    # The paper's hybrids (section 3.1): ResNet-50 with stage 4's blocks moved into stage 3 (stride 16), 1x1 patches;
+    # timm's vit_base_r50_s16_224 (timm has no L/16 hybrid: its vit_large_r50_s32 keeps ResNet-50's four stages).
+    "vit_b16_r50": dict(patch_size=1, embed_dim=768, depth=12, num_heads=12, stem="resnet", stem_layers=[3, 4, 9]),
+    "vit_l16_r50": dict(patch_size=1, embed_dim=1024, depth=24, num_heads=16, stem="resnet", stem_layers=[3, 4, 9]),
     # Dehghani et al. 2023: parallel attention + MLP from one LayerNorm, QK-norm, no QKV / LayerNorm biases.
     "vit_22b": dict(
         patch_size=14, embed_dim=6144, depth=48, num_heads=48, mlp_dim=24576,
@@ -144,7 +152,10 @@ def sincos_pos_embed_2d(grid: Sequence[int], dim: int, num_prefix_tokens: int = 
 
 
 class PatchEmbed(nn.Module):
-    """Cut images into P x P patches and map each linearly to D: exactly a Conv2d with kernel = stride = P."""
+    """Cut images into P x P patches and map each linearly to D: exactly a Conv2d with kernel = stride = P.
+
+    The hybrid stem (`ssl_vit.stem.HybridPatchEmbed`) has the same interface: img_size, patch_size, grid_size,
+    num_patches, stride (image pixels per token side), grid_for, resize, forward -> (B, N, D)."""
 
     def __init__(self, img_size=224, patch_size=16, in_chans=3, embed_dim=768, bias=True, weight_init="timm"):
         super().__init__()
@@ -154,9 +165,17 @@ class PatchEmbed(nn.Module):
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.proj = PatchProjection(in_chans, embed_dim, self.patch_size, bias=bias, scheme=weight_init)
 
+    @property
+    def stride(self) -> tuple[int, int]:
+        return self.patch_size
+
     def grid_for(self, height: int, width: int) -> tuple[int, int]:
         _check_divisible((height, width), self.patch_size)
         return height // self.patch_size[0], width // self.patch_size[1]
+
+    def resize(self, img_size: tuple[int, int]) -> None:
+        self.grid_size = self.grid_for(*img_size)
+        self.img_size, self.num_patches = tuple(img_size), self.grid_size[0] * self.grid_size[1]
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         self.grid_for(images.shape[-2], images.shape[-1])
@@ -320,6 +339,10 @@ class VisionTransformer(nn.Module):
         proj_drop: float = 0.0,
         weight_init: str = "timm",
         act_layer: str = "gelu",
+        stem: str = "patch",
+        stem_layers: Sequence[int] = (3, 4, 9),
+        stem_channels: Sequence[int] | None = None,
+        stem_width: int = 64,
     ):
         super().__init__()
         # The constructor arguments, so that a saved encoder can be rebuilt (ssl_vit.export).
@@ -332,6 +355,7 @@ class VisionTransformer(nn.Module):
         _check_pos_embed_interp(pos_embed_interp)
         check_scheme(weight_init)
         make_activation(act_layer)  # a bad name fails here, naming the choices
+        check_stem(stem, stem_layers, stem_channels, stem_width)
 
         def norm_layer(dim):
             return nn.LayerNorm(dim, eps=norm_eps, bias=norm_bias)
@@ -347,8 +371,13 @@ class VisionTransformer(nn.Module):
         self.weight_init = weight_init
 
         # CLIP-style pre-norm models have no patch-embedding bias (as in timm).
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, bias=not pre_norm,
-                                      weight_init=weight_init)
+        if stem == "resnet":
+            self.patch_embed = HybridPatchEmbed(img_size, patch_size, in_chans, embed_dim, bias=not pre_norm,
+                                                weight_init=weight_init, layers=stem_layers, channels=stem_channels,
+                                                width=stem_width)
+        else:
+            self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, bias=not pre_norm,
+                                          weight_init=weight_init)
         self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim)) if class_token else None
         self.reg_token = nn.Parameter(torch.empty(1, num_registers, embed_dim)) if num_registers else None
         self.pos_embed = nn.Parameter(torch.empty(1, self.num_pos_prefix + self.patch_embed.num_patches, embed_dim))
@@ -397,8 +426,7 @@ class VisionTransformer(nn.Module):
         new_grid = self.patch_embed.grid_for(*img_size)
         self.pos_embed = nn.Parameter(self._resample_pos_embed(self.pos_embed.data, new_grid),
                                       requires_grad=self.pos_embed.requires_grad)
-        self.patch_embed.img_size, self.patch_embed.grid_size = img_size, new_grid
-        self.patch_embed.num_patches = new_grid[0] * new_grid[1]
+        self.patch_embed.resize(img_size)
         self.config["img_size"] = list(img_size)  # so that a saved encoder rebuilds with this grid
 
     # ----- composable forward steps -----

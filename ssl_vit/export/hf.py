@@ -69,6 +69,9 @@ def _side(value) -> int:
 def refusals(config: dict, arch: str) -> list[str]:
     """What `arch` cannot represent in an encoder config, each naming the option and the targets that take it."""
     problems = []
+    if config.get("stem", "patch") != "patch":
+        problems.append(f"stem={config['stem']!r} (transformers 5 has no hybrid ViT: 4.x moved ViTHybrid to "
+                        "deprecated; --to timm takes timm's hybrids, onnx and safetensors any stem)")
     if config.get("parallel_block"):
         problems.append("parallel_block=True (no transformers vision model has parallel blocks)")
     if config.get("qk_norm"):

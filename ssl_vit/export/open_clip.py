@@ -27,6 +27,8 @@ WEIGHTS_FILE = "open_clip_model.safetensors"
 
 def _refusals(config: dict) -> list[str]:
     problems = []
+    if config.get("stem", "patch") != "patch":
+        problems.append(f"stem={config['stem']!r} (open_clip's ViT tower cuts pixel patches)")
     if not config.get("class_token", True):
         problems.append("class_token=false (open_clip's ViT always has a class token)")
     if config.get("num_registers", 0):

@@ -61,6 +61,31 @@ def activation_name(act: nn.Module) -> str:
     raise ValueError(f"unsupported timm MLP activation {type(act).__name__}; supported: GELU, GELU(tanh), QuickGELU")
 
 
+# timm's hybrid ViTs, by their ResNet part: (stem_layers, stem_width) with ResNet's stage widths -> architecture.
+TIMM_HYBRIDS = {((3, 4, 9), 64): "vit_base_r50_s16_224", ((), 64): "vit_tiny_r_s16_p8_224",
+                ((2, 2, 2, 2), 64): "vit_small_r26_s32_224", ((3, 4, 6, 3), 64): "vit_large_r50_s32_224"}
+
+
+def _timm_stem(patch_embed: nn.Module) -> dict:
+    """Our stem keywords for a timm patch embedding: {} for pixel patches; for a `HybridEmbed` over the ResNet-v2
+    that timm's hybrid ViTs build (stem 'same', no pre-activation, weight-standardised convs), its stages."""
+    from timm.layers import HybridEmbed, StdConv2dSame
+    from timm.models.resnetv2 import ResNetV2
+
+    if not isinstance(patch_embed, HybridEmbed):
+        return {}
+    backbone = patch_embed.backbone
+    stem = backbone.stem if isinstance(backbone, ResNetV2) else backbone
+    conv = getattr(stem, "conv", None)
+    if not isinstance(conv, StdConv2dSame) or "norm" not in dict(stem.named_children()):
+        raise ValueError(f"unsupported hybrid backbone {type(backbone).__name__}: only the ResNet-v2 of timm's "
+                         f"vit_*_r* / vit_tiny_r_* models (7x7 'same' stem, weight-standardised convs) imports")
+    stages = list(backbone.stages) if isinstance(backbone, ResNetV2) else []
+    return dict(stem="resnet", stem_layers=[len(stage.blocks) for stage in stages],
+                stem_channels=[stage.blocks[-1].conv3.out_channels for stage in stages] or None,
+                stem_width=conv.out_channels, in_chans=conv.in_channels)
+
+
 def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embed_antialias: bool | None = None,
               layer_scale: float | None = None) -> VisionTransformer:
     """Rebuild a timm `VisionTransformer` (standard or 22B-style parallel blocks) as ours, weights included.
@@ -105,6 +130,7 @@ def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embe
         # The init value (the loaded weights then set the gammas themselves).
         layer_scale=(layer_scale if layer_scale is not None else layer_scale_init(model)) if has_layer_scale else None,
     )
+    kwargs.update(_timm_stem(model.patch_embed))
     ours = VisionTransformer(**kwargs)
     ours.load_state_dict(model.state_dict(), strict=True)
     return ours
@@ -122,6 +148,8 @@ def timm_architecture(config: dict) -> str:
     width, depth, heads = config["embed_dim"], config["depth"], config["num_heads"]
     mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
     patch = config["patch_size"] if isinstance(config["patch_size"], int) else config["patch_size"][0]
+    if config.get("stem", "patch") == "resnet":
+        return _timm_hybrid(config)
     stem = TIMM_NAMES.get((width, depth, heads, mlp_dim))
     import timm
 
@@ -129,6 +157,20 @@ def timm_architecture(config: dict) -> str:
         if timm.is_model(name):
             return name
     return "vit_base_patch16_224"
+
+
+def _timm_hybrid(config: dict) -> str:
+    """The timm hybrid whose ResNet part is this encoder's (timm builds it from the name; model_args set the ViT)."""
+    from ssl_vit.stem import RESNET_CHANNELS
+
+    layers = tuple(config.get("stem_layers", ()))
+    channels = config.get("stem_channels")
+    name = TIMM_HYBRIDS.get((layers, config.get("stem_width", 64)))
+    if name is None or (channels and list(channels) != list(RESNET_CHANNELS[:len(layers)])):
+        known = ", ".join(f"stem_layers={list(k[0])}, stem_width={k[1]} ({v})" for k, v in TIMM_HYBRIDS.items())
+        raise ValueError(f"timm has no hybrid with stem_layers={list(layers)}, stem_channels={channels}, stem_width="
+                         f"{config.get('stem_width', 64)}; its hybrids: {known}. --to onnx / safetensors take any stem")
+    return name
 
 
 def timm_model_args(config: dict) -> dict:
