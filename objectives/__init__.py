@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from objectives.base import DataInfo, Objective, ObjectiveConfig
 from objectives.clip import CLIP, SigLIP
+from objectives.deit import DeiT
 from objectives.dino import DINO, DINOv2
 from objectives.mae import MAE
 from objectives.masked_patch import MaskedPatch
@@ -11,6 +12,7 @@ from objectives.supervised import Supervised
 
 OBJECTIVES: dict[str, type[Objective]] = {
     "supervised": Supervised,
+    "deit": DeiT,
     "masked_patch": MaskedPatch,
     "mae": MAE,
     "dino": DINO,

@@ -131,15 +131,16 @@ def build_text_tower(cfg) -> nn.Module:
         if cfg.text_width % cfg.text_heads:
             raise ValueError(f"objective.text_width={cfg.text_width} is not divisible by text_heads={cfg.text_heads}")
         seed = int(torch.randint(2**62, ()))
-        text = TextTransformer(context_length=cfg.context_length, width=cfg.text_width, heads=cfg.text_heads,
-                               layers=cfg.text_layers, mlp_ratio=cfg.text_mlp_ratio, output_dim=cfg.embed_dim,
-                               block_type="custom")
         # Its init pass runs at the end of its constructor, where zero.Init has already partitioned the layers (it
-        # would see empty shards): run it again on the gathered weights, under a seed drawn before construction so
-        # that every strategy starts from the same weights.
-        with writable(*text.parameters()), torch.random.fork_rng(devices=_rng_devices()):
-            torch.manual_seed(seed)
-            text.init_parameters()
+        # would see empty shards and draw nothing): run it again on the gathered weights, under a seed drawn before
+        # construction, all forked, so that every strategy starts from the same weights and random stream.
+        with torch.random.fork_rng(devices=_rng_devices()):
+            text = TextTransformer(context_length=cfg.context_length, width=cfg.text_width, heads=cfg.text_heads,
+                                   layers=cfg.text_layers, mlp_ratio=cfg.text_mlp_ratio, output_dim=cfg.embed_dim,
+                                   block_type="custom")
+            with writable(*text.parameters()):
+                torch.manual_seed(seed)
+                text.init_parameters()
         return text
     from open_clip.hf_model import HFTextEncoder
     from transformers import AutoConfig

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -41,9 +42,26 @@ def build_head(kind: str, dim: int, num_classes: int, hidden_dim: int | None = N
     raise ValueError(f"unknown head {kind!r}; valid choices: {[k.value for k in HeadKind]}")
 
 
+def classification_loss(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Cross-entropy against class indices (B,), or against soft targets (B, K) such as Mixup / CutMix make
+    (timm's SoftTargetCrossEntropy; those targets carry their own label smoothing)."""
+    if labels.ndim == 2:
+        from timm.loss import SoftTargetCrossEntropy
+
+        return SoftTargetCrossEntropy()(logits, labels)
+    return F.cross_entropy(logits, labels, label_smoothing=label_smoothing)
+
+
+def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Top-1 against class indices, or against the largest share of soft targets."""
+    labels = labels.argmax(dim=-1) if labels.ndim == 2 else labels
+    return (logits.argmax(dim=-1) == labels).float().mean()
+
+
 class Supervised(Objective):
     config_class = SupervisedConfig
     views = ("image", "label")
+    saved_heads = ("head.",)  # heads.safetensors: the run is a classifier (e.g. a DeiT teacher: objectives/teacher.py)
 
     def __init__(self, backbone, cfg: SupervisedConfig, data: DataInfo):
         super().__init__(backbone, cfg, data)
@@ -51,9 +69,11 @@ class Supervised(Objective):
             raise ValueError(f"supervised training needs at least 2 classes, the data has {data.num_classes}")
         self.head = build_head(cfg.head, backbone.embed_dim, data.num_classes, cfg.hidden_dim)
 
+    def predict(self, images: torch.Tensor) -> torch.Tensor:
+        """Class logits."""
+        return self.head(self.backbone.pool(self.backbone.forward_features(images)))
+
     def forward(self, batch):
-        embedding = self.backbone.pool(self.backbone.forward_features(batch["image"]))
-        logits = self.head(embedding).float()  # the loss in fp32 when the weights are bf16
+        logits = self.predict(batch["image"]).float()  # the loss in fp32 when the weights are bf16
         labels = batch["label"]
-        loss = F.cross_entropy(logits, labels, label_smoothing=self.cfg.label_smoothing)
-        return {"loss": loss, "acc": (logits.argmax(dim=-1) == labels).float().mean()}
+        return {"loss": classification_loss(logits, labels, self.cfg.label_smoothing), "acc": accuracy(logits, labels)}

@@ -113,6 +113,7 @@ class ModelConfig:
     grad_checkpointing: bool = False
     global_pool: str | None = None
     class_token: bool | None = None
+    dist_token: bool | None = None  # DeiT's distillation token (objective=deit turns it on)
     num_registers: int | None = None
     no_embed_class: bool | None = None
     pos_embed_interp: str | None = None  # "bicubic" | "bilinear", for resampling to another grid

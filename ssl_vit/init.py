@@ -166,3 +166,19 @@ def writable(*params: torch.Tensor):
 
     with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0):
         yield
+
+
+@contextmanager
+def whole_modules():
+    """Build modules that stay whole and outside the trained model (a frozen teacher) even inside DeepSpeed's
+    zero.Init, which would otherwise partition them as it partitions the model; a no-op without it."""
+    try:
+        from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
+    except ImportError:
+        yield
+        return
+    shutdown_init_context()  # DeepSpeed's own pair, used around its engine's construction
+    try:
+        yield
+    finally:
+        restore_init_context()

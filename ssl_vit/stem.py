@@ -60,16 +60,20 @@ def build_resnet(layers: Sequence[int], channels: Sequence[int] | None, width: i
 
     conv_layer = partial(StdConv2dSame, eps=1e-8)
     seed = int(torch.randint(2**62, (), device="cpu"))  # (also when building on the meta device)
-    if layers:
-        channels = tuple(channels) if channels else RESNET_CHANNELS[:len(layers)]
-        backbone = ResNetV2(layers=list(layers), channels=channels, stem_chs=width, num_classes=0, global_pool="",
-                            in_chans=in_chans, preact=False, stem_type="same", conv_layer=conv_layer)
-    else:
-        backbone = create_resnetv2_stem(in_chans, width, stem_type="same", preact=False, conv_layer=conv_layer)
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with writable(*backbone.parameters()), torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        named_apply(partial(_init_weights, zero_init_last=False), backbone)
+    # Forked: the constructor's own init pass draws nothing on empty shards, so the run's random stream must not
+    # depend on what it drew.
+    with torch.random.fork_rng(devices=devices):
+        if layers:
+            channels = tuple(channels) if channels else RESNET_CHANNELS[:len(layers)]
+            backbone = ResNetV2(layers=list(layers), channels=channels, stem_chs=width, num_classes=0,
+                                global_pool="", in_chans=in_chans, preact=False, stem_type="same",
+                                conv_layer=conv_layer)
+        else:
+            backbone = create_resnetv2_stem(in_chans, width, stem_type="same", preact=False, conv_layer=conv_layer)
+        with writable(*backbone.parameters()):
+            torch.manual_seed(seed)
+            named_apply(partial(_init_weights, zero_init_last=False), backbone)
     return backbone
 
 

@@ -323,6 +323,7 @@ class VisionTransformer(nn.Module):
         mlp_dim: int | None = None,
         class_token: bool = True,
         global_pool: str = "token",
+        dist_token: bool = False,
         num_registers: int = 0,
         no_embed_class: bool = False,
         pos_embed_interp: str = "bicubic",
@@ -352,6 +353,8 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"global_pool {global_pool!r} is not one of {list(GLOBAL_POOLS)}")
         if global_pool == "token" and not class_token:
             raise ValueError("global_pool='token' needs class_token=True; use global_pool='avg' without one")
+        if dist_token and not (class_token and global_pool == "token"):
+            raise ValueError("dist_token=True (DeiT) needs class_token=True and global_pool='token'")
         _check_pos_embed_interp(pos_embed_interp)
         check_scheme(weight_init)
         make_activation(act_layer)  # a bad name fails here, naming the choices
@@ -362,7 +365,7 @@ class VisionTransformer(nn.Module):
 
         self.embed_dim = self.num_features = embed_dim
         self.global_pool = global_pool
-        self.num_prefix_tokens = int(class_token) + num_registers
+        self.num_prefix_tokens = int(class_token) + int(dist_token) + num_registers
         self.num_pos_prefix = 0 if no_embed_class else self.num_prefix_tokens
         self.grad_checkpointing = False
         # How position embeddings are resampled for another grid (set_img_size and on the fly): timm's default is
@@ -379,6 +382,8 @@ class VisionTransformer(nn.Module):
             self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, bias=not pre_norm,
                                           weight_init=weight_init)
         self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim)) if class_token else None
+        # DeiT's distillation token (timm's VisionTransformerDistilled: right after the class token)
+        self.dist_token = nn.Parameter(torch.empty(1, 1, embed_dim)) if dist_token else None
         self.reg_token = nn.Parameter(torch.empty(1, num_registers, embed_dim)) if num_registers else None
         self.pos_embed = nn.Parameter(torch.empty(1, self.num_pos_prefix + self.patch_embed.num_patches, embed_dim))
         self.norm_pre = norm_layer(embed_dim) if pre_norm else nn.Identity()
@@ -404,10 +409,10 @@ class VisionTransformer(nn.Module):
     def reset_parameters(self) -> None:
         """Initialise this module's own parameters (position embeddings, tokens) by `weight_init`; every layer
         initialises itself in its own constructor (see ssl_vit.init: this survives DeepSpeed's zero.Init)."""
-        init_embeddings(self.pos_embed, (self.cls_token, self.reg_token), self.weight_init)
+        init_embeddings(self.pos_embed, (self.cls_token, self.dist_token, self.reg_token), self.weight_init)
 
     def no_weight_decay(self) -> set[str]:
-        return {"pos_embed", "cls_token", "reg_token"}
+        return {"pos_embed", "cls_token", "dist_token", "reg_token"}
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
@@ -441,8 +446,9 @@ class VisionTransformer(nn.Module):
         return tokens + self.patch_pos_embed(grid)
 
     def prepend_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Put the class token and registers (each with its position embedding, if it has one) in front."""
-        prefix = [t for t in (self.cls_token, self.reg_token) if t is not None]
+        """Put the class token, the distillation token and registers (each with its position embedding, if it has
+        one) in front."""
+        prefix = [t for t in (self.cls_token, self.dist_token, self.reg_token) if t is not None]
         if not prefix:
             return tokens
         prefix = torch.cat(prefix, dim=1)
@@ -469,9 +475,12 @@ class VisionTransformer(nn.Module):
         return self.run_blocks(self.embed(images))
 
     def pool(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(B, n, D) output tokens -> (B, D) image embedding."""
+        """(B, n, D) output tokens -> (B, D) image embedding (with a distillation token: the mean of the class and
+        distillation tokens, as timm's DeiT pre-logits)."""
         if self.global_pool == "avg":
             return self.fc_norm(tokens[:, self.num_prefix_tokens:].mean(dim=1))
+        if self.dist_token is not None:
+            return (tokens[:, 0] + tokens[:, 1]) / 2
         return tokens[:, 0]
 
     def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:

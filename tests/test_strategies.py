@@ -9,9 +9,10 @@ import math
 import subprocess
 
 import pytest
+import timm
 import torch
 from conftest import ACCELERATE_LAUNCH, ROOT, check_ok, launch, read_metrics
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ssl_vit.export import load_encoder
 
@@ -25,6 +26,9 @@ OBJECTIVES = {
                "objective.hidden_dim=32", "objective.bottleneck_dim=16", "objective.local_crops=2",
                "objective.freeze_last_layer_steps=5"],
     # open_clip's text tower and ClipLoss across ranks, accumulation by cached features, zero-shot evaluation
+    # the hybrid stem (its ResNet initialised on gathered weights under zero.Init) with DeiT's frozen timm teacher,
+    # built whole outside the sharded model ({teacher}: a weights file written by the fixture)
+    "deit": ["objective=deit", "model=vit_tiny_r", "objective.teacher=timm:resnet10t:{teacher}"],
     "clip": ["objective=clip_tiny", "objective.embed_dim=16", "objective.text_width=16", "objective.text_heads=2",
              "objective.text_layers=1", "objective.context_length=16", "data.batch_size=4",
              "trainer.grad_accum_steps=2", "trainer.eval_evaluators=[knn,zeroshot]"],
@@ -35,29 +39,33 @@ OBJECTIVES = {
 # parameters), masked_patch runs under DDP (the reference of the ZeRO-2 non-finite, ZeRO-3 offload and bf16 tests).
 RUNS = [("clip", config) for config in STRATEGIES] + [("dinov2", config) for config in STRATEGIES
                                                        if config != "zero1_cpu2"] + [("masked_patch", "ddp_cpu2")]
-TINY = ["model=vit_test", "data.batch_size=8", "data.num_samples=64", "trainer.max_steps=5", "trainer.log_every=1",
+RUNS += [("deit", config) for config in STRATEGIES]
+TINY = ["data.batch_size=8", "data.num_samples=64", "trainer.max_steps=5", "trainer.log_every=1",
         "optim.lr=1e-3", "optim.warmup_steps=2"]
 EVAL = ["trainer.eval_every=5", "trainer.eval_evaluators=[knn]", "trainer.eval_max_samples=64",
         "trainer.checkpoint_every=3"]  # checkpoints at steps 3 and 5: the resume tests start from step 3
 
 
 def _run(config, out, *overrides, env=None):
-    return launch(*TINY, *overrides, f"hydra.run.dir={out}", config=config, env=env)
+    model = [] if any(o.startswith("model=") for o in overrides) else ["model=vit_test"]
+    return launch(*model, *TINY, *overrides, f"hydra.run.dir={out}", config=config, env=env)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("strategies")
+    teacher = root / "resnet10t.safetensors"
+    save_file(timm.create_model("resnet10t", num_classes=8).state_dict(), str(teacher))
     done = {}
     for objective, config in RUNS:
         # the config file alone sets every strategy up (nothing in the environment)
-        check_ok(_run(config, root / f"{objective}-{config}", *EVAL, *OBJECTIVES[objective],
-                      env={"ACCELERATE_USE_CPU": None}))
+        overrides = [o.format(teacher=teacher) for o in OBJECTIVES[objective]]
+        check_ok(_run(config, root / f"{objective}-{config}", *EVAL, *overrides, env={"ACCELERATE_USE_CPU": None}))
         done[objective, config] = root / f"{objective}-{config}"
     return done
 
 
-@pytest.mark.parametrize("objective", ["dinov2", "clip"])
+@pytest.mark.parametrize("objective", ["dinov2", "clip", "deit"])
 def test_every_strategy_gives_the_same_losses_encoders_and_heads(runs, objective):
     reference = [m["loss"] for m in read_metrics(runs[objective, "ddp_cpu2"]) if "loss" in m]
     reference_eval = [m for m in read_metrics(runs[objective, "ddp_cpu2"]) if "eval/knn" in m]
@@ -175,7 +183,8 @@ def test_zero3_with_cpu_offload_gives_the_same_losses(runs, tmp_path):
     path = tmp_path / "zero3_offload_cpu2.yaml"
     path.write_text(config)
     cmd = [*ACCELERATE_LAUNCH, "--config_file", str(path), str(ROOT / "scripts/pretrain.py"),
-           "trainer.progress=false", *TINY, *OBJECTIVES["masked_patch"], f"hydra.run.dir={tmp_path / 'run'}"]
+           "trainer.progress=false", "model=vit_test", *TINY, *OBJECTIVES["masked_patch"],
+           f"hydra.run.dir={tmp_path / 'run'}"]
     check_ok(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600))
     losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
     assert losses == pytest.approx([m["loss"] for m in read_metrics(runs["masked_patch", "ddp_cpu2"])

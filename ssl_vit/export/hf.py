@@ -74,6 +74,8 @@ def refusals(config: dict, arch: str) -> list[str]:
                         "deprecated; --to timm takes timm's hybrids, onnx and safetensors any stem)")
     if config.get("parallel_block"):
         problems.append("parallel_block=True (no transformers vision model has parallel blocks)")
+    if config.get("dist_token"):
+        problems.append("dist_token=True (transformers' DeiT with a distillation token is not an export target here)")
     if config.get("qk_norm"):
         problems.append("qk_norm=True (no transformers ViT-family model has QK-norm; open_clip does)")
     if config.get("num_registers", 0) and arch != "dinov2":

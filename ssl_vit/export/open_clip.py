@@ -29,6 +29,8 @@ def _refusals(config: dict) -> list[str]:
     problems = []
     if config.get("stem", "patch") != "patch":
         problems.append(f"stem={config['stem']!r} (open_clip's ViT tower cuts pixel patches)")
+    if config.get("dist_token"):
+        problems.append("dist_token=True (open_clip's ViT has no distillation token)")
     if not config.get("class_token", True):
         problems.append("class_token=false (open_clip's ViT always has a class token)")
     if config.get("num_registers", 0):

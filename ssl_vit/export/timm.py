@@ -131,6 +131,7 @@ def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embe
         layer_scale=(layer_scale if layer_scale is not None else layer_scale_init(model)) if has_layer_scale else None,
     )
     kwargs.update(_timm_stem(model.patch_embed))
+    kwargs["dist_token"] = getattr(model, "dist_token", None) is not None  # timm's VisionTransformerDistilled (DeiT)
     ours = VisionTransformer(**kwargs)
     ours.load_state_dict(model.state_dict(), strict=True)
     return ours
@@ -152,6 +153,10 @@ def timm_architecture(config: dict) -> str:
         return _timm_hybrid(config)
     stem = TIMM_NAMES.get((width, depth, heads, mlp_dim))
     import timm
+
+    if config.get("dist_token"):  # DeiT's distilled models (model_args set every size)
+        name = f"deit_{(stem or 'vit_tiny').removeprefix('vit_')}_distilled_patch16_224"
+        return name if timm.is_model(name) else "deit_tiny_distilled_patch16_224"
 
     for name in (f"{stem}_patch{patch}_224", f"{stem}_patch{patch}_clip_224") if stem else ():
         if timm.is_model(name):
@@ -186,6 +191,8 @@ def timm_model_args(config: dict) -> dict:
     mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
     if int(width * (mlp_dim / width)) != mlp_dim:
         problems.append(f"mlp_dim={mlp_dim} (timm rebuilds int(width x mlp_ratio) = {int(width * (mlp_dim / width))})")
+    if config.get("dist_token") and (config.get("stem", "patch") != "patch" or config.get("num_registers", 0)):
+        problems.append("dist_token=True with a hybrid stem or registers (timm's distilled DeiT has neither)")
     if config.get("norm_eps", 1e-6) != 1e-6:
         problems.append(f"norm_eps={config['norm_eps']} (timm's config files build LayerNorm with eps 1e-6)")
     if problems:

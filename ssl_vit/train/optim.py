@@ -12,7 +12,7 @@ from torch import nn
 
 def _layer_id(name: str, num_layers: int) -> int:
     """0 for embeddings, i + 1 for block i, num_layers + 1 for everything after the blocks (norm, heads)."""
-    if any(key in name for key in ("patch_embed", "pos_embed", "cls_token", "reg_token")):
+    if any(key in name for key in ("patch_embed", "pos_embed", "cls_token", "dist_token", "reg_token")):
         return 0
     match = re.search(r"blocks\.(\d+)\.", name)
     return int(match.group(1)) + 1 if match else num_layers + 1

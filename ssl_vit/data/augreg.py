@@ -1,0 +1,89 @@
+"""The data-efficient supervised recipe of DeiT (Touvron et al. 2021) and AugReg (Steiner et al. 2022), from timm's
+data tools rather than re-written: `timm.data.create_transform` (random resized crop, flip, RandAugment, random
+erasing) per sample, `timm.data.Mixup` (Mixup / CutMix with label smoothing) per batch, and repeated augmentation in
+the sampler (`ssl_vit.data.loader.StepBatchSampler(repeats=...)`). Stochastic depth is the model's `drop_path`.
+
+Determinism: timm's transforms draw from Python's `random` and NumPy; both are seeded here from the sample's (or the
+batch's) own seed and restored afterwards, so a batch stays a pure function of (seed, step, rank) and resumes exactly.
+"""
+
+from __future__ import annotations
+
+import random
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class AugRegConfig:
+    """`data.augreg.*`, used when `data.augment=augreg`. Defaults are DeiT's (its ImageNet recipe at 224 px; the
+    crop scale is `data.crop_scale`, whose default 0.35 suits small images better than DeiT's 0.08)."""
+
+    rand_augment: str = "rand-m9-mstd0.5-inc1"  # timm's policy string; "" turns RandAugment off
+    random_erasing: float = 0.25  # probability per image (timm's RandomErasing, mode 'pixel')
+    mixup: float = 0.8  # Mixup's Beta(alpha, alpha); 0 turns it off
+    cutmix: float = 1.0  # CutMix's Beta(alpha, alpha); 0 turns it off
+    mix_prob: float = 1.0  # probability that a batch is mixed at all
+    switch_prob: float = 0.5  # with both on: probability of CutMix instead of Mixup for a mixed batch
+    label_smoothing: float = 0.1  # in Mixup's soft targets
+    repeats: int = 3  # repeated augmentation: each image this many times per epoch, differently augmented (1: off)
+    interpolation: str = "bicubic"
+
+
+@contextmanager
+def seeded_python_and_numpy(seed: int):
+    """Python's and NumPy's global generators seeded with `seed` inside, restored on exit."""
+    py_state, np_state = random.getstate(), np.random.get_state()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+
+
+class AugRegTransform:
+    """uint8 (3, H, W) image -> normalised float tensor through timm's training transform (`create_transform`),
+    under a seed drawn from torch's generator (which the loader seeds per sample)."""
+
+    def __init__(self, img_size: int, mean, std, crop_scale, cfg: AugRegConfig):
+        from timm.data import create_transform
+
+        self.transform = create_transform(
+            img_size, is_training=True, scale=tuple(crop_scale), hflip=0.5, vflip=0.0,
+            auto_augment=cfg.rand_augment or None, interpolation=cfg.interpolation, mean=tuple(mean), std=tuple(std),
+            re_prob=cfg.random_erasing, re_mode="pixel", re_count=1)
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        from torchvision.transforms.v2.functional import to_pil_image
+
+        with seeded_python_and_numpy(int(torch.randint(2**62, ()))):
+            return self.transform(to_pil_image(image))
+
+
+class BatchMixer:
+    """timm's Mixup / CutMix on a collated batch: `image` mixed, `label` turned into (B, K) soft targets, under the
+    batch's own seed."""
+
+    def __init__(self, cfg: AugRegConfig, num_classes: int):
+        from timm.data import Mixup
+
+        self.mixup = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, prob=cfg.mix_prob,
+                           switch_prob=cfg.switch_prob, mode="batch", label_smoothing=cfg.label_smoothing,
+                           num_classes=num_classes)
+
+    def __call__(self, batch: dict, seed: int) -> dict:
+        if len(batch["image"]) % 2:
+            raise ValueError(f"Mixup / CutMix pair each image with another: the batch size must be even, got "
+                             f"{len(batch['image'])} (data.batch_size)")
+        with seeded_python_and_numpy(seed):
+            images, targets = self.mixup(batch["image"].clone(), batch["label"])
+        return {**batch, "image": images, "label": targets}
+
+
+def mixes(cfg: AugRegConfig) -> bool:
+    return cfg.mix_prob > 0 and (cfg.mixup > 0 or cfg.cutmix > 0)
