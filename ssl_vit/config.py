@@ -152,13 +152,35 @@ MODEL_OVERRIDE_FIELDS = tuple(f.name for f in fields(ModelConfig)
                               if f.name not in ("name", "grad_checkpointing", "init_from"))
 
 
+AUGMENTS = ("none", "crop_flip", "augreg")
+
+
+@dataclass
+class AugRegConfig:
+    """`data.augreg.*`, used with `data.augment=augreg` (ssl_vit.data.augreg: timm's data tools). Defaults are DeiT's
+    ImageNet recipe; the crop scale is data.crop_scale (DeiT: 0.08 at 224 px; the default 0.35 suits small images)."""
+
+    rand_augment: str = "rand-m9-mstd0.5-inc1"  # timm's RandAugment policy string; "" turns it off
+    random_erasing: float = checked(0.25, ge=0, le=1)  # probability per image (timm's RandomErasing, 'pixel' mode)
+    mixup: float = checked(0.8, ge=0)  # Mixup's Beta(alpha, alpha); 0 turns it off
+    cutmix: float = checked(1.0, ge=0)  # CutMix's Beta(alpha, alpha); 0 turns it off
+    mix_prob: float = checked(1.0, ge=0, le=1)  # probability that a batch is mixed at all
+    switch_prob: float = checked(0.5, ge=0, le=1)  # with both on: CutMix instead of Mixup for a mixed batch
+    label_smoothing: float = checked(0.1, ge=0, lt=1)  # in Mixup's soft targets
+    repeats: int = checked(3, ge=1)  # repeated augmentation (map-style data): each image this often per epoch
+    interpolation: str = "bicubic"
+
+
 @dataclass
 class DataConfig:
     name: str = MISSING
     img_size: int | None = checked(None, ge=1)  # None: the model preset's (or, evaluating, the encoder's) size
     batch_size: int = checked(64, ge=1)  # per process and micro-step; global = this x processes x grad_accum_steps
     num_workers: int = checked(0, ge=0)
-    augment: bool = False  # random resized crop + horizontal flip
+    # none | crop_flip (random resized crop + horizontal flip; true / false still mean crop_flip / none) | augreg
+    # (DeiT / AugReg: timm's RandAugment, random erasing, Mixup / CutMix, repeated augmentation; data.augreg.*)
+    augment: str = "none"
+    augreg: AugRegConfig = field(default_factory=AugRegConfig)
     crop_scale: list[float] = checked(factory=lambda: [0.35, 1.0], gt=0, le=1, length=2)
     # Normalisation per colour channel. None: the encoder's own when evaluating one that records it, else the
     # dataset's statistics (ImageNet's for natural images).
@@ -180,7 +202,7 @@ class FolderDataConfig(DataConfig):
     name: str = "folder"
     root: str = checked(MISSING, example="data.root=/path/to/images (class subfolders of images)")
     test_root: str | None = None  # held-out images in the same layout, for evaluation
-    augment: bool = True
+    augment: str = "crop_flip"
 
 
 @dataclass
@@ -225,8 +247,12 @@ class ShardDataConfig(DataConfig):
 class OptimConfig:
     name: str = "adamw"
     lr: float = checked(1e-3, gt=0)
+    # None: lr is the peak learning rate; a batch size: lr is per that many images and scales linearly with the
+    # global batch (DeiT: 5e-4 per 512, i.e. lr x global_batch / lr_base_batch)
+    lr_base_batch: int | None = checked(None, ge=1)
     min_lr: float = checked(1e-5, ge=0)
     warmup_steps: int = checked(30, ge=0)
+    warmup_fraction: float | None = checked(None, ge=0, lt=1)  # a value: warmup = this share of trainer.max_steps
     schedule: Schedule = Schedule.cosine
     weight_decay: float = checked(0.05, ge=0)
     # None: constant weight decay; a value: cosine from weight_decay to it over the run (DINO: 0.04 -> 0.4)
@@ -371,6 +397,29 @@ def register_configs() -> None:
         store.store(group="schema/objective", name=name, node=objective.config_class)
     for name in PRESETS:
         store.store(group="model", name=name, node=ModelConfig(name=name))
+
+
+def augment_kind(data_cfg) -> str:
+    """data.augment as one of AUGMENTS (true / false, as before the recipe existed: crop_flip / none)."""
+    value = str(data_cfg.get("augment", "none")).lower()
+    value = {"true": "crop_flip", "false": "none"}.get(value, value)
+    if value not in AUGMENTS:
+        raise ConfigError(f"data.augment={data_cfg.get('augment')!r} is not one of {list(AUGMENTS)}")
+    return value
+
+
+def peak_lr(optim_cfg, global_batch: int) -> float:
+    """optim.lr, or scaled linearly by the global batch when optim.lr_base_batch is set."""
+    if optim_cfg.get("lr_base_batch"):
+        return optim_cfg.lr * global_batch / optim_cfg.lr_base_batch
+    return optim_cfg.lr
+
+
+def warmup_steps(optim_cfg, max_steps: int) -> int:
+    """optim.warmup_steps, or optim.warmup_fraction of the run when set."""
+    if optim_cfg.get("warmup_fraction") is not None:
+        return round(optim_cfg.warmup_fraction * max_steps)
+    return optim_cfg.warmup_steps
 
 
 def model_kwargs(model_cfg) -> dict:

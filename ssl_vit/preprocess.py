@@ -39,12 +39,12 @@ class Preprocess:
             raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
         self.mean, self.std = [float(v) for v in self.mean], [float(v) for v in self.std]
 
-    def view_builder(self, views=("image", "label"), augment: bool = False, crop_scale=(0.35, 1.0),
-                     multicrop: dict | None = None, tokenizer=None):
+    def view_builder(self, views=("image", "label"), augment: bool | str = False, crop_scale=(0.35, 1.0),
+                     multicrop: dict | None = None, tokenizer=None, augreg=None, num_classes: int | None = None):
         from ssl_vit.data.views import ViewBuilder
 
         return ViewBuilder(views, self.img_size, self.mean, self.std, augment, crop_scale, self.interpolation,
-                           self.crop_pct, multicrop, tokenizer, self.resize_mode)
+                           self.crop_pct, multicrop, tokenizer, self.resize_mode, augreg, num_classes)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

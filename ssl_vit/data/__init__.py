@@ -39,14 +39,15 @@ def build_dataset(cfg, img_size: int):
 
 
 def make_loader(dataset, views: ViewBuilder, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
-                start: int = 0, num_workers: int = 0, pin_memory: bool = False):
-    """Batches for one rank from micro-step `start` on (exactly resumable for map-style datasets)."""
+                start: int = 0, num_workers: int = 0, pin_memory: bool = False, repeats: int = 1):
+    """Batches for one rank from micro-step `start` on (exactly resumable for map-style datasets). `repeats`:
+    repeated augmentation, for map-style datasets (a shard stream has no epochs to repeat within)."""
     if isinstance(dataset, ShardStream):
         return dataset.loader(views, batch_size, seed=seed, start=start, num_workers=num_workers,
                               pin_memory=pin_memory, need_label="label" in views.views,
                               need_text="text" in views.views)
     return build_loader(dataset, views, batch_size, rank=rank, world_size=world_size, seed=seed, start=start,
-                        num_workers=num_workers, pin_memory=pin_memory)
+                        num_workers=num_workers, pin_memory=pin_memory, repeats=repeats)
 
 
 __all__ = [

@@ -11,26 +11,11 @@ from __future__ import annotations
 
 import random
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-
-@dataclass
-class AugRegConfig:
-    """`data.augreg.*`, used when `data.augment=augreg`. Defaults are DeiT's (its ImageNet recipe at 224 px; the
-    crop scale is `data.crop_scale`, whose default 0.35 suits small images better than DeiT's 0.08)."""
-
-    rand_augment: str = "rand-m9-mstd0.5-inc1"  # timm's policy string; "" turns RandAugment off
-    random_erasing: float = 0.25  # probability per image (timm's RandomErasing, mode 'pixel')
-    mixup: float = 0.8  # Mixup's Beta(alpha, alpha); 0 turns it off
-    cutmix: float = 1.0  # CutMix's Beta(alpha, alpha); 0 turns it off
-    mix_prob: float = 1.0  # probability that a batch is mixed at all
-    switch_prob: float = 0.5  # with both on: probability of CutMix instead of Mixup for a mixed batch
-    label_smoothing: float = 0.1  # in Mixup's soft targets
-    repeats: int = 3  # repeated augmentation: each image this many times per epoch, differently augmented (1: off)
-    interpolation: str = "bicubic"
+from ssl_vit.config import AugRegConfig
 
 
 @contextmanager

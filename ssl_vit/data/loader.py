@@ -31,10 +31,14 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 
 class StepBatchSampler(Sampler):
-    """Infinite batch sampler yielding lists of (index, sample_seed) for one rank, from micro-step `start`."""
+    """Infinite batch sampler yielding lists of (index, sample_seed) for one rank, from micro-step `start`.
+
+    `repeats` > 1 is repeated augmentation (Hoffer et al. 2020; DeiT's RASampler): an epoch takes N / repeats
+    images of the permutation, each `repeats` times in a row (so mostly in the same batch), every copy with its own
+    seed (its own augmentation); an epoch still has N samples."""
 
     def __init__(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 start: int = 0, shuffle: bool = True):
+                 start: int = 0, shuffle: bool = True, repeats: int = 1):
         global_batch = batch_size * world_size
         if num_samples < global_batch:
             raise ValueError(
@@ -43,12 +47,25 @@ class StepBatchSampler(Sampler):
             )
         self.num_samples, self.batch_size, self.rank, self.world_size = num_samples, batch_size, rank, world_size
         self.seed, self.start, self.shuffle = seed, start, shuffle
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        self.repeats = repeats
         self.batches_per_epoch = num_samples // global_batch
 
     def _order(self, epoch: int) -> torch.Tensor:
         if not self.shuffle:
-            return torch.arange(self.num_samples)
-        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+            order = torch.arange(self.num_samples)
+        else:
+            generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            order = torch.randperm(self.num_samples, generator=generator)
+        if self.repeats > 1:
+            order = order[:-(-self.num_samples // self.repeats)].repeat_interleave(self.repeats)[:self.num_samples]
+        return order
+
+    def _seed(self, epoch: int, position: int, index: int) -> int:
+        if self.repeats == 1:
+            return sample_seed(self.seed, epoch, index)
+        return sample_seed(self.seed, epoch, index * self.repeats + position % self.repeats)  # copy = position % r
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         step = self.start
@@ -59,7 +76,7 @@ class StepBatchSampler(Sampler):
                 order = self._order(epoch)
             first = (step % self.batches_per_epoch) * self.batch_size * self.world_size + self.rank * self.batch_size
             indices = order[first: first + self.batch_size].tolist()
-            yield [(i, sample_seed(self.seed, epoch, i)) for i in indices]
+            yield [(i, self._seed(epoch, first + k, i)) for k, i in enumerate(indices)]
             step += 1
 
 
@@ -103,6 +120,7 @@ class SeededViews(Dataset):
                     self.skip_log(f"{err} (replaced by the next readable sample)")
                     continue
                 out["skipped"] = int(offset > 0)
+                out["seed"] = seed  # for batch-level augmentation (ViewBuilder.collate removes it)
                 return out
         describe = getattr(self.dataset, "describe", lambda: type(self.dataset).__name__)()
         scope = ("no sample of it is readable" if searched == size else
@@ -111,11 +129,12 @@ class SeededViews(Dataset):
 
 
 def build_loader(dataset: Dataset, views, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 start: int = 0, num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
-    sampler = StepBatchSampler(len(dataset), batch_size, rank, world_size, seed, start)
+                 start: int = 0, num_workers: int = 0, pin_memory: bool = False, repeats: int = 1) -> DataLoader:
+    sampler = StepBatchSampler(len(dataset), batch_size, rank, world_size, seed, start, repeats=repeats)
     return DataLoader(
         SeededViews(dataset, views),
         batch_sampler=sampler,
+        collate_fn=getattr(views, "collate", None),
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,

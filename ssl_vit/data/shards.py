@@ -441,7 +441,8 @@ class ShardStream:
             stages.append(lambda samples: _shuffle(samples, self.shuffle_buffer, seed))
         stages.append(decode)
         if batch_size:
-            stages.append(wds.batched(batch_size, collation_fn=default_collate, partial=epochs is not None))
+            stages.append(wds.batched(batch_size, collation_fn=getattr(views, "collate", default_collate),
+                                      partial=epochs is not None))
         return wds.DataPipeline(*stages), decode
 
     def loader(self, views, batch_size: int, *, seed: int = 0, start: int = 0, num_workers: int = 0,

@@ -12,6 +12,7 @@ a caption raises `MissingTextError`, which the loaders skip and count.
 from __future__ import annotations
 
 import torch
+from torch.utils.data import default_collate
 from torchvision.transforms import v2
 
 from ssl_vit.data.errors import MissingTextError
@@ -21,19 +22,26 @@ VIEW_KINDS = ("image", "pixels", "crops", "label", "text")
 
 class ViewBuilder:
     """Without augmentation: resize the shorter side to img_size / crop_pct, centre-crop img_size (timm's eval
-    transform; `ssl_vit.preprocess`), or with resize_mode "squash" both sides to img_size. `multicrop`: the keyword
-    arguments of `MultiCropViews` other than the global size and normalisation (needed for the `crops` view).
-    `tokenizer`: str -> (context_length,) tensor for `text`."""
+    transform; `ssl_vit.preprocess`), or with resize_mode "squash" both sides to img_size. `augment`: "none",
+    "crop_flip" (random resized crop + flip; True means this) or "augreg" (DeiT's recipe from timm's tools,
+    `ssl_vit.data.augreg`, with its settings `augreg` and, for Mixup / CutMix, `num_classes`). `multicrop`: the
+    keyword arguments of `MultiCropViews` other than the global size and normalisation (needed for the `crops`
+    view). `tokenizer`: str -> (context_length,) tensor for `text`. `collate` batches samples (and mixes them under
+    augreg)."""
 
-    def __init__(self, views, img_size: int, mean, std, augment: bool = False, crop_scale=(0.35, 1.0),
+    def __init__(self, views, img_size: int, mean, std, augment: bool | str = False, crop_scale=(0.35, 1.0),
                  interpolation: str = "bilinear", crop_pct: float = 1.0, multicrop: dict | None = None,
-                 tokenizer=None, resize_mode: str = "shortest"):
+                 tokenizer=None, resize_mode: str = "shortest", augreg=None, num_classes: int | None = None):
         unknown = [v for v in views if v not in VIEW_KINDS]
         if unknown:
             raise ValueError(f"unknown view(s) {unknown}; valid choices: {list(VIEW_KINDS)}")
         self.views = tuple(views)
         self.tokenizer = tokenizer
         self.multicrop = None
+        self.augreg = self.mixer = None
+        augment = {True: "crop_flip", False: "none"}.get(augment, augment)
+        if augment == "augreg":
+            self._build_augreg(img_size, mean, std, crop_scale, augreg, num_classes)
         if "crops" in self.views:
             from ssl_vit.data.multicrop import MultiCropViews
 
@@ -42,7 +50,7 @@ class ViewBuilder:
                                  f"multicrop_options()), got {multicrop}")
             self.multicrop = MultiCropViews(img_size, mean=mean, std=std, **(multicrop or {}))
         mode = v2.InterpolationMode(interpolation)
-        if augment:
+        if augment == "crop_flip":
             self.spatial = v2.Compose([
                 v2.RandomResizedCrop(img_size, scale=tuple(crop_scale), interpolation=mode, antialias=True),
                 v2.RandomHorizontalFlip(),
@@ -56,9 +64,27 @@ class ViewBuilder:
         self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
 
+    def _build_augreg(self, img_size, mean, std, crop_scale, cfg, num_classes) -> None:
+        from ssl_vit.config import AugRegConfig
+        from ssl_vit.data.augreg import AugRegTransform, BatchMixer, mixes
+
+        cfg = cfg if cfg is not None else AugRegConfig()
+        if "pixels" in self.views:
+            raise ValueError("data.augment=augreg gives the normalised `image` view only (timm's transform erases and "
+                             "recolours it), but the objective reads raw `pixels` (colour targets); use "
+                             "data.augment=crop_flip")
+        self.augreg = AugRegTransform(img_size, mean, std, crop_scale, cfg)
+        if mixes(cfg):
+            if "label" not in self.views:
+                raise ValueError("data.augment=augreg mixes labels (Mixup / CutMix), but the objective reads none; "
+                                 "set data.augreg.mixup=0 data.augreg.cutmix=0 (or data.augment=crop_flip)")
+            self.mixer = BatchMixer(cfg, num_classes)
+
     def __call__(self, sample: dict) -> dict:
         out = {}
-        if "image" in self.views or "pixels" in self.views:
+        if self.augreg is not None and "image" in self.views:
+            out["image"] = self.augreg(sample["image"])
+        elif "image" in self.views or "pixels" in self.views:
             pixels = self.spatial(sample["image"]).float().div_(255)
             if "pixels" in self.views:
                 out["pixels"] = pixels
@@ -77,3 +103,13 @@ class ViewBuilder:
                 raise MissingTextError(f"{where} has no caption")
             out["text"] = self.tokenizer(text) if self.tokenizer is not None else text
         return out
+
+    def collate(self, samples: list[dict]) -> dict:
+        """default_collate, then Mixup / CutMix under augreg, seeded by the batch's first sample seed (`seed`,
+        which the step-indexed loader adds; drawn from torch's generator otherwise)."""
+        seeds = [sample.pop("seed", None) for sample in samples]
+        batch = default_collate(samples)
+        if self.mixer is None:
+            return batch
+        seed = seeds[0] if seeds and seeds[0] is not None else int(torch.randint(2**62, ()))
+        return self.mixer(batch, seed)

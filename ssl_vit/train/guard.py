@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+from ssl_vit.config import warmup_steps
+
 
 class TrainingDiverged(RuntimeError):
     """Training stopped because the loss or the weights went bad; the message says what to change."""
@@ -39,8 +41,9 @@ def divergence_advice(cfg, nonfinite_loss: bool) -> str:
     tips = [f"lower optim.lr (now {cfg.optim.lr:g})"]
     if not cfg.optim.grad_clip:
         tips.append("set optim.grad_clip=1.0 (clipping is off)")
-    if cfg.optim.warmup_steps < min(1000, cfg.trainer.max_steps // 20):
-        tips.append(f"lengthen optim.warmup_steps (now {cfg.optim.warmup_steps})")
+    warmup = warmup_steps(cfg.optim, cfg.trainer.max_steps)
+    if warmup < min(1000, cfg.trainer.max_steps // 20):
+        tips.append(f"lengthen optim.warmup_steps (now {warmup})")
     if str(getattr(cfg.trainer.precision, "value", cfg.trainer.precision)) == "bf16":
         tips.append("try trainer.precision=fp32 to rule out bf16 range problems")
     if nonfinite_loss:

@@ -23,8 +23,17 @@ from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 
 from objectives import OBJECTIVES, DataInfo, build_objective
-from ssl_vit.config import ConfigError, model_kwargs, to_container, validate_config
+from ssl_vit.config import (
+    ConfigError,
+    augment_kind,
+    model_kwargs,
+    peak_lr,
+    to_container,
+    validate_config,
+    warmup_steps,
+)
 from ssl_vit.data import DataError, build_dataset, make_loader
+from ssl_vit.data.augreg import mixes
 from ssl_vit.data.subset import limit_samples
 from ssl_vit.init import writable
 from ssl_vit.preprocess import resolve_preprocess
@@ -204,8 +213,16 @@ def build_components(cfg, source=None):
     if "text" in objective.views and cfg.data.name in ("folder", "fashion_mnist", "digits"):
         raise ConfigError(f"objective={cfg.objective.name} needs captions but data={cfg.data.name} has none; use "
                           "data=synthetic, data=captions, data=tuxpaint or data=wds with 'txt' in the shards")
-    views = preprocess.view_builder(objective.views, cfg.data.augment, cfg.data.crop_scale,
-                                    objective.multicrop_options(), objective.text_tokenizer())
+    augment = augment_kind(cfg.data)
+    if augment == "augreg" and mixes(cfg.data.augreg) and cfg.data.batch_size % 2:
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size}: Mixup / CutMix (data.augment=augreg) pair each "
+                          "image with another, so the batch per process must be even")
+    try:
+        views = preprocess.view_builder(objective.views, augment, cfg.data.crop_scale, objective.multicrop_options(),
+                                        objective.text_tokenizer(), augreg=cfg.data.augreg,
+                                        num_classes=len(dataset.classes) or None)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     return objective, dataset, views, preprocess
 
 
@@ -359,7 +376,9 @@ def pretrain(cfg) -> dict:
     with construction_context(accelerator):
         objective, dataset, views, preprocess = build_components(cfg, source)
     optimizer = build_optimizer(objective, cfg.optim, num_layers=len(objective.encoder.blocks))
-    lrs = schedule(cfg.optim.lr, cfg.optim.min_lr, tcfg.max_steps, cfg.optim.warmup_steps, cfg.optim.schedule)
+    global_batch = cfg.data.batch_size * accelerator.num_processes * tcfg.grad_accum_steps
+    lrs = schedule(peak_lr(cfg.optim, global_batch), cfg.optim.min_lr, tcfg.max_steps,
+                   warmup_steps(cfg.optim, tcfg.max_steps), cfg.optim.schedule)
     wds = weight_decay_schedule(cfg.optim, tcfg.max_steps)
     eval_sets = periodic_eval_sets(cfg, preprocess.img_size) if tcfg.eval_every > 0 else None
 
@@ -373,7 +392,6 @@ def pretrain(cfg) -> dict:
     else:
         set_seed(cfg.seed + accelerator.process_index)  # from here on, ranks draw different masks / dropout
     world = accelerator.num_processes
-    global_batch = cfg.data.batch_size * world * tcfg.grad_accum_steps
     outputs = RunOutputs(accelerator, out_dir, tcfg.tensorboard)
     removed = remove_stale_temps(out_dir) if is_main else []
     dropped = outputs.open(state.step, cfg, _flat_hparams(to_container(cfg)))
@@ -386,7 +404,8 @@ def pretrain(cfg) -> dict:
 
     batches = iter(make_loader(dataset, views, cfg.data.batch_size, rank=accelerator.process_index,
                                world_size=world, seed=cfg.seed, start=state.step * tcfg.grad_accum_steps,
-                               num_workers=cfg.data.num_workers, pin_memory=accelerator.device.type == "cuda"))
+                               num_workers=cfg.data.num_workers, pin_memory=accelerator.device.type == "cuda",
+                               repeats=cfg.data.augreg.repeats if augment_kind(cfg.data) == "augreg" else 1))
     end_step = min(tcfg.max_steps, tcfg.stop_at_step or tcfg.max_steps)
     guard = UpdateGuard(model.parameters(), tcfg.max_param_norm_growth, partial(parameter_norm, accelerator))
     progress = tqdm(total=end_step, initial=state.step, disable=not (is_main and tcfg.progress),
