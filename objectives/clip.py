@@ -37,7 +37,7 @@ from torch import nn
 
 from objectives.base import DataInfo, Objective, ObjectiveConfig
 from ssl_vit.config import checked
-from ssl_vit.init import writable
+from ssl_vit.init import rng_devices, writable
 from ssl_vit.vit import Block, ParallelBlock, VisionTransformer
 
 TEXT_TOWERS = ("open_clip", "hf")
@@ -134,7 +134,7 @@ def build_text_tower(cfg) -> nn.Module:
         # Its init pass runs at the end of its constructor, where zero.Init has already partitioned the layers (it
         # would see empty shards and draw nothing): run it again on the gathered weights, under a seed drawn before
         # construction, all forked, so that every strategy starts from the same weights and random stream.
-        with torch.random.fork_rng(devices=_rng_devices()):
+        with torch.random.fork_rng(devices=rng_devices()):
             text = TextTransformer(context_length=cfg.context_length, width=cfg.text_width, heads=cfg.text_heads,
                                    layers=cfg.text_layers, mlp_ratio=cfg.text_mlp_ratio, output_dim=cfg.embed_dim,
                                    block_type="custom")
@@ -171,11 +171,6 @@ def build_text_tower(cfg) -> nn.Module:
     if cfg.hf_pooler != "cls_pooler" and getattr(text.transformer, "pooler", None) is not None:
         text.transformer.pooler = None  # unused: its parameters would never get a gradient
     return text
-
-
-def _rng_devices() -> list[int]:
-    """The CUDA devices whose generators `fork_rng` must save and restore (torch.manual_seed seeds them all)."""
-    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
 
 def share_gradient(value: torch.Tensor | None, parts: int) -> torch.Tensor | None:

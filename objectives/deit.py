@@ -67,7 +67,9 @@ class DeiT(Objective):
     def __init__(self, backbone, cfg: DeiTConfig, data: DataInfo):
         super().__init__(backbone, cfg, data)
         if backbone.dist_token is None:
-            raise ValueError("objective=deit needs a backbone with a distillation token (model.dist_token=true)")
+            raise ValueError("objective=deit needs a backbone with a distillation token (model.dist_token=true; a "
+                             "model.init_from source without one cannot start a DeiT run: the token is part of the "
+                             "architecture)")
         if data.num_classes < 2:
             raise ValueError(f"objective=deit needs at least 2 classes, the data has {data.num_classes}")
         Distillation(cfg.distillation)
@@ -76,7 +78,7 @@ class DeiT(Objective):
         # Loaded whole (outside zero.Init's partitioning) and without moving the run's random stream; assigned
         # past nn.Module's registration so that no optimizer, state dict, checkpoint or strategy ever sees it.
         with whole_modules(), torch.random.fork_rng(devices=[]):
-            teacher = load_teacher(cfg.teacher, data.num_classes)
+            teacher = load_teacher(cfg.teacher, data.num_classes, data.img_size, data.mean or None, data.std or None)
         object.__setattr__(self, "teacher", teacher)
 
     def _teacher_logits(self, images: torch.Tensor) -> torch.Tensor:

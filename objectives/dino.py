@@ -36,6 +36,7 @@ from objectives.distillation import (
     teacher_temperature_schedule,
     updated_centre,
 )
+from objectives.patches import refuse_hybrid
 from ssl_vit.config import checked
 from ssl_vit.data.multicrop import local_crop_size
 from ssl_vit.train.ema import EMA, copy_parameters
@@ -129,6 +130,8 @@ class DINO(Objective):
                              "it needs at least 2 crops")
         if cfg.ibot_weight > 0 and not backbone.num_prefix_tokens:
             raise ValueError("ibot_weight > 0 needs a backbone with a class token (patch tokens follow it)")
+        if cfg.ibot_weight > 0:
+            refuse_hybrid(backbone, f"{cfg.name} with iBOT (objective.ibot_weight={cfg.ibot_weight})")
         self.head, self.patch_head = _heads(backbone.embed_dim, cfg)
         # The teacher: built like the student (under zero.Init it is partitioned the same way), then given the
         # student's values; frozen, updated only by the EMA.

@@ -38,4 +38,5 @@ def refuse_hybrid(backbone, objective: str) -> None:
         raise ValueError(f"objective={objective} is not defined for model.stem=resnet: it masks tokens after the "
                          f"ResNet stem has seen every pixel, so each masked patch's content leaks into the visible "
                          f"tokens through the ResNet's receptive field; use model.stem=patch, or an objective that "
-                         f"takes whole images (supervised, deit, dino, clip)")
+                         f"takes whole images (supervised, deit, clip, dino / dinov2 without iBOT: "
+                         f"objective.ibot_weight=0)")

@@ -48,12 +48,12 @@ def _timm_teacher(name: str, path: Path, num_classes: int) -> nn.Module:
     return model
 
 
-def _run_teacher(path: Path, num_classes: int) -> nn.Module:
+def _run_teacher(path: Path, num_classes: int, mean=None, std=None) -> nn.Module:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     from objectives.supervised import build_head
-    from ssl_vit.export import load_encoder
+    from ssl_vit.export import load_encoder, read_preprocess
 
     run = path.parent if path.is_file() else path
     encoder_file, heads_file = run / "encoder.safetensors", run / "heads.safetensors"
@@ -67,6 +67,11 @@ def _run_teacher(path: Path, num_classes: int) -> nn.Module:
         raise ValueError(f"objective.teacher: {run} was trained with objective={objective!r}, which has no "
                          f"classification head; a teacher is a run of objective=supervised or deit")
     config = json.loads(meta.get("objective_config", "{}"))
+    recorded = read_preprocess(encoder_file)
+    if recorded is not None and mean is not None and not (_close(recorded.mean, mean) and _close(recorded.std, std)):
+        raise ValueError(f"objective.teacher: {run} was trained on images normalised with mean={recorded.mean}, "
+                         f"std={recorded.std}, this run's are mean={list(mean)}, std={list(std)}; the teacher sees "
+                         f"the student's images: set data.mean={recorded.mean} data.std={recorded.std}")
     heads = load_file(str(heads_file))
     encoder = load_encoder(encoder_file)
     kind = config.get("head", "linear") if objective == "supervised" else "linear"
@@ -84,9 +89,14 @@ def _run_teacher(path: Path, num_classes: int) -> nn.Module:
     return RunClassifier(encoder, head("head."), head("head_dist.") if objective == "deit" else None)
 
 
-def load_teacher(spec: str, num_classes: int) -> nn.Module:
+def _close(a, b) -> bool:
+    return len(a) == len(b) and all(abs(x - y) < 1e-6 for x, y in zip(a, b, strict=True))
+
+
+def load_teacher(spec: str, num_classes: int, img_size: int | None = None, mean=None, std=None) -> nn.Module:
     """A frozen classifier (eval mode, no gradients) from `spec` (see TEACHER_FORMS), checked to give
-    `num_classes` logits."""
+    `num_classes` logits for `img_size` images; a run teacher also to have been trained on the `mean` / `std`
+    normalisation (the student's, which it sees)."""
     if spec.startswith("timm:"):
         name, _, file = spec[len("timm:"):].partition(":")
         if not name or not file:
@@ -100,6 +110,16 @@ def load_teacher(spec: str, num_classes: int) -> nn.Module:
         path = Path(spec)
         if not path.exists():
             raise ValueError(f"objective.teacher={spec!r} does not exist; valid forms: {TEACHER_FORMS}")
-        teacher = _run_teacher(path, num_classes)
+        teacher = _run_teacher(path, num_classes, mean, std)
     teacher.eval().requires_grad_(False)
+    if img_size is not None:  # fail here, not at the first step (e.g. a timm ViT built for another size)
+        try:
+            with torch.no_grad():
+                shape = tuple(teacher(torch.zeros(1, 3, img_size, img_size)).shape)
+        except (RuntimeError, AssertionError, ValueError) as err:
+            raise ValueError(f"objective.teacher={spec!r} cannot classify {img_size} px images (the student's): "
+                             f"{str(err).splitlines()[0]}") from err
+        if shape != (1, num_classes):
+            raise ValueError(f"objective.teacher={spec!r} gives outputs of shape {shape} for a {img_size} px image, "
+                             f"not (1, {num_classes}) logits")
     return teacher

@@ -166,7 +166,7 @@ class AugRegConfig:
     cutmix: float = checked(1.0, ge=0)  # CutMix's Beta(alpha, alpha); 0 turns it off
     mix_prob: float = checked(1.0, ge=0, le=1)  # probability that a batch is mixed at all
     switch_prob: float = checked(0.5, ge=0, le=1)  # with both on: CutMix instead of Mixup for a mixed batch
-    label_smoothing: float = checked(0.1, ge=0, lt=1)  # in Mixup's soft targets
+    label_smoothing: float = checked(0.1, ge=0, lt=1)  # in Mixup's soft targets (Mixup off: objective.label_smoothing)
     repeats: int = checked(3, ge=1)  # repeated augmentation (map-style data): each image this often per epoch
     interpolation: str = "bicubic"
 

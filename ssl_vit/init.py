@@ -168,6 +168,12 @@ def writable(*params: torch.Tensor):
         yield
 
 
+def rng_devices() -> list[int]:
+    """The CUDA devices whose generators `torch.random.fork_rng` must save and restore (torch.manual_seed seeds
+    them all)."""
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+
+
 @contextmanager
 def whole_modules():
     """Build modules that stay whole and outside the trained model (a frozen teacher) even inside DeepSpeed's

@@ -15,7 +15,7 @@ import torch
 from timm.layers import Format, HybridEmbed
 from torch import nn
 
-from ssl_vit.init import PatchProjection, writable
+from ssl_vit.init import PatchProjection, rng_devices, writable
 
 STEMS = ("patch", "resnet")
 # timm's ResNetV2 stage widths (bottleneck outputs); a stem with k stages uses the first k unless told otherwise.
@@ -46,34 +46,31 @@ def stem_stride(layers: Sequence[int]) -> int:
 
 
 def build_resnet(layers: Sequence[int], channels: Sequence[int] | None, width: int, in_chans: int) -> nn.Module:
-    """timm's hybrid backbone (`vision_transformer_hybrid._resnetv2`): ResNetV2, or only its stem for 0 stages.
+    """timm's hybrid backbone (`vision_transformer_hybrid._resnetv2`): ResNetV2, or only its stem for 0 stages,
+    initialised as timm's hybrid ViTs initialise it (their ViT init calls `ResNetV2.init_weights()`: kaiming-normal
+    convolutions, and the last GroupNorm of every bottleneck at zero, as in the original JAX ResNet; the stem alone
+    keeps PyTorch's default).
 
-    timm initialises a ResNetV2 at the end of its constructor, where DeepSpeed's zero.Init has already partitioned
-    the convolutions (the pass would see empty shards): that pass is run again on the gathered weights, under a seed
-    drawn before construction, so every strategy starts from the same weights.
+    That pass runs after construction, where DeepSpeed's zero.Init has already partitioned the convolutions: it is
+    run on the gathered weights under a seed drawn before construction, all forked from the run's random stream, so
+    that every strategy starts from the same weights and continues with the same stream.
     """
     from functools import partial
 
     from timm.layers import StdConv2dSame
-    from timm.models import named_apply
-    from timm.models.resnetv2 import ResNetV2, _init_weights, create_resnetv2_stem
+    from timm.models.resnetv2 import ResNetV2, create_resnetv2_stem
 
     conv_layer = partial(StdConv2dSame, eps=1e-8)
     seed = int(torch.randint(2**62, (), device="cpu"))  # (also when building on the meta device)
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    # Forked: the constructor's own init pass draws nothing on empty shards, so the run's random stream must not
-    # depend on what it drew.
-    with torch.random.fork_rng(devices=devices):
-        if layers:
-            channels = tuple(channels) if channels else RESNET_CHANNELS[:len(layers)]
-            backbone = ResNetV2(layers=list(layers), channels=channels, stem_chs=width, num_classes=0,
-                                global_pool="", in_chans=in_chans, preact=False, stem_type="same",
-                                conv_layer=conv_layer)
-        else:
-            backbone = create_resnetv2_stem(in_chans, width, stem_type="same", preact=False, conv_layer=conv_layer)
+    with torch.random.fork_rng(devices=rng_devices()):
+        if not layers:
+            return create_resnetv2_stem(in_chans, width, stem_type="same", preact=False, conv_layer=conv_layer)
+        channels = tuple(channels) if channels else RESNET_CHANNELS[:len(layers)]
+        backbone = ResNetV2(layers=list(layers), channels=channels, stem_chs=width, num_classes=0, global_pool="",
+                            in_chans=in_chans, preact=False, stem_type="same", conv_layer=conv_layer)
         with writable(*backbone.parameters()):
             torch.manual_seed(seed)
-            named_apply(partial(_init_weights, zero_init_last=False), backbone)
+            backbone.init_weights(zero_init_last=True)
     return backbone
 
 

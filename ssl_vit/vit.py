@@ -416,6 +416,8 @@ class VisionTransformer(nn.Module):
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
+        if hasattr(self.patch_embed, "set_grad_checkpointing"):  # a hybrid's ResNet: per stage (timm's)
+            self.patch_embed.set_grad_checkpointing(enable)
 
     @property
     def grid_size(self) -> tuple[int, int]:

@@ -18,7 +18,6 @@ from timm.layers import DropPath
 from ssl_vit.config import AugRegConfig, ConfigError, peak_lr, register_configs, warmup_steps
 from ssl_vit.data import StepBatchSampler, build_loader
 from ssl_vit.data.augreg import BatchMixer
-from ssl_vit.data.synthetic import SyntheticShapes
 from ssl_vit.train.loop import build_components
 
 
@@ -87,6 +86,9 @@ def test_augreg_batches_are_a_pure_function_of_seed_and_step_and_leave_global_rn
 
     first, again = batch(2, 0), batch(2, 2)
     assert torch.equal(first["image"], again["image"]) and torch.equal(first["label"], again["label"])
+    resumed_view = build_loader(dataset, views, 8, seed=0, start=0, repeats=3)  # step 2 of a run from 0 = a resume
+    from_start = [b for _, b in zip(range(3), iter(resumed_view), strict=False)][2]
+    assert torch.equal(from_start["image"], first["image"]) and torch.equal(from_start["label"], first["label"])
     assert first["label"].shape == (8, len(dataset.classes)) and "seed" not in first  # soft targets, seed removed
     assert not torch.equal(first["image"], batch(3, 0)["image"])
     assert random.getstate() == state[0] and np.array_equal(np.random.get_state()[1], state[1])
@@ -98,15 +100,20 @@ def test_repeated_augmentation_repeats_each_image_with_its_own_augmentation():
     batches = [b for _, b in zip(range(4), iter(sampler), strict=False)]  # one epoch of 24 samples
     indices = [i for b in batches for i, _ in b]
     assert len(indices) == 24 and len(set(indices)) == 8 and all(indices.count(i) == 3 for i in set(indices))
-    seeds = [s for b in batches for _, s in b]
-    assert len(set(seeds)) == 24  # every copy augmented differently
+    assert len({s for b in batches for _, s in b}) == 24  # every copy has its own seed
     plain = [i for b in zip(range(4), iter(StepBatchSampler(24, 6, seed=1)), strict=False) for i, _ in b[1]]
     assert sorted(plain) == list(range(24))
-    views = _compose("data.augment=augreg", "data.augreg.mixup=0", "data.augreg.cutmix=0")
-    _, dataset, views, _ = build_components(views)
-    copies = [views(dataset[indices[0]]) for _ in range(2)]  # unseeded here: two draws differ
-    assert not torch.equal(copies[0]["image"], copies[1]["image"])
-    assert isinstance(dataset, SyntheticShapes)
+    # as DeiT's RASampler, a global batch is dealt to the ranks in turn: an image's 3 copies go to 3 ranks
+    ranks = [next(iter(StepBatchSampler(24, 2, rank=r, world_size=3, seed=1, repeats=3))) for r in range(3)]
+    assert [i for i, _ in ranks[0]][0] == [i for i, _ in ranks[1]][0] == [i for i, _ in ranks[2]][0]
+    # and the copies in one batch are augmented differently
+    cfg = _compose("data.augment=augreg", "data.augreg.mixup=0", "data.augreg.cutmix=0", "data.batch_size=6")
+    _, dataset, views, _ = build_components(cfg)
+    batch = next(iter(build_loader(dataset, views, 6, seed=1, repeats=3)))
+    first_index = batches[0][0][0]
+    assert [i for i, _ in batches[0][:3]] == [first_index] * 3
+    assert not torch.equal(batch["image"][0], batch["image"][1]) and not torch.equal(batch["image"][1],
+                                                                                        batch["image"][2])
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -126,4 +133,21 @@ def test_the_recipe_trains_through_the_cli(tmp_path):
                     f"hydra.run.dir={tmp_path}"))
     rows = [m for m in read_metrics(tmp_path) if "loss" in m]
     assert len(rows) == 4 and all(np.isfinite(m["loss"]) for m in rows)
-    assert rows[-1]["lr"] == pytest.approx(1e-5)  # 5e-4 x 8 / 512 < min_lr: the schedule ends at min_lr
+    # 5e-4 x 8 / 512 is below optim.min_lr: the schedule stays at that peak rather than rising to min_lr
+    assert [m["lr"] for m in rows] == pytest.approx([5e-4 * 8 / 512] * 4)
+
+
+def test_randaugment_at_magnitude_10_keeps_zero_bits_as_a_black_image_instead_of_stopping_the_run():
+    """timm's 'inc1' posterize keeps 0 bits at magnitude 10 (DeiT's m9 +- 0.5 reaches it), which Pillow 13 refuses."""
+    from PIL import Image
+
+    from ssl_vit.data.augreg import AugRegTransform, _posterize
+
+    transform = AugRegTransform(16, [0.5] * 3, [0.5] * 3, (1.0, 1.0), AugRegConfig(
+        rand_augment="rand-m10-n1-mstd0-inc1", random_erasing=0.0))
+    image = torch.randint(0, 256, (3, 16, 16), dtype=torch.uint8)
+    for seed in range(300):  # every op at magnitude 10, posterize among them
+        torch.manual_seed(seed)
+        assert transform(image).shape == (3, 16, 16)
+    assert _posterize(Image.new("RGB", (2, 2), (200, 100, 50)), 0).getpixel((0, 0)) == (0, 0, 0)
+    assert _posterize(Image.new("RGB", (2, 2), (200, 100, 50)), 1).getpixel((0, 0)) == (128, 0, 0)

@@ -10,7 +10,6 @@ from conftest import ROOT, check_ok, launch, read_metrics
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 
-from objectives.deit import DeiT
 from objectives.teacher import load_teacher
 from ssl_vit.config import ConfigError, register_configs
 from ssl_vit.export import load_encoder
@@ -132,6 +131,12 @@ def test_a_supervised_run_is_a_teacher_and_deit_saves_neither_teacher_nor_its_we
                                                                        "head_dist.weight"}
     # and a DeiT run is a teacher in turn (its two heads averaged)
     assert load_teacher(str(student), NUM_CLASSES)(images).shape == (4, NUM_CLASSES)
+    # a teacher must fit the student's images: their size and, for a run teacher, their normalisation
+    with pytest.raises(ValueError, match="cannot classify 18 px images .*not divisible by the patch size 4x4"):
+        load_teacher(str(supervised), NUM_CLASSES, img_size=18)
+    with pytest.raises(ValueError, match=r"normalised with mean=\[0.485, 0.456, 0.406\].* this run's are "
+                                         r"mean=\[0.1, 0.1, 0.1\].* set data.mean=\[0.485, 0.456, 0.406\]"):
+        load_teacher(str(supervised), NUM_CLASSES, img_size=16, mean=[0.1] * 3, std=[0.2] * 3)
 
 
 @pytest.mark.parametrize("teacher, message", [
@@ -153,9 +158,27 @@ def test_deit_needs_its_token_and_a_teacher(timm_teacher):
         register_configs()
         with initialize_config_dir(str(ROOT / "configs"), version_base=None):
             validate_config(compose("pretrain", ["objective=deit", "output_dir=unused"]))
-    with pytest.raises(ConfigError, match=r"needs a backbone with a distillation token \(model.dist_token=true\)"):
+    with pytest.raises(ConfigError, match=r"needs a backbone with a distillation token \(model.dist_token=true; "):
         _objective("objective=deit", f"objective.teacher={timm_teacher}", "model.dist_token=false")
     with pytest.raises(ValueError, match="dist_token=True .* needs class_token=True and global_pool='token'"):
         VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, dist_token=True,
                           class_token=False, global_pool="avg")
-    assert DeiT.saved_heads == ("head.", "head_dist.")
+
+
+def test_a_deit_encoder_exports_to_timm_as_distilled_deit_and_transformers_refuses_it(tmp_path):
+    from ssl_vit.export.hf import hf_config
+    from ssl_vit.export.timm import export_timm, from_timm
+
+    encoder = VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, dist_token=True).eval()
+    with torch.no_grad():
+        for p in encoder.parameters():
+            p.normal_(0, 0.1)
+    export_timm(encoder, tmp_path)
+    theirs = timm.create_model(f"local-dir:{tmp_path}", pretrained=True).eval()
+    assert type(theirs).__name__ == "VisionTransformerDistilled"
+    images = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(images), encoder(images), atol=1e-5, rtol=0)
+        torch.testing.assert_close(from_timm(theirs)(images), encoder(images), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="dist_token=True"):
+        hf_config(encoder.config, "vit")

@@ -65,6 +65,19 @@ def test_the_test_preset_is_timms_resnetv2_and_hybrid_embed(tmp_path):
         ours(torch.randn(1, 3, 44, 44))  # the token stride is the ResNet's 4 x the 2x2 patches
 
 
+def test_the_resnet_starts_as_timms_hybrids_start_it():
+    """timm's hybrid ViTs run ResNetV2.init_weights(): kaiming-normal (fan-out) kernels and the last GroupNorm of
+    every bottleneck at zero (each residual branch starts closed); the stem alone keeps PyTorch's default."""
+    ours = VisionTransformer(img_size=32, stem="resnet", stem_layers=[3, 4, 9], patch_size=1, **SMALL_VIT)
+    theirs = timm.create_model("vit_base_r50_s16_224", pretrained=False, img_size=32, num_classes=0, **SMALL_VIT)
+    for model in (ours, theirs):
+        norms = [m.norm3.weight for m in model.patch_embed.backbone.modules() if hasattr(m, "norm3")]
+        assert len(norms) == 16 and all(bool((w == 0).all()) for w in norms)
+    name = "patch_embed.backbone.stages.2.blocks.0.conv2.weight"  # 256 x 256 x 3 x 3: fan-out 2304
+    for model in (ours, theirs):
+        assert model.state_dict()[name].std().item() == pytest.approx((2 / 2304) ** 0.5, rel=0.02)
+
+
 def test_paper_hybrid_presets_have_timms_parameter_counts_and_grid():
     with torch.device("meta"):
         ours = build_vit("vit_b16_r50")
@@ -108,7 +121,7 @@ def test_bad_stem_settings_are_named(kwargs, message):
         VisionTransformer(img_size=32, patch_size=1, **SMALL_VIT, **kwargs)
 
 
-@pytest.mark.parametrize("objective", ["mae", "masked_patch"])
+@pytest.mark.parametrize("objective", ["mae", "masked_patch", "dinov2_tiny"])
 def test_pixel_target_objectives_refuse_the_hybrid_by_name(objective):
     from hydra import compose, initialize_config_dir
 
@@ -119,7 +132,8 @@ def test_pixel_target_objectives_refuse_the_hybrid_by_name(objective):
     register_configs()
     with initialize_config_dir(str(ROOT / "configs"), version_base=None):
         cfg = compose("pretrain", [f"objective={objective}", "model=vit_tiny_r", "output_dir=unused"])
-    with pytest.raises(ConfigError, match=f"objective={objective} is not defined for model.stem=resnet: .*leaks"):
+    name = {"dinov2_tiny": r"dinov2 with iBOT \(objective.ibot_weight=.*\)"}.get(objective, objective)
+    with pytest.raises(ConfigError, match=f"objective={name} is not defined for model.stem=resnet: .*leaks"):
         build_components(cfg)
 
 
@@ -136,3 +150,54 @@ def test_hybrid_trains_through_the_cli_and_saves_a_loadable_encoder(tmp_path):
     assert encoder.config["stem"] == "resnet" and encoder.config["patch_size"] == 1 and encoder.grid_size == (8, 8)
     assert "patch_embed.backbone.stages.0.blocks.0.conv2.weight" in encoder.state_dict()
     assert PRESETS["vit_test"]["patch_size"] == 4  # the preset's 4x4 pixel patches were not used
+
+
+@pytest.mark.parametrize("objective", [["objective=dino_tiny", "objective.out_dim=64", "objective.local_crops=2"],
+                                       ["objective=clip_tiny", "objective.text_layers=1"]])
+def test_whole_image_objectives_train_a_hybrid(objective):
+    """DINO (its local crops a multiple of the token stride) and CLIP (pre-norm, no projection bias) on vit_tiny_r:
+    a forward and backward reach the ResNet."""
+    from hydra import compose, initialize_config_dir
+
+    from ssl_vit.config import register_configs
+    from ssl_vit.train.loop import build_components
+    from tests.conftest import ROOT
+
+    register_configs()
+    with initialize_config_dir(str(ROOT / "configs"), version_base=None):
+        cfg = compose("pretrain", [*objective, "model=vit_tiny_r", "data.num_samples=16", "output_dir=unused"])
+    model, dataset, views, _ = build_components(cfg)
+    batch = torch.utils.data.default_collate([views(dataset[i]) for i in range(4)])
+    model(batch)["loss"].backward()
+    stem_conv = model.backbone.patch_embed.backbone.stem.conv.weight  # the student (DINO: encoder = teacher)
+    assert stem_conv.grad is not None and stem_conv.grad.abs().sum() > 0
+    if "crops" in batch:
+        assert {crop.shape[-1] % 8 for crop in batch["crops"]} == {0}  # 32 px global, 16 px local crops
+
+
+@pytest.mark.parametrize("name, size", [("vit_tiny_r", 32), ("vit_b16_r50", 64)])
+def test_the_memory_plan_counts_the_resnets_activations_as_autograd_saves_them(name, size):
+    """plan_memory's hybrid term against the tensors autograd actually keeps for backward (saved_tensors_hooks):
+    the per-image slope (batch 2 - batch 1) and the batch-independent part (weight-standardised kernels)."""
+    from ssl_vit.train.memory import ModelShape
+
+    shape = ModelShape.of(name, img_size=size, **({} if name == "vit_tiny_r" else SMALL_VIT))
+    model = build_vit(name, img_size=size, **({} if name == "vit_tiny_r" else SMALL_VIT))
+    params = {p.data_ptr() for p in model.parameters()}
+    saved = []
+    for batch in (1, 2):
+        kept = {}
+
+        def pack(tensor, kept=kept):
+            if tensor.data_ptr() not in params and tensor.dtype.is_floating_point:
+                kept[tensor.data_ptr(), tensor.numel()] = tensor.numel()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model.patch_embed.backbone(torch.randn(batch, 3, size, size))
+        saved.append(sum(kept.values()))
+    per_image, fixed = saved[1] - saved[0], 2 * saved[0] - saved[1]
+    assert shape.stem_elements == pytest.approx(per_image, rel=0.1)
+    assert shape.stem_weights == pytest.approx(fixed, rel=0.05)
+    assert shape.stem_checkpointed <= shape.stem_elements
+    assert ModelShape.of("vit_test").stem_elements == 0

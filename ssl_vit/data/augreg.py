@@ -40,14 +40,41 @@ class AugRegTransform:
 
         self.transform = create_transform(
             img_size, is_training=True, scale=tuple(crop_scale), hflip=0.5, vflip=0.0,
-            auto_augment=cfg.rand_augment or None, interpolation=cfg.interpolation, mean=tuple(mean), std=tuple(std),
+            auto_augment=cfg.rand_augment or None, color_jitter=None,  # (timm's 0.4 jitter only without RandAugment)
+            interpolation=cfg.interpolation, mean=tuple(mean), std=tuple(std),
             re_prob=cfg.random_erasing, re_mode="pixel", re_count=1)
+
+        _allow_zero_bit_posterize(self.transform)
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
         from torchvision.transforms.v2.functional import to_pil_image
 
         with seeded_python_and_numpy(int(torch.randint(2**62, ()))):
             return self.transform(to_pil_image(image))
+
+
+def _posterize(img, bits_to_keep, **kwargs):
+    """timm's posterize, with 0 bits kept giving the black image that TF's RandAugment and Pillow < 13 give.
+
+    timm's 'inc1' RandAugment keeps 4 - int(4 m / 10) bits, so 0 at magnitude 10, which DeiT's m9 with std 0.5
+    reaches ~2% of the time; Pillow 13's ImageOps.posterize refuses 0 bits ("bits must be between or equal to 1 and
+    8"), which would stop a run."""
+    from PIL import Image
+    from timm.data.auto_augment import posterize
+
+    if bits_to_keep <= 0:
+        return Image.new(img.mode, img.size)
+    return posterize(img, bits_to_keep, **kwargs)
+
+
+def _allow_zero_bit_posterize(transform) -> None:
+    from timm.data.auto_augment import RandAugment, posterize
+
+    for step in getattr(transform, "transforms", []):
+        if isinstance(step, RandAugment):
+            for op in step.ops:
+                if op.aug_fn is posterize:
+                    op.aug_fn = _posterize
 
 
 class BatchMixer:

@@ -34,8 +34,9 @@ class StepBatchSampler(Sampler):
     """Infinite batch sampler yielding lists of (index, sample_seed) for one rank, from micro-step `start`.
 
     `repeats` > 1 is repeated augmentation (Hoffer et al. 2020; DeiT's RASampler): an epoch takes N / repeats
-    images of the permutation, each `repeats` times in a row (so mostly in the same batch), every copy with its own
-    seed (its own augmentation); an epoch still has N samples."""
+    images of the permutation, each `repeats` times in a row, every copy with its own seed (its own augmentation);
+    an epoch still has N samples. As RASampler, each global batch is dealt to the ranks in turn (rank r takes
+    positions r, r + world, ...), so the copies of an image land on different ranks."""
 
     def __init__(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  start: int = 0, shuffle: bool = True, repeats: int = 1):
@@ -74,9 +75,14 @@ class StepBatchSampler(Sampler):
             if step // self.batches_per_epoch != epoch:
                 epoch = step // self.batches_per_epoch
                 order = self._order(epoch)
-            first = (step % self.batches_per_epoch) * self.batch_size * self.world_size + self.rank * self.batch_size
-            indices = order[first: first + self.batch_size].tolist()
-            yield [(i, self._seed(epoch, first + k, i)) for k, i in enumerate(indices)]
+            global_batch = self.batch_size * self.world_size
+            if self.repeats > 1:  # dealt in turn: positions rank, rank + world, ... of the global batch
+                start = (step % self.batches_per_epoch) * global_batch
+                positions = range(start + self.rank, start + global_batch, self.world_size)
+            else:  # a contiguous slice per rank
+                first = (step % self.batches_per_epoch) * global_batch + self.rank * self.batch_size
+                positions = range(first, first + self.batch_size)
+            yield [(int(order[p]), self._seed(epoch, p, int(order[p]))) for p in positions]
             step += 1
 
 

@@ -40,6 +40,8 @@ class ViewBuilder:
         self.multicrop = None
         self.augreg = self.mixer = None
         augment = {True: "crop_flip", False: "none"}.get(augment, augment)
+        if augment not in ("none", "crop_flip", "augreg"):
+            raise ValueError(f"augment={augment!r} is not one of ['none', 'crop_flip', 'augreg']")
         if augment == "augreg":
             self._build_augreg(img_size, mean, std, crop_scale, augreg, num_classes)
         if "crops" in self.views:

@@ -191,8 +191,10 @@ def timm_model_args(config: dict) -> dict:
     mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
     if int(width * (mlp_dim / width)) != mlp_dim:
         problems.append(f"mlp_dim={mlp_dim} (timm rebuilds int(width x mlp_ratio) = {int(width * (mlp_dim / width))})")
-    if config.get("dist_token") and (config.get("stem", "patch") != "patch" or config.get("num_registers", 0)):
-        problems.append("dist_token=True with a hybrid stem or registers (timm's distilled DeiT has neither)")
+    if config.get("dist_token") and (config.get("stem", "patch") != "patch" or config.get("num_registers", 0)
+                                     or config.get("no_embed_class")):
+        problems.append("dist_token=True with a hybrid stem, registers or no_embed_class (timm's distilled DeiT has "
+                        "none of them)")
     if config.get("norm_eps", 1e-6) != 1e-6:
         problems.append(f"norm_eps={config['norm_eps']} (timm's config files build LayerNorm with eps 1e-6)")
     if problems:

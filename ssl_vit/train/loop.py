@@ -377,8 +377,12 @@ def pretrain(cfg) -> dict:
         objective, dataset, views, preprocess = build_components(cfg, source)
     optimizer = build_optimizer(objective, cfg.optim, num_layers=len(objective.encoder.blocks))
     global_batch = cfg.data.batch_size * accelerator.num_processes * tcfg.grad_accum_steps
-    lrs = schedule(peak_lr(cfg.optim, global_batch), cfg.optim.min_lr, tcfg.max_steps,
-                   warmup_steps(cfg.optim, tcfg.max_steps), cfg.optim.schedule)
+    peak = peak_lr(cfg.optim, global_batch)
+    if cfg.optim.min_lr > peak:
+        log.warning("optim.min_lr=%g is above the peak lr %g (optim.lr scaled to global batch %d): the schedule "
+                    "stays at the peak instead of rising", cfg.optim.min_lr, peak, global_batch)
+    lrs = schedule(peak, min(cfg.optim.min_lr, peak), tcfg.max_steps, warmup_steps(cfg.optim, tcfg.max_steps),
+                   cfg.optim.schedule)
     wds = weight_decay_schedule(cfg.optim, tcfg.max_steps)
     eval_sets = periodic_eval_sets(cfg, preprocess.img_size) if tcfg.eval_every > 0 else None
 

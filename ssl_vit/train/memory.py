@@ -31,7 +31,12 @@ s x s matrix:
                                before and after GELU (2m); the parallel block (ViT-22B) shares one LayerNorm (6h + 2m)
     + a * s * b * 4            the attention kernel's log-sum-exp
 With gradient checkpointing each block keeps only its input (h * s * b * c) and one block is recomputed at a time.
-Dropout masks, drop-path and the objective's head and loss are not counted.
+A hybrid's ResNet (model.stem=resnet) keeps the output of every convolution, GroupNorm(+ReLU) and pooling, counted
+by a forward pass on the meta device; with gradient checkpointing (per stage, timm's) the stem's outputs, every
+stage's input and one stage's outputs; plus, once per step, a standardised copy of every kernel (weight
+standardisation; counted whole with or without checkpointing). Measured against autograd's saved tensors
+(tests/test_hybrid.py): per image within 10%, the kernel copies within 5%. Dropout masks, drop-path and the
+objective's head and loss are not counted.
 """
 
 from __future__ import annotations
@@ -65,6 +70,9 @@ class ModelShape:
     heads: int
     tokens: int
     parallel_block: bool
+    stem_elements: int = 0  # per image, kept by a hybrid's ResNet for backward
+    stem_checkpointed: int = 0  # the same with per-stage gradient checkpointing
+    stem_weights: int = 0  # per step: the standardised copy of every kernel (weight standardisation) it keeps
 
     @classmethod
     def of(cls, name: str, **overrides) -> ModelShape:
@@ -80,7 +88,41 @@ class ModelShape:
             depth=len(model.blocks), width=model.embed_dim,
             mlp_width=block.in_split[0] if parallel else block.mlp.fc1.out_features,
             heads=block.num_heads if parallel else block.attn.num_heads,
-            tokens=model.patch_embed.num_patches + model.num_prefix_tokens, parallel_block=parallel)
+            tokens=model.patch_embed.num_patches + model.num_prefix_tokens, parallel_block=parallel,
+            **dict(zip(("stem_elements", "stem_checkpointed"), stem_activation_elements(model), strict=True)),
+            stem_weights=sum(p.numel() for p in getattr(model.patch_embed, "backbone", torch.nn.Module()).parameters()
+                             if p.ndim == 4))
+
+
+def stem_activation_elements(model) -> tuple[int, int]:
+    """Activation elements per image a hybrid's ResNet keeps for backward: (without, with per-stage gradient
+    checkpointing); (0, 0) for pixel patches. Counted by a forward pass on the meta device."""
+    from timm.layers import GroupNormAct
+
+    backbone = getattr(model.patch_embed, "backbone", None)
+    if backbone is None:
+        return 0, 0
+    outputs: dict[str, int] = {}
+    stage_inputs: list[int] = []
+
+    def count(name):
+        def hook(module, args, output):
+            outputs[name] = output.numel()
+        return hook
+
+    kept = (torch.nn.Conv2d, torch.nn.GroupNorm, GroupNormAct, torch.nn.MaxPool2d)
+    handles = [m.register_forward_hook(count(n)) for n, m in backbone.named_modules()
+               if isinstance(m, kept) or type(m).__name__.startswith("MaxPool")]
+    stages = list(getattr(backbone, "stages", []))
+    handles += [s.register_forward_pre_hook(lambda module, args: stage_inputs.append(args[0].numel())) for s in stages]
+    height, width = model.patch_embed.img_size
+    backbone(torch.zeros(1, model.patch_embed.in_chans, height, width, device="meta"))
+    for handle in handles:
+        handle.remove()
+    per_stage = [sum(v for k, v in outputs.items() if k.startswith(f"stages.{i}.")) for i in range(len(stages))]
+    stem = sum(outputs.values()) - sum(per_stage)
+    # checkpointed: the stem's outputs (the first stage's input among them), later stages' inputs, one stage's
+    return sum(outputs.values()), stem + sum(stage_inputs[1:]) + max(per_stage, default=0)
 
 
 @dataclass(frozen=True)
@@ -122,8 +164,9 @@ def activation_bytes(shape: ModelShape, batch: int, precision: str, grad_checkpo
     per_element = (6 if shape.parallel_block else 8) * shape.width + 2 * shape.mlp_width
     block = per_element * tokens * c + shape.heads * tokens * 4
     if grad_checkpointing:
-        return shape.depth * shape.width * tokens * c + block
-    return shape.depth * block
+        return (shape.depth * shape.width * tokens * c + block
+                + (shape.stem_checkpointed * batch + shape.stem_weights) * c)
+    return shape.depth * block + (shape.stem_elements * batch + shape.stem_weights) * c
 
 
 def plan(shape: ModelShape, strategy: str, gpus: int, *, gpus_per_node: int = 8, batch_per_gpu: int = 1,
