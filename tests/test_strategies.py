@@ -27,8 +27,10 @@ OBJECTIVES = {
                "objective.freeze_last_layer_steps=5"],
     # open_clip's text tower and ClipLoss across ranks, accumulation by cached features, zero-shot evaluation
     # the hybrid stem (its ResNet initialised on gathered weights under zero.Init) with DeiT's frozen timm teacher,
-    # built whole outside the sharded model ({teacher}: a weights file written by the fixture)
-    "deit": ["objective=deit", "model=vit_tiny_r", "objective.teacher=timm:resnet10t:{teacher}"],
+    # built whole outside the sharded model ({teacher}: a weights file written by the fixture); with the recipe's
+    # data side (RandAugment, Mixup / CutMix, repeated augmentation dealt across the ranks)
+    "deit": ["objective=deit", "model=vit_tiny_r", "objective.teacher=timm:resnet10t:{teacher}",
+             "data.augment=augreg"],
     "clip": ["objective=clip_tiny", "objective.embed_dim=16", "objective.text_width=16", "objective.text_heads=2",
              "objective.text_layers=1", "objective.context_length=16", "data.batch_size=4",
              "trainer.grad_accum_steps=2", "trainer.eval_evaluators=[knn,zeroshot]"],
@@ -85,7 +87,16 @@ def test_every_strategy_gives_the_same_losses_encoders_and_heads(runs, objective
         encoder = load_encoder(run / "encoder.safetensors").state_dict()  # consolidated, whatever the sharding
         heads = load_file(run / "heads.safetensors")  # DINO's heads and teacher heads; CLIP's text tower
         for name, value in [*reference_encoder.items(), *reference_heads.items()]:
-            torch.testing.assert_close({**encoder, **heads}[name], value, atol=1e-4, rtol=1e-4, msg=f"{config}: {name}")
+            tolerance = 1e-4
+            if config == "zero3_cpu2" and name.startswith("patch_embed.backbone.") and value.ndim == 4:
+                # A hybrid's weight-standardised ResNet kernels: ZeRO-3 reduce-scatters gradients in another order
+                # than DDP's all-reduce, and the gradient of a standardised kernel is a difference of near-equal
+                # terms (its mean and scale removed), so rounding flips the sign of its smallest entries, which Adam
+                # turns into whole lr-sized steps. Measured after 5 steps: up to 9e-5 here (1.9e-4 with stochastic
+                # depth and no clipping), every other tensor within 1e-5, ZeRO-1/2 exact.
+                tolerance = 3e-4
+            torch.testing.assert_close({**encoder, **heads}[name], value, atol=tolerance, rtol=1e-4,
+                                       msg=f"{config}: {name}")
     if objective == "clip":
         assert "eval/zeroshot" in reference_eval[0] and "text.token_embedding.weight" in reference_heads
 
