@@ -255,3 +255,23 @@ def test_siglip_under_zero3_clamps_the_logit_scale_inside_the_forward(tmp_path):
                   "objective.init_logit_scale=5.0", "trainer.max_steps=3"))
     assert [m["logit_scale"] for m in read_metrics(tmp_path)] == [pytest.approx(100.0)] * 3
     assert float(load_file(tmp_path / "heads.safetensors")["logit_scale"]) == 5.0
+
+
+def test_a_zero3_shard_is_read_without_its_uninitialised_padding(monkeypatch):
+    """DeepSpeed pads the last partition with torch.empty memory (partition_parameters.py: only ds_numel - start
+    elements are copied); a norm over the raw partition once read inf there and stopped a CLIP run under ZeRO-3."""
+    import torch.distributed as dist
+
+    from ssl_vit.train.strategy import local_shard, parameter_norm
+
+    param = torch.nn.Parameter(torch.empty(0))
+    param.ds_numel = 7  # 7 elements over 2 ranks: partitions of 4, the last with 1 element of padding
+    for rank, values in [(0, [1.0, 2.0, 3.0, 4.0]), (1, [5.0, 6.0, 7.0, float("inf")])]:
+        param.ds_tensor = torch.tensor(values)
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
+        assert local_shard(param).tolist() == values[:4 if rank == 0 else 3]
+    class Local:  # one process: parameter_norm does not reduce
+        distributed_type = None
+    monkeypatch.setattr("ssl_vit.train.strategy.is_sharded", lambda accelerator: False)
+    assert parameter_norm(Local(), [param]) == pytest.approx((25 + 36 + 49) ** 0.5)

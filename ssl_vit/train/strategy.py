@@ -136,9 +136,17 @@ def construction_context(accelerator):
 
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter: ZeRO-3's partition, an FSDP2 DTensor's local shard, or the whole tensor."""
+    """This rank's part of a parameter: ZeRO-3's partition (without the padding that evens the partitions out: it
+    is uninitialised memory, once measured as inf in a norm), an FSDP2 DTensor's local shard, or the whole
+    tensor."""
     if hasattr(param, "ds_tensor"):
-        return param.ds_tensor
+        import torch.distributed as dist
+
+        shard = param.ds_tensor
+        group = getattr(param, "ds_process_group", None)
+        rank = dist.get_rank(group=group) if dist.is_initialized() else 0
+        valid = max(0, min(shard.numel(), param.ds_numel - rank * shard.numel()))
+        return shard.reshape(-1)[:valid]
     if hasattr(param, "to_local"):
         return param.to_local()
     return param
