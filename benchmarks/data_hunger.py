@@ -99,13 +99,18 @@ def train_cnn(args, size: int, out_dir: Path) -> Path:
     return path
 
 
-@torch.no_grad()
-def test_accuracy(classifier, args, size_cfg) -> float:
-    """Top-1 on the test split, eval transform (resize + centre crop, the data's normalisation)."""
-    test_cfg = size_cfg.data.copy()
+def test_set(args, cfg):
+    """The test split (a stratified subset of --test-samples) and its eval transform (resize + centre crop, the data's
+    normalisation)."""
+    test_cfg = cfg.data.copy()
     test_cfg.split = "test"
     test = limit_samples(build_dataset(test_cfg, args.img_size), args.test_samples, 0)
-    views = resolve_preprocess(size_cfg.data, args.img_size).view_builder(("image", "label"))
+    return test, resolve_preprocess(cfg.data, args.img_size).view_builder(("image", "label"))
+
+
+@torch.no_grad()
+def test_accuracy(classifier, test, views) -> float:
+    """Top-1 on the test set."""
     classifier.eval()
     correct = 0
     for start in range(0, len(test), 500):
@@ -163,15 +168,15 @@ def main(argv=None) -> dict:
     register_configs()
     work = Path(args.work_dir)
     results = {m: {} for m in models}
+    test, test_views = test_set(args, _compose(args, work, sizes[0], "objective=supervised"))
+    num_classes = len(test.classes)
     start = time.perf_counter()
     for size in sizes:
-        size_cfg = _compose(args, work, size, "objective=supervised")
-        num_classes = len(build_dataset(size_cfg.data, args.img_size).classes)
         teacher = None
         if "cnn" in models:
             path, cost = _timed(lambda: train_cnn(args, size, work / f"cnn-{size}"))  # noqa: B023 (called at once)
             teacher = f"timm:{CNN}:{path}"
-            acc = test_accuracy(load_teacher(teacher, num_classes), args, size_cfg)
+            acc = test_accuracy(load_teacher(teacher, num_classes), test, test_views)
             results["cnn"][str(size)] = {"test_acc": acc, **cost}
             print(f"cnn on {size}: test accuracy {100 * acc:.2f}%", flush=True)
         for model in (m for m in models if m != "cnn"):
@@ -180,7 +185,7 @@ def main(argv=None) -> dict:
             cfg = _compose(args, out, size, *VIT_RUNS[model], *extra)
             AcceleratorState._reset_state(reset_partial_state=True)
             summary, cost = _timed(lambda: pretrain(cfg))  # noqa: B023 (called at once)
-            acc = test_accuracy(load_teacher(str(out), num_classes), args, size_cfg)
+            acc = test_accuracy(load_teacher(str(out), num_classes), test, test_views)
             results[model][str(size)] = {"test_acc": acc, "final_loss": summary["last"].get("loss"),
                                          "images_per_s": summary["images_per_s"], **cost}
             print(f"{model} on {size}: test accuracy {100 * acc:.2f}%", flush=True)

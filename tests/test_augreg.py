@@ -121,6 +121,8 @@ def test_repeated_augmentation_repeats_each_image_with_its_own_augmentation():
     (["objective=masked_patch", "data.augment=augreg"], "reads raw `pixels`"),
     (["data.augment=augreg", "data.batch_size=7"], "data.batch_size=7: Mixup / CutMix .* must be even"),
     (["data.augment=fancy"], r"data.augment='fancy' is not one of \['none', 'crop_flip', 'augreg'\]"),
+    (["data.augment=augreg", "data.augreg.interpolation=cubic"], r"interpolation='cubic' is not one of \['bicubic'"),
+    (["data.augment=augreg", "data.augreg.rand_augment=rand-zz"], "'rand-zz' is not a timm RandAugment policy"),
 ])
 def test_the_recipe_refuses_what_it_cannot_do_by_name(overrides, message):
     with pytest.raises(ConfigError, match=message):

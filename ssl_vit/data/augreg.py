@@ -17,6 +17,8 @@ import torch
 
 from ssl_vit.config import AugRegConfig
 
+INTERPOLATIONS = ("bicubic", "bilinear", "nearest")  # timm's create_transform names
+
 
 @contextmanager
 def seeded_python_and_numpy(seed: int):
@@ -38,6 +40,12 @@ class AugRegTransform:
     def __init__(self, img_size: int, mean, std, crop_scale, cfg: AugRegConfig):
         from timm.data import create_transform
 
+        if cfg.interpolation not in INTERPOLATIONS:
+            raise ValueError(f"data.augreg.interpolation={cfg.interpolation!r} is not one of {list(INTERPOLATIONS)}")
+        if cfg.rand_augment and not cfg.rand_augment.startswith("rand-m"):
+            raise ValueError(f"data.augreg.rand_augment={cfg.rand_augment!r} is not a timm RandAugment policy: "
+                             "'rand-m<magnitude>[-n<ops>][-mstd<std>][-inc1]' (DeiT: rand-m9-mstd0.5-inc1), or '' "
+                             "for none")
         self.transform = create_transform(
             img_size, is_training=True, scale=tuple(crop_scale), hflip=0.5, vflip=0.0,
             auto_augment=cfg.rand_augment or None, color_jitter=None,  # (timm's 0.4 jitter only without RandAugment)

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import default_collate
 from torchvision.transforms import v2
 
+from ssl_vit.config import AUGMENTS
 from ssl_vit.data.errors import MissingTextError
 
 VIEW_KINDS = ("image", "pixels", "crops", "label", "text")
@@ -40,8 +41,8 @@ class ViewBuilder:
         self.multicrop = None
         self.augreg = self.mixer = None
         augment = {True: "crop_flip", False: "none"}.get(augment, augment)
-        if augment not in ("none", "crop_flip", "augreg"):
-            raise ValueError(f"augment={augment!r} is not one of ['none', 'crop_flip', 'augreg']")
+        if augment not in AUGMENTS:
+            raise ValueError(f"augment={augment!r} is not one of {list(AUGMENTS)}")
         if augment == "augreg":
             self._build_augreg(img_size, mean, std, crop_scale, augreg, num_classes)
         if "crops" in self.views:
