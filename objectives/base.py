@@ -47,6 +47,8 @@ class Objective(nn.Module, ABC):
     caches_features: ClassVar[bool] = False
     # Backbone options this objective's method uses (CLIP: pre_norm), applied where the model config leaves them unset.
     model_defaults: ClassVar[dict] = {}
+    # Buffers that stay fp32 whatever the training precision (DINO's centres).
+    fp32_buffers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, backbone: VisionTransformer, cfg, data: DataInfo):
         super().__init__()
@@ -63,6 +65,12 @@ class Objective(nn.Module, ABC):
         """The transformer-block classes in this model (backbone, decoders, heads): FSDP2's auto-wrap shards each
         block as one unit (accelerate reads this when the accelerate config names no layer class)."""
         return sorted({type(m).__name__ for m in self.modules() if isinstance(m, (Block, ParallelBlock))})
+
+    @property
+    def _keep_in_fp32_modules_strict(self) -> list[str]:
+        """DeepSpeed's zero.Init turns every float tensor made during construction into the training dtype except
+        the buffers named here (its keep_in_fp32 rule, after transformers' attribute of this name)."""
+        return list(self.fp32_buffers)
 
     @abstractmethod
     def forward(self, batch: dict) -> dict[str, torch.Tensor]: ...

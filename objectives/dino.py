@@ -120,6 +120,7 @@ class DINO(Objective):
     saved_heads = ("head.", "patch_head.", "teacher.head.", "teacher.patch_head.", "mask_token", "centre",
                    "patch_centre")
     has_ema_teacher = True
+    fp32_buffers = ("centre", "patch_centre")  # EMAs of batch means: bf16 would round every update away
 
     def __init__(self, backbone, cfg: DINOConfig, data: DataInfo):
         super().__init__(backbone, cfg, data)

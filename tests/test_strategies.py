@@ -6,7 +6,9 @@ construction under zero.Init."""
 
 import json
 import math
+import os
 import subprocess
+import sys
 
 import pytest
 import timm
@@ -15,6 +17,7 @@ from conftest import ACCELERATE_LAUNCH, ROOT, check_ok, launch, read_metrics
 from safetensors.torch import load_file, save_file
 
 from ssl_vit.export import load_encoder
+from ssl_vit.vit import build_vit
 
 STRATEGIES = ["ddp_cpu2", "zero1_cpu2", "zero2_cpu2", "zero3_cpu2", "fsdp2_cpu2"]
 SHARDED = {"zero3_cpu2", "fsdp2_cpu2"}  # parameters split across ranks
@@ -275,3 +278,34 @@ def test_a_zero3_shard_is_read_without_its_uninitialised_padding(monkeypatch):
         distributed_type = None
     monkeypatch.setattr("ssl_vit.train.strategy.is_sharded", lambda accelerator: False)
     assert parameter_norm(Local(), [param]) == pytest.approx((25 + 36 + 49) ** 0.5)
+
+
+def test_zero_init_builds_parameters_in_the_precision_whatever_the_accelerator_says_of_fp16():
+    """DeepSpeed 0.19.8 reads an explicit zero.Init dtype through `is_fp16_supported()`: fp32 became bf16 on a CPU
+    without fp16 (and bf16 fp32 on GPUs). Built as the trainer builds (the dtype from the config), with the answer
+    patched both ways: fp32 runs build fp32 parameters, bf16 runs bf16 ones, and DINO's centres stay fp32."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/helpers/zero_init_dtypes.py")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert {(c["precision"], c["fp16_supported"]) for c in cases} == {(p, f) for p in ("fp32", "bf16")
+                                                                     for f in (True, False)}
+    for case in cases:
+        assert case["parameters"] == [f"torch.{'bfloat16' if case['precision'] == 'bf16' else 'float32'}"], case
+        assert case["buffers"] == {"centre": "torch.float32", "patch_centre": "torch.float32"}, case
+
+
+def test_training_refuses_parameters_of_another_dtype_than_the_precision_means():
+    from objectives import DataInfo, build_objective
+    from objectives.dino import DINOConfig
+    from ssl_vit.train.strategy import check_dtypes
+
+    objective = build_objective(DINOConfig(out_dim=16, hidden_dim=16, bottleneck_dim=8, local_crops=0),
+                                build_vit("vit_test"), DataInfo(0, 16))
+    check_dtypes(objective, torch.float32, objective.fp32_buffers)
+    with pytest.raises(RuntimeError, match="should be torch.bfloat16"):
+        check_dtypes(objective, torch.bfloat16, objective.fp32_buffers)
+    objective.centre.data = objective.centre.data.bfloat16()
+    with pytest.raises(RuntimeError, match="centre torch.bfloat16"):
+        check_dtypes(objective, torch.float32, objective.fp32_buffers)

@@ -27,9 +27,13 @@ def test_patch_embedding_equals_patchify_then_matmul():
     # Raster order over the grid; each patch flattened as (channel, row, col) to match the conv weight layout.
     patches = images.unfold(2, P, P).unfold(3, P, P)  # (B, C, 4, 6, P, P)
     patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(2, 4 * 6, 3 * P * P)
-    expected = patches @ embed.proj.weight.reshape(20, -1).T + embed.proj.bias
+    weight = embed.proj.weight.reshape(20, -1)
+    expected = patches @ weight.T + embed.proj.bias
     assert embed.grid_size == (4, 6)
-    torch.testing.assert_close(embed(images), expected, atol=1e-6, rtol=0)
+    # Any summation order of a K-term fp32 dot product is within K * eps * sum |x_i w_i| (+ |b|) of the exact value
+    # (the standard forward error bound, with a factor 2 to spare): a BLAS-independent tolerance per output.
+    bound = weight.shape[1] * torch.finfo(torch.float32).eps * (patches.abs() @ weight.abs().T + embed.proj.bias.abs())
+    assert bool(((embed(images) - expected).abs() <= bound).all())
 
 
 @pytest.mark.parametrize("name, expected", [

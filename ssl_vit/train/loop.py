@@ -49,10 +49,12 @@ from ssl_vit.train.guard import UpdateGuard, nonfinite_error, ruined_weights_err
 from ssl_vit.train.optim import apply_schedule, build_optimizer, schedule, weight_decay_schedule
 from ssl_vit.train.outputs import ENCODER_FILE, OutputError, RunOutputs, check_writable
 from ssl_vit.train.strategy import (
+    check_dtypes,
     construction_context,
     full_state_dict,
     is_sharded,
     make_accelerator,
+    parameter_dtype,
     parameter_norm,
     replica_digest,
     step_was_applied,
@@ -388,6 +390,7 @@ def pretrain(cfg) -> dict:
 
     model, optimizer = accelerator.prepare(objective, optimizer)
     unwrapped = accelerator.unwrap_model(model)
+    check_dtypes(unwrapped, parameter_dtype(accelerator, tcfg.precision), unwrapped.fp32_buffers)
     state = TrainState()
     accelerator.register_for_checkpointing(state)
     resume_dir = resolve_resume(tcfg.resume, out_dir)

@@ -130,9 +130,37 @@ def construction_context(accelerator):
     plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type == DistributedType.DEEPSPEED else None
     if plugin is None or plugin.zero_stage != 3 or not plugin.zero3_init_flag:
         return contextlib.nullcontext()
-    import deepspeed
+    return zero_init(plugin.deepspeed_config)
 
-    return deepspeed.zero.Init(config_dict_or_path=plugin.deepspeed_config, dtype=torch.float32)
+
+def zero_init(deepspeed_config: dict):
+    """DeepSpeed's zero.Init building parameters in the dtype the config's precision means (bf16.enabled: bf16, else
+    fp32). The dtype comes from the config (`dtype=None`): DeepSpeed 0.19.8 reads an explicit one as
+    `(dtype or fp16) if is_fp16_supported() else (bf16 if is_bf16_supported else fp32)`, the last test a bound
+    method and always true, so an explicit fp32 became bf16 on a CPU without fp16 support (and bf16 fp32 on GPUs)."""
+    import deepspeed  # heavy: only for ZeRO-3 runs
+
+    return deepspeed.zero.Init(config_dict_or_path=deepspeed_config, dtype=None)
+
+
+def parameter_dtype(accelerator, precision: Precision) -> torch.dtype:
+    """The dtype the model's parameters have once prepared: DeepSpeed holds 16-bit copies in the module (fp32
+    masters in its optimizer); DDP and FSDP2 keep fp32 parameters and compute in bf16 under autocast / their
+    mixed-precision policy."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and precision == Precision.bf16:
+        return torch.bfloat16
+    return torch.float32
+
+
+def check_dtypes(model: torch.nn.Module, expected: torch.dtype, fp32_buffers=()) -> None:
+    """Refuse to train when parameters are not in `expected` or a buffer that must stay fp32 is not (a strategy that
+    built them otherwise would silently train another model: 2x the memory, or bf16 rounding in an fp32 run)."""
+    wrong = [f"{name} {p.dtype}" for name, p in model.named_parameters() if p.dtype != expected]
+    wrong += [f"{name} {b.dtype}" for name, b in model.named_buffers()
+              if name.rsplit(".", 1)[-1] in fp32_buffers and b.dtype != torch.float32]
+    if wrong:
+        raise RuntimeError(f"parameters should be {expected} (and {list(fp32_buffers)} fp32) for this precision and "
+                           f"strategy, but {len(wrong)} are not: {wrong[:4]}")
 
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,32 @@
+"""Build an objective under ZeRO-3's zero.Init as the trainer does (ssl_vit.train.strategy.zero_init) for each
+precision, with DeepSpeed's accelerator answering is_fp16_supported() both ways, on a one-process gloo group; print
+the dtypes of every parameter and of the buffers that must stay fp32, one JSON line per case."""
+
+import json
+import os
+
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from objectives import DataInfo, build_objective
+from objectives.dino import DINOConfig
+from ssl_vit.train.strategy import zero_init
+from ssl_vit.vit import build_vit
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29531"), RANK="0",
+                  WORLD_SIZE="1", LOCAL_RANK="0")
+torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+accelerator = get_accelerator()
+for precision in ("fp32", "bf16"):
+    for fp16_supported in (True, False):
+        accelerator.is_fp16_supported = lambda answer=fp16_supported: answer
+        config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": precision == "bf16"},
+                  "fp16": {"enabled": False}, "zero_optimization": {"stage": 3}}
+        cfg = DINOConfig(out_dim=16, hidden_dim=16, bottleneck_dim=8, local_crops=0, ibot_weight=1.0, ibot_out_dim=16)
+        with zero_init(config):
+            objective = build_objective(cfg, build_vit("vit_test"), DataInfo(0, 16))
+        print(json.dumps({"precision": precision, "fp16_supported": fp16_supported,
+                          "parameters": sorted({str(p.dtype) for p in objective.parameters()}),
+                          "buffers": {name: str(b.dtype) for name, b in objective.named_buffers()
+                                      if name in objective.fp32_buffers}}))
+torch.distributed.destroy_process_group()
