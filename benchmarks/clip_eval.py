@@ -31,13 +31,14 @@ import torch
 from accelerate.state import AcceleratorState
 from hydra import compose, initialize_config_dir
 
-from objectives.clip import load_clip
-from ssl_vit.config import EvalConfig, register_configs
+from objectives import load_trained
+from ssl_vit.artifacts import read_preprocess
+from ssl_vit.cli import register_configs
+from ssl_vit.config import EvalConfig
 from ssl_vit.data import SyntheticShapes, TuxPaintStamps
 from ssl_vit.data.shards import write_shards
 from ssl_vit.data.sources import ReadableSamples
 from ssl_vit.eval.run import run_evaluators
-from ssl_vit.export import read_preprocess
 from ssl_vit.train import build_components, pretrain
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -131,7 +132,7 @@ def main() -> None:
                                                          shards, work)
             overrides = [*overrides, f"objective.image_encoder={work / 'masked_patch'}"]
         training[name] = train_for(name, overrides, args.budget_minutes, shards, work)
-        rows[name] = evaluate_model(load_clip(work / name), read_preprocess(work / name / "encoder.safetensors"))
+        rows[name] = evaluate_model(load_trained(work / name), read_preprocess(work / name / "encoder.safetensors"))
 
     report = {"benchmark": "clip_eval", "budget_minutes": args.budget_minutes, "common": COMMON, "runs": RUNS,
               "shards": sizes, "threads": torch.get_num_threads(),

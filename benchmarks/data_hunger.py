@@ -29,12 +29,12 @@ from accelerate.state import AcceleratorState
 from hydra import compose, initialize_config_dir
 
 from objectives.teacher import load_teacher
-from ssl_vit.config import register_configs
+from ssl_vit.cli import register_configs
 from ssl_vit.data import build_dataset, build_loader
 from ssl_vit.data.subset import limit_samples
+from ssl_vit.optim import schedule
 from ssl_vit.preprocess import resolve_preprocess
 from ssl_vit.train import pretrain
-from ssl_vit.train.optim import schedule
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 MODELS = ("cnn", "vit", "vit_augreg", "deit")

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from ssl_vit import VisionEncoder
-from ssl_vit.export.hf import export_hf
-from ssl_vit.export.onnx import export_onnx
-from ssl_vit.export.timm import export_timm
+from ssl_vit.interop.hf import export_hf
+from ssl_vit.interop.onnx import export_onnx
+from ssl_vit.interop.timm import export_timm
 from ssl_vit.vit import build_vit
 
 

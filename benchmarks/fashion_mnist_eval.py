@@ -25,11 +25,12 @@ import torch
 from accelerate.state import AcceleratorState
 from hydra import compose, initialize_config_dir
 
-from ssl_vit.config import EvalConfig, register_configs
+from ssl_vit.artifacts import load_encoder
+from ssl_vit.cli import register_configs
+from ssl_vit.config import EvalConfig
 from ssl_vit.data import FashionMNIST
 from ssl_vit.eval.linear import linear_probe
 from ssl_vit.eval.run import run_evaluators
-from ssl_vit.export import load_encoder
 from ssl_vit.train import build_components, pretrain
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

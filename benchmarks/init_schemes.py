@@ -21,7 +21,7 @@ import torch
 from accelerate.state import AcceleratorState
 from hydra import compose, initialize_config_dir
 
-from ssl_vit.config import register_configs
+from ssl_vit.cli import register_configs
 from ssl_vit.init import WEIGHT_INITS
 from ssl_vit.train import pretrain
 

@@ -20,8 +20,8 @@ from omegaconf import OmegaConf
 from objectives import DataInfo, build_objective
 from objectives.supervised import SupervisedConfig
 from ssl_vit.config import OptimConfig
-from ssl_vit.train.optim import build_optimizer
-from ssl_vit.train.strategy import construction_context, make_accelerator, strategy_name, unshard
+from ssl_vit.optim import build_optimizer
+from ssl_vit.train.strategy import StrategySettings, construction_context, make_accelerator, strategy_name, unshard
 from ssl_vit.vit import build_vit
 
 MIB = 1024**2
@@ -49,7 +49,7 @@ def main() -> None:
     cfg = OmegaConf.create({"trainer": {"precision": args.precision, "grad_accum_steps": 1, "tensorboard": False},
                             "data": {"batch_size": args.batch}, "optim": {"grad_clip": 1.0}})
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    accelerator = make_accelerator(cfg, args.out)
+    accelerator = make_accelerator(StrategySettings.from_config(cfg), args.out)
     cuda = accelerator.device.type == "cuda"
     set_seed(0)
     baseline = rss()

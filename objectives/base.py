@@ -1,14 +1,52 @@
-"""The objective interface: a module that owns the backbone (and its heads) and turns a batch into a loss."""
+"""The objective contract: everything the engine (ssl_vit/train/) knows about a method is on this page.
+
+An objective is an `nn.Module` that owns its backbone, its heads and any teacher, and turns a batch into a loss.
+The engine meets it at these points, and only these:
+
+    needs = Objective.requirements(cfg)      # declared as data: views, EMA teacher, image-text, fixed backbone, ...
+    objective = Objective(backbone, cfg, data)   # built under the strategy's construction context (zero.Init)
+    optimizer groups   no_weight_decay(), frozen_parameters()
+    every step         begin_step(step, total); micro_steps(batches, engine); after_optimizer_step(step, total)
+    saving             artifacts(full_state) -> encoder / heads / metadata; fp32_shards() (16-bit runs)
+    evaluation         encoder (what is evaluated and exported); evaluation_copy(full_state)
+    reloading          rebuild_config(cfg), state_from_artifacts(encoder, heads) (objectives.load_trained)
+
+`forward(batch) -> {"loss": scalar, **scalar metrics}` is the one method an objective must write. The smallest
+complete objective, a linear classifier on the pooled embedding:
+
+    @dataclass
+    class LinearConfig(ObjectiveConfig):
+        name: str = "linear"
+
+    class Linear(Objective):
+        config_class = LinearConfig
+        needs = Requirements(views=("image", "label"))
+        saved_heads = ("head.",)
+
+        def __init__(self, backbone, cfg, data):
+            super().__init__(backbone, cfg, data)
+            self.head = nn.Linear(backbone.embed_dim, data.num_classes)
+
+        def forward(self, batch):
+            logits = self.head(self.backbone.pool(self.backbone.forward_features(batch["image"])))
+            return {"loss": F.cross_entropy(logits.float(), batch["label"])}
+
+Register it in objectives/__init__.py with a config under configs/objective/, or, outside this package, name it
+`module:Class` in the objective config (`name: my_package.linear:Linear`).
+"""
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import ClassVar
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
 
+from ssl_vit.schema import to_container
 from ssl_vit.vit import Block, ParallelBlock, VisionTransformer
 
 
@@ -27,27 +65,61 @@ class DataInfo:
     std: list[float] = field(default_factory=list)
 
 
-class Objective(nn.Module, ABC):
-    """Built from (backbone, objective config, data info); `forward(batch)` returns a dict with a scalar `loss` and
-    any other scalar metrics to log.
+@dataclass(frozen=True)
+class FixedBackbone:
+    """A pre-trained backbone an objective brings itself (LiT's locked image tower): built instead of `model=`."""
 
-    `views` names the batch entries the objective reads; the data layer builds exactly those (see
-    `ssl_vit.data.views.VIEW_KINDS`). `encoder` is the backbone that evaluation and export use.
-    """
+    config: dict  # VisionTransformer keyword arguments
+    preprocess: object = None  # its recorded ssl_vit.preprocess.Preprocess, or None
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What an objective needs from the run, declared as data; the build step and the strategy read only this.
+
+    views: the batch entries it reads (ssl_vit.data.views.VIEW_KINDS; "label" needs class labels, "text" captions).
+    ema_teacher: it holds a teacher updated shard by shard after each step (DeepSpeed then keeps no parameter whole
+      on every rank). image_text: it embeds images and texts (`encode_image`, `encode_text`, `text_tokenizer`), so
+      zero-shot and retrieval evaluate it. fixed_backbone: its own backbone, replacing `model=`. init_from: why
+      `model.init_from` cannot start it (None: it can). model_defaults: backbone options the method uses where the
+      model config leaves them unset (CLIP: pre_norm)."""
+
+    views: tuple[str, ...] = ("image",)
+    ema_teacher: bool = False
+    image_text: bool = False
+    fixed_backbone: FixedBackbone | None = None
+    init_from: str | None = None
+    model_defaults: dict = field(default_factory=dict)
+
+
+@dataclass
+class Artifacts:
+    """What a run saves of an objective: the encoder's state dict (encoder.safetensors), the heads' (heads.safetensors,
+    by their names in the objective) and metadata that rebuilds the objective (`objectives.load_trained`): its name,
+    its config and its `DataInfo`, as JSON."""
+
+    encoder: dict[str, torch.Tensor]
+    heads: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+
+
+class Engine(Protocol):
+    """What `Objective.micro_steps` drives (the Trainer gives it): `forward(batch)` runs the distributed model on a
+    batch without a backward pass; `step(batch, loss_scale)` runs one micro-step: forward, backward of loss x
+    loss_scale, and, after the last micro-batch of the optimizer step, clipping and the optimizer step."""
+
+    forward: Callable[[dict], dict]
+    step: Callable[..., dict]
+
+
+class Objective(nn.Module, ABC):
+    """Built from (backbone, objective config, data info); see the module docstring for the whole contract."""
 
     config_class: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
-    views: ClassVar[tuple[str, ...]] = ("image",)
-    # State-dict prefixes of heads saved beside the encoder (heads.safetensors), to continue training from them.
+    needs: ClassVar[Requirements] = Requirements()
+    # State-dict prefixes of the heads saved beside the encoder (heads.safetensors), to continue training from them.
     saved_heads: ClassVar[tuple[str, ...]] = ()
-    # Whether the model holds an EMA teacher updated shard by shard (DeepSpeed then persists no parameter whole).
-    has_ema_teacher: ClassVar[bool] = False
-    # Contrastive objectives: gradient accumulation embeds every micro-batch first and recomputes each against the
-    # cached features of all (`forward(batch, cached=..., index=i)`, `forward(batch, embed_only=True)`), so the
-    # negatives are the whole accumulated batch (objectives/clip.py).
-    caches_features: ClassVar[bool] = False
-    # Backbone options this objective's method uses (CLIP: pre_norm), applied where the model config leaves them unset.
-    model_defaults: ClassVar[dict] = {}
-    # Buffers that stay fp32 whatever the training precision (DINO's centres).
+    # Buffers that stay fp32 whatever the training precision (DINO's centres); zero.Init keeps them so too.
     fp32_buffers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, backbone: VisionTransformer, cfg, data: DataInfo):
@@ -56,31 +128,20 @@ class Objective(nn.Module, ABC):
         self.cfg = cfg
         self.data = data
 
-    @property
-    def encoder(self) -> VisionTransformer:
-        return self.backbone
-
-    @property
-    def _no_split_modules(self) -> list[str]:
-        """The transformer-block classes in this model (backbone, decoders, heads): FSDP2's auto-wrap shards each
-        block as one unit (accelerate reads this when the accelerate config names no layer class)."""
-        return sorted({type(m).__name__ for m in self.modules() if isinstance(m, (Block, ParallelBlock))})
-
-    @property
-    def _keep_in_fp32_modules_strict(self) -> list[str]:
-        """DeepSpeed's zero.Init turns every float tensor made during construction into the training dtype except
-        the buffers named here (its keep_in_fp32 rule, after transformers' attribute of this name)."""
-        return list(self.fp32_buffers)
-
     @abstractmethod
     def forward(self, batch: dict) -> dict[str, torch.Tensor]: ...
 
+    # ----- declared needs -----
     @classmethod
-    def fixed_backbone(cls, cfg) -> tuple[dict, object] | None:
-        """(encoder config, its recorded Preprocess or None) when the objective's config fixes the backbone (a
-        locked, pre-trained image tower): the run builds that architecture instead of `model=`."""
-        return None
+    def requirements(cls, cfg) -> Requirements:
+        """The record for this config (ValueError naming a bad value); `needs` unless an option changes it."""
+        return cls.needs
 
+    @property
+    def views(self) -> tuple[str, ...]:
+        return type(self).requirements(self.cfg).views
+
+    # ----- data and optimizer hooks -----
     def text_tokenizer(self):
         """For objectives that read `text`: str -> token ids, run in the data workers."""
         return None
@@ -94,8 +155,67 @@ class Objective(nn.Module, ABC):
         group: unlike dropping gradients, this also works under DeepSpeed)."""
         return {}
 
+    # ----- the step -----
     def begin_step(self, step: int, total_steps: int) -> None:
         """Called before optimizer step `step` (0-based) of `total_steps`: for schedules the forward reads."""
 
+    def micro_steps(self, micro_batches: list[dict], engine: Engine) -> None:
+        """One optimizer step over its micro-batches (gradient accumulation): one `engine.step` per micro-batch.
+        Contrastive objectives override it (CLIP: every micro-batch embedded first, each then scored against all)."""
+        for batch in micro_batches:
+            engine.step(batch)
+
     def after_optimizer_step(self, step: int, total_steps: int) -> None:
-        """Hook for per-step updates outside the gradient (EMA teachers, temperature schedules)."""
+        """After optimizer step `step` (1-based): updates outside the gradient (EMA teachers, monitors)."""
+
+    # ----- saving and evaluation -----
+    @property
+    def encoder(self) -> VisionTransformer:
+        """The network that is evaluated and exported (DINO: the teacher's backbone)."""
+        return self.backbone
+
+    def artifacts(self, state: dict[str, torch.Tensor]) -> Artifacts:
+        """This objective's artifacts from its full (gathered) state dict."""
+        prefix = self._encoder_prefix
+        return Artifacts(encoder={k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)},
+                         heads={k: v for k, v in state.items() if k.startswith(self.saved_heads)},
+                         metadata={"objective": self.cfg.name, "objective_config": json.dumps(to_container(self.cfg)),
+                                   "data_info": json.dumps(asdict(self.data))})
+
+    def state_from_artifacts(self, encoder: dict[str, torch.Tensor], heads: dict[str, torch.Tensor]) -> dict:
+        """The inverse of `artifacts`: state-dict entries (all the artifacts hold) for `load_state_dict`."""
+        return {**{self._encoder_prefix + k: v for k, v in encoder.items()}, **heads}
+
+    @property
+    def _encoder_prefix(self) -> str:
+        return next(name for name, module in self.named_modules() if module is self.encoder) + "."
+
+    @classmethod
+    def rebuild_config(cls, cfg):
+        """The config that rebuilds this objective from its artifacts alone (without the files it was first built
+        from: LiT's locked image tower is in encoder.safetensors)."""
+        return cfg
+
+    def fp32_shards(self) -> dict[str, torch.Tensor]:
+        """Parameters the optimizer holds no fp32 master of, whose fp32 values live elsewhere (an EMA teacher's
+        averages when its tensors are 16-bit): name -> this rank's fp32 shard, for saving at full precision."""
+        return {}
+
+    def evaluation_copy(self, state: dict[str, torch.Tensor]) -> Objective:
+        """An unsharded copy holding the gathered `state` (for evaluating a sharded run on one process)."""
+        copy = type(self)(VisionTransformer(**self.backbone.config), self.rebuild_config(self.cfg), self.data)
+        copy.load_state_dict(state)
+        return copy
+
+    # ----- what the strategies read -----
+    @property
+    def _no_split_modules(self) -> list[str]:
+        """The transformer-block classes in this model (backbone, decoders, heads): FSDP2's auto-wrap shards each
+        block as one unit (accelerate reads this when the accelerate config names no layer class)."""
+        return sorted({type(m).__name__ for m in self.modules() if isinstance(m, (Block, ParallelBlock))})
+
+    @property
+    def _keep_in_fp32_modules_strict(self) -> list[str]:
+        """DeepSpeed's zero.Init turns every float tensor made during construction into the training dtype except
+        the buffers this names (its keep_in_fp32 rule, after transformers' attribute)."""
+        return list(self.fp32_buffers)

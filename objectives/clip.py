@@ -15,9 +15,9 @@ gather_with_grad=True)`: each rank scores its own rows against every rank's feat
 gradients, so the gradients are those of the global-batch loss (without local_loss they are scaled by the number of
 processes). SigLIP: open_clip's `SigLipLoss` with its bias (ln 10 and -10 at init) and its neighbour exchange.
 
-Gradient accumulation (`trainer.grad_accum_steps=k`, `caches_features`): the loop first embeds all k micro-batches
-without gradients, then recomputes each with gradients against the cached features of the others, so every
-micro-step sees all k x B negatives and the summed gradients equal one step at batch k x B (plain accumulation
+Gradient accumulation (`trainer.grad_accum_steps=k`, `micro_steps`): every one of the k micro-batches is first
+embedded without gradients, then each is recomputed with gradients against the cached features of the others, so
+every micro-step sees all k x B negatives and the summed gradients equal one step at batch k x B (plain accumulation
 silently shrinks the set of negatives). This is open_clip's `accum_freq`, except that the logit scale and bias
 receive 1/k of their gradient per micro-step, so they too get the big batch's gradient (open_clip gives them k
 times it). With dropout the recomputed features differ from the cached ones (as in open_clip).
@@ -27,17 +27,21 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
 from torch import nn
 
-from objectives.base import DataInfo, Objective, ObjectiveConfig
-from ssl_vit.config import checked
+from objectives.base import DataInfo, FixedBackbone, Objective, ObjectiveConfig, Requirements
+from ssl_vit.artifacts import ENCODER_FILE, read_metadata, read_preprocess
 from ssl_vit.init import rng_devices, writable
+from ssl_vit.schema import checked
 from ssl_vit.vit import Block, ParallelBlock, VisionTransformer
 
 TEXT_TOWERS = ("open_clip", "hf")
@@ -92,7 +96,7 @@ class TextTokenizer:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from open_clip.tokenizer import HFTokenizer, SimpleTokenizer
+            from open_clip.tokenizer import HFTokenizer, SimpleTokenizer  # heavy: image-text models only
 
             self._tokenizer = (HFTokenizer(self.hf_dir, context_length=self.context_length) if self.hf_dir
                                else SimpleTokenizer(context_length=self.context_length))
@@ -126,7 +130,7 @@ def build_text_tower(cfg) -> nn.Module:
     `block_type="custom"`) or open_clip's HFTextEncoder around a transformers model."""
     _check_choice("text_tower", cfg.text_tower, TEXT_TOWERS)
     if cfg.text_tower == "open_clip":
-        from open_clip.transformer import TextTransformer
+        from open_clip.transformer import TextTransformer  # heavy: image-text models only
 
         if cfg.text_width % cfg.text_heads:
             raise ValueError(f"objective.text_width={cfg.text_width} is not divisible by text_heads={cfg.text_heads}")
@@ -142,8 +146,8 @@ def build_text_tower(cfg) -> nn.Module:
                 torch.manual_seed(seed)
                 text.init_parameters()
         return text
-    from open_clip.hf_model import HFTextEncoder
-    from transformers import AutoConfig
+    from open_clip.hf_model import HFTextEncoder  # heavy: image-text models only
+    from transformers import AutoConfig  # (the same)
 
     _check_choice("hf_pooler", cfg.hf_pooler, HF_POOLERS)
     _check_choice("hf_proj", cfg.hf_proj, HF_PROJECTIONS)
@@ -184,7 +188,7 @@ def share_gradient(value: torch.Tensor | None, parts: int) -> torch.Tensor | Non
 def encoder_file(spec: str) -> Path:
     """An encoder file, or a run directory's encoder.safetensors (objective.image_encoder)."""
     path = Path(spec).expanduser()
-    path = path / "encoder.safetensors" if path.is_dir() else path
+    path = path / ENCODER_FILE if path.is_dir() else path
     if not path.is_file():
         raise ValueError(f"objective.image_encoder={spec!r} is not an encoder file or a run directory with "
                          "encoder.safetensors")
@@ -193,10 +197,9 @@ def encoder_file(spec: str) -> Path:
 
 class CLIP(Objective):
     config_class: ClassVar[type[ObjectiveConfig]] = CLIPConfig
-    views = ("image", "text")
+    # CLIP's norm before the blocks (and no patch-embedding bias)
+    needs = Requirements(views=("image", "text"), image_text=True, model_defaults={"pre_norm": True})
     saved_heads = ("image_proj.", "text.", "logit_scale", "logit_bias")
-    caches_features = True
-    model_defaults = {"pre_norm": True}  # CLIP's norm before the blocks (and no patch-embedding bias)
     loss_name = "clip"
 
     def __init__(self, backbone: VisionTransformer, cfg, data: DataInfo):
@@ -212,15 +215,13 @@ class CLIP(Objective):
         elif cfg.image_encoder:
             raise ValueError("objective.image_encoder is read only with objective.lock_image=true (LiT)")
         self._loss = None
+        self._cache: tuple[list[dict], int] | None = None  # (every micro-batch's features, this one's index)
+        self._embed_only = False
 
     def _lock_image(self, cfg) -> None:
         if not cfg.image_encoder:
             raise ValueError("objective.lock_image=true (LiT) needs objective.image_encoder=<encoder.safetensors or "
                              "a run directory>")
-        from safetensors.torch import load_file
-
-        from ssl_vit.export import read_metadata
-
         path = encoder_file(cfg.image_encoder)
         state, config = load_file(str(path)), json.loads(read_metadata(path)["model"])
         ours = self.backbone.config
@@ -235,14 +236,20 @@ class CLIP(Objective):
         self.backbone.requires_grad_(False)
 
     @classmethod
-    def fixed_backbone(cls, cfg):
-        """LiT: the locked image tower's own architecture and preprocessing (whatever `model=` says)."""
+    def requirements(cls, cfg) -> Requirements:
+        """LiT (a locked image tower): the tower's own architecture and preprocessing, whatever `model=` says."""
         if not cfg.lock_image or not cfg.image_encoder:
-            return None
-        from ssl_vit.export import read_metadata, read_preprocess
-
+            return cls.needs
         path = encoder_file(cfg.image_encoder)
-        return json.loads(read_metadata(path)["model"]), read_preprocess(path)
+        return replace(cls.needs, fixed_backbone=FixedBackbone(json.loads(read_metadata(path)["model"]),
+                                                               read_preprocess(path)),
+                       init_from="the locked image tower (objective.image_encoder) is the encoder already; use one")
+
+    @classmethod
+    def rebuild_config(cls, cfg):
+        """The locked tower's weights are in the artifacts: do not read objective.image_encoder again."""
+        return OmegaConf.merge(OmegaConf.structured(cls.config_class), cfg, {"lock_image": False,
+                                                                            "image_encoder": None})
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -254,9 +261,14 @@ class CLIP(Objective):
         return TextTokenizer(self.cfg.context_length, self.cfg.hf_model if self.cfg.text_tower == "hf" else None)
 
     @property
+    def zeroshot_templates(self) -> list[str]:
+        """This model's zero-shot prompts (objective.templates); empty: the dataset's own."""
+        return list(self.cfg.templates)
+
+    @property
     def _no_split_modules(self) -> list[str]:
         """FSDP2 shards each transformer block of both towers as one unit."""
-        from open_clip.transformer import CustomResidualAttentionBlock
+        from open_clip.transformer import CustomResidualAttentionBlock  # heavy: image-text models only
 
         names = {type(m).__name__ for m in self.modules() if isinstance(m, (Block, ParallelBlock,
                                                                             CustomResidualAttentionBlock))}
@@ -267,7 +279,7 @@ class CLIP(Objective):
     def loss_fn(self) -> nn.Module:
         """open_clip's loss, for this process's rank in the group (built at first use: the group exists then)."""
         if self._loss is None:
-            from open_clip.loss import ClipLoss, SigLipLoss
+            from open_clip.loss import ClipLoss, SigLipLoss  # heavy: image-text models only
 
             distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
             rank = torch.distributed.get_rank() if distributed else 0
@@ -290,16 +302,36 @@ class CLIP(Objective):
         bias (SigLIP) or None."""
         return self.logit_scale.clamp(max=self.cfg.max_logit_scale).exp(), self.logit_bias
 
-    def forward(self, batch: dict, cached: list[dict] | None = None, index: int = 0,
-                embed_only: bool = False) -> dict[str, torch.Tensor]:
-        """The loss of `batch`; with `cached` (every micro-batch's features, from `embed_only` calls), the loss of
-        all of them with this micro-batch (`index`) recomputed with gradients."""
+    def micro_steps(self, micro_batches: list[dict], engine) -> None:
+        """Accumulation with the feature cache (see the module docstring): each micro-step's loss is the whole
+        accumulated batch's, its backward only this micro-batch's share, so it is not averaged over the micro-steps
+        (accelerate divides by their number: loss_scale restores it)."""
+        if len(micro_batches) == 1:
+            return super().micro_steps(micro_batches, engine)
+        with torch.no_grad(), self._scored(embed_only=True):
+            cached = [engine.forward(batch) for batch in micro_batches]
+        for index, batch in enumerate(micro_batches):
+            with self._scored(cache=(cached, index)):
+                engine.step(batch, loss_scale=len(micro_batches))
+
+    @contextmanager
+    def _scored(self, cache: tuple[list[dict], int] | None = None, embed_only: bool = False):
+        """Inside: `forward` returns the features only (embed_only), or scores against the cached features of every
+        micro-batch with this one's (cache = (features, index)) recomputed with gradients."""
+        self._cache, self._embed_only = cache, embed_only
+        try:
+            yield
+        finally:
+            self._cache, self._embed_only = None, False
+
+    def forward(self, batch: dict) -> dict[str, torch.Tensor]:
         image = self.encode_image(batch["image"], normalize=True)
         text = self.encode_text(batch["text"], normalize=True)
-        if embed_only:
+        if self._embed_only:
             return {"image": image, "text": text}
         scale, bias = self.scale_and_bias()
-        if cached is not None:
+        if self._cache is not None:
+            cached, index = self._cache
             image = torch.cat([image if j == index else c["image"] for j, c in enumerate(cached)])
             text = torch.cat([text if j == index else c["text"] for j, c in enumerate(cached)])
             scale, bias = share_gradient(scale, len(cached)), share_gradient(bias, len(cached))
@@ -321,41 +353,3 @@ class CLIP(Objective):
 class SigLIP(CLIP):
     config_class: ClassVar[type[ObjectiveConfig]] = SigLIPConfig
     loss_name = "siglip"
-
-
-def load_clip(spec: str, device: str = "cpu") -> CLIP:
-    """A trained image-text model from its run directory (encoder.safetensors + heads.safetensors, which records
-    the objective's config), in eval mode."""
-    from omegaconf import OmegaConf
-    from safetensors.torch import load_file
-
-    from ssl_vit.export import load_encoder, read_metadata, read_preprocess
-
-    run = Path(spec).expanduser()
-    run = run.parent if run.is_file() else run
-    encoder_path, heads_path = run / "encoder.safetensors", run / "heads.safetensors"
-    if not (encoder_path.is_file() and heads_path.is_file()):
-        raise ValueError(f"{str(spec)!r} is not the run directory of an image-text model (objective=clip or "
-                         "siglip): it needs encoder.safetensors and heads.safetensors")
-    meta = read_metadata(heads_path)
-    classes = {"clip": CLIP, "siglip": SigLIP}
-    if meta.get("objective") not in classes:
-        raise ValueError(f"{str(spec)!r} was trained with objective={meta.get('objective')!r}; zero-shot and retrieval "
-                         f"need an image-text model: {sorted(classes)}")
-    if "objective_config" not in meta:
-        raise ValueError(f"{heads_path} records no objective config (written before it was recorded); train again")
-    model_class = classes[meta["objective"]]
-    cfg = OmegaConf.merge(OmegaConf.structured(model_class.config_class), json.loads(meta["objective_config"]))
-    cfg.lock_image, cfg.image_encoder = False, None  # the trained weights come from the files below
-    backbone = load_encoder(encoder_path)
-    preprocess = read_preprocess(encoder_path)
-    size = backbone.patch_embed.img_size[0]
-    data = DataInfo(0, size, *((preprocess.mean, preprocess.std) if preprocess else ([], [])))
-    model = model_class(backbone, cfg, data)
-    heads = load_file(str(heads_path))
-    missing, unexpected = model.load_state_dict({**{f"backbone.{k}": v for k, v in backbone.state_dict().items()},
-                                                 **heads}, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{heads_path} does not fit its objective config: missing {missing[:5]}, unexpected "
-                         f"{unexpected[:5]}")
-    return model.to(device).eval()

@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from omegaconf import MISSING
 
-from objectives.base import DataInfo, Objective, ObjectiveConfig
+from objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
 from objectives.supervised import accuracy, build_head, classification_loss
 from objectives.teacher import TEACHER_FORMS, load_teacher
-from ssl_vit.config import checked
 from ssl_vit.init import whole_modules
+from ssl_vit.schema import checked
 
 
 class Distillation(str, Enum):
@@ -60,9 +60,8 @@ def soft_distillation_loss(student: torch.Tensor, teacher: torch.Tensor, tau: fl
 
 class DeiT(Objective):
     config_class = DeiTConfig
-    views = ("image", "label")
+    needs = Requirements(views=("image", "label"), model_defaults={"dist_token": True})
     saved_heads = ("head.", "head_dist.")
-    model_defaults = {"dist_token": True}
 
     def __init__(self, backbone, cfg: DeiTConfig, data: DataInfo):
         super().__init__(backbone, cfg, data)

@@ -3,7 +3,7 @@
 A student (the shared backbone + a projection head) is trained to match, on every crop, the output of a teacher
 (a copy of backbone + head that gets no gradient) on the other global crops of the same image. The teacher is an
 exponential moving average of the student (momentum 0.996 -> 1 on a cosine, one update per optimizer step, in fp32,
-shard by shard under ZeRO-3 / FSDP2: `ssl_vit.train.ema`). Collapse is avoided by sharpening the teacher (low
+shard by shard under ZeRO-3 / FSDP2: `ssl_vit.ema`). Collapse is avoided by sharpening the teacher (low
 temperature) and centring it: DINO subtracts an EMA of its batch mean (all-reduced); DINOv2 uses Sinkhorn-Knopp
 over the global batch instead, adds the KoLeo regulariser on the student's class tokens and iBOT's masked-patch
 loss (a separate patch head; the teacher sees the unmasked image).
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from objectives.base import DataInfo, Objective, ObjectiveConfig
+from objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
 from objectives.distillation import (
     DINOHead,
     all_reduce,
@@ -37,10 +37,10 @@ from objectives.distillation import (
     updated_centre,
 )
 from objectives.patches import refuse_hybrid
-from ssl_vit.config import checked
 from ssl_vit.data.multicrop import local_crop_size
-from ssl_vit.train.ema import EMA, copy_parameters
-from ssl_vit.train.optim import schedule
+from ssl_vit.ema import EMA, copy_parameters
+from ssl_vit.optim import schedule
+from ssl_vit.schema import checked
 from ssl_vit.vit import VisionTransformer
 
 log = logging.getLogger("ssl_vit")
@@ -115,11 +115,10 @@ class Teacher(nn.Module):
 
 class DINO(Objective):
     config_class = DINOConfig
-    views = ("crops",)
+    needs = Requirements(views=("crops",), ema_teacher=True)
     # everything but the backbones, to continue training from: heads, the mask token, the centres
     saved_heads = ("head.", "patch_head.", "teacher.head.", "teacher.patch_head.", "mask_token", "centre",
                    "patch_centre")
-    has_ema_teacher = True
     fp32_buffers = ("centre", "patch_centre")  # EMAs of batch means: bf16 would round every update away
 
     def __init__(self, backbone, cfg: DINOConfig, data: DataInfo):
@@ -191,14 +190,13 @@ class DINO(Objective):
     def encoder(self) -> VisionTransformer:
         return self.teacher.backbone
 
+    def fp32_shards(self) -> dict[str, torch.Tensor]:
+        """The teacher's fp32 EMA averages when its tensors are 16-bit (DeepSpeed's bf16 mode)."""
+        return {f"teacher.{name}": shard for name, shard in self.ema.fp32_shards().items()}
+
     # ----- forward -----
     def _tokens(self, network, images: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        vit = network.backbone
-        grid = vit.patch_embed.grid_for(images.shape[-2], images.shape[-1])
-        patches = vit.patch_embed(images)
-        if mask is not None:
-            patches = torch.where(mask[..., None], self.mask_token.to(patches.dtype), patches)
-        return vit.run_blocks(vit.prepend_tokens(vit.add_pos(patches, grid)))
+        return network.backbone.forward_features(images, mask=mask, mask_token=self.mask_token)
 
     def _targets(self, logits: torch.Tensor, centre_name: str, temp: float) -> torch.Tensor:
         """Teacher probabilities from its logits: centred (and the centre updated) or Sinkhorn-Knopp."""

@@ -10,15 +10,15 @@ After pre-training, `encoder` is a plain ViT used as is by evaluation and export
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from objectives.base import DataInfo, Objective, ObjectiveConfig
+from objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
 from objectives.patches import patchify, per_sample_shuffle, refuse_hybrid, unpatchify
-from ssl_vit.config import checked
 from ssl_vit.init import Linear, writable
+from ssl_vit.schema import checked
 from ssl_vit.vit import Block, sincos_pos_embed_2d
 
 
@@ -49,7 +49,12 @@ def mae_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, norm_
 
 class MAE(Objective):
     config_class = MAEConfig
-    views = ("image",)
+    @classmethod
+    def requirements(cls, cfg) -> Requirements:
+        if not cfg.fixed_pos_embed:
+            return cls.needs
+        return replace(cls.needs, init_from="its fixed sin-cos position embeddings would replace the source's; set "
+                                            "objective.fixed_pos_embed=false")
 
     def __init__(self, backbone, cfg: MAEConfig, data: DataInfo):
         super().__init__(backbone, cfg, data)
@@ -98,17 +103,14 @@ class MAE(Objective):
     def encode_visible(self, images: torch.Tensor):
         """Encode a random subset of each image's patches. Returns (encoded tokens, mask with 1 = hidden in
         original patch order, the permutation that restores the original order, the patch grid)."""
-        vit = self.backbone
-        grid = vit.patch_embed.grid_for(images.shape[-2], images.shape[-1])
-        tokens = vit.add_pos(vit.patch_embed(images), grid)
-        B, N, D = tokens.shape
+        grid = self.backbone.patch_embed.grid_for(images.shape[-2], images.shape[-1])
+        B, N = images.shape[0], grid[0] * grid[1]
         keep = self.num_visible(N)
-        shuffle, restore = per_sample_shuffle(B, N, tokens.device)
-        visible = torch.gather(tokens, 1, shuffle[:, :keep, None].expand(-1, -1, D))
-        mask = torch.ones(B, N, device=tokens.device)
+        shuffle, restore = per_sample_shuffle(B, N, images.device)
+        mask = torch.ones(B, N, device=images.device)
         mask[:, :keep] = 0
         mask = torch.gather(mask, 1, restore)
-        return vit.run_blocks(vit.prepend_tokens(visible)), mask, restore, grid
+        return self.backbone.forward_features(images, keep=shuffle[:, :keep]), mask, restore, grid
 
     def decode(self, encoded: torch.Tensor, restore: torch.Tensor, grid) -> torch.Tensor:
         """Encoded (prefix + visible) tokens -> (B, N, P*P*C) pixel predictions for every patch, in raster order."""

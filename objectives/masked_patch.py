@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from objectives.base import DataInfo, Objective, ObjectiveConfig
+from objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
 from objectives.patches import patchify, per_sample_shuffle, refuse_hybrid
-from ssl_vit.config import checked
 from ssl_vit.init import Linear
+from ssl_vit.schema import checked
 
 
 class Target(str, Enum):
@@ -63,13 +63,12 @@ def colour_targets(pixels: torch.Tensor, patch_size: int, bits: int, grid: int =
     return quantise_colour(cells.reshape(B, N, grid * grid, C), bits)
 
 
-def corrupt_patches(tokens: torch.Tensor, mask_ratio: float, probs: tuple[float, float, float],
-                    mask_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """BERT-style corruption of round(N * mask_ratio) random patches per image.
-
-    Returns the corrupted tokens, a (B, N) bool mask of corrupted patches, and a (B, N) long tensor of what happened
-    to each (0 untouched, 1 mask embedding, 2 random other patch, 3 corrupted but kept).
-    """
+def corruption(tokens: torch.Tensor, mask_ratio: float, probs: tuple[float, float, float],
+               mask_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BERT-style corruption of round(N * mask_ratio) random patches per image, as the backbone's masked-token path
+    takes it: (replaced (B, N) bool, the (B, N, D) replacements: the mask token or a random other patch of the
+    batch), then a (B, N) bool mask of corrupted patches (those predicted) and a (B, N) long tensor of what happened
+    to each (0 untouched, 1 mask embedding, 2 random other patch, 3 corrupted but kept)."""
     B, N, D = tokens.shape
     num_corrupt = round(N * mask_ratio)
     _, rank = per_sample_shuffle(B, N, tokens.device)  # rank of each position in a random order
@@ -78,15 +77,21 @@ def corrupt_patches(tokens: torch.Tensor, mask_ratio: float, probs: tuple[float,
     use_mask = corrupted & (choice < probs[0])
     use_random = corrupted & (choice >= probs[0]) & (choice < probs[0] + probs[1])
     donors = tokens.reshape(B * N, D)[torch.randint(B * N, (B, N), device=tokens.device)]
-    out = torch.where(use_mask[..., None], mask_token.to(tokens.dtype).expand(B, N, D), tokens)
-    out = torch.where(use_random[..., None], donors, out)
+    replacements = torch.where(use_random[..., None], donors, mask_token.to(tokens.dtype).expand(B, N, D))
     kind = corrupted.long() * 3 - use_mask.long() * 2 - use_random.long()
-    return out, corrupted, kind
+    return use_mask | use_random, replacements, corrupted, kind
+
+
+def corrupt_patches(tokens: torch.Tensor, mask_ratio: float, probs: tuple[float, float, float],
+                    mask_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`corruption` applied: (the corrupted tokens, the (B, N) mask of corrupted patches, what happened to each)."""
+    replaced, replacements, corrupted, kind = corruption(tokens, mask_ratio, probs, mask_token)
+    return torch.where(replaced[..., None], replacements, tokens), corrupted, kind
 
 
 class MaskedPatch(Objective):
     config_class = MaskedPatchConfig
-    views = ("image", "pixels")
+    needs = Requirements(views=("image", "pixels"))
 
     def __init__(self, backbone, cfg: MaskedPatchConfig, data: DataInfo):
         super().__init__(backbone, cfg, data)
@@ -125,9 +130,10 @@ class MaskedPatch(Objective):
         vit = self.backbone
         images, pixels = batch["image"], batch["pixels"]
         grid = vit.patch_embed.grid_for(images.shape[-2], images.shape[-1])
-        tokens, corrupted, _ = corrupt_patches(vit.patch_embed(images), self.cfg.mask_ratio, self.probs,
-                                               self.mask_token)
-        out = vit.run_blocks(vit.prepend_tokens(vit.add_pos(tokens, grid)))[:, vit.num_prefix_tokens:]
+        patches = vit.patch_embed(images)
+        replaced, replacements, corrupted, _ = corruption(patches, self.cfg.mask_ratio, self.probs, self.mask_token)
+        tokens = vit.embed_patches(patches, grid, mask=replaced, mask_token=replacements)
+        out = vit.run_blocks(tokens)[:, vit.num_prefix_tokens:]
         predictions = self.head(out[corrupted])  # (M, out_dim): corrupted patches only
         if self.target == Target.pixels:
             target = patchify(pixels, self.patch_size)[corrupted].flatten(1)

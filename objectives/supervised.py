@@ -11,11 +11,12 @@ from enum import Enum
 
 import torch
 import torch.nn.functional as F
+from timm.loss import SoftTargetCrossEntropy
 from torch import nn
 
-from objectives.base import DataInfo, Objective, ObjectiveConfig
-from ssl_vit.config import checked
+from objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
 from ssl_vit.init import Linear
+from ssl_vit.schema import checked
 
 
 class HeadKind(str, Enum):
@@ -46,8 +47,6 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor, label_smooth
     """Cross-entropy against class indices (B,), or against soft targets (B, K) such as Mixup / CutMix make
     (timm's SoftTargetCrossEntropy; those targets carry their own label smoothing)."""
     if labels.ndim == 2:
-        from timm.loss import SoftTargetCrossEntropy
-
         return SoftTargetCrossEntropy()(logits, labels)
     return F.cross_entropy(logits, labels, label_smoothing=label_smoothing)
 
@@ -60,7 +59,7 @@ def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class Supervised(Objective):
     config_class = SupervisedConfig
-    views = ("image", "label")
+    needs = Requirements(views=("image", "label"))
     saved_heads = ("head.",)  # heads.safetensors: the run is a classifier (e.g. a DeiT teacher: objectives/teacher.py)
 
     def __init__(self, backbone, cfg: SupervisedConfig, data: DataInfo):

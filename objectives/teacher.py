@@ -10,8 +10,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import timm
 import torch
+from timm.models import load_checkpoint
 from torch import nn
+
+from objectives.supervised import build_head
+from ssl_vit.artifacts import load_encoder, load_heads, read_preprocess, run_files
 
 TEACHER_FORMS = ["timm:<timm model name>:<weights file (.pth / .safetensors)>",
                  "<run directory (or its encoder.safetensors) of objective=supervised or deit>"]
@@ -33,9 +38,6 @@ class RunClassifier(nn.Module):
 
 
 def _timm_teacher(name: str, path: Path, num_classes: int) -> nn.Module:
-    import timm
-    from timm.models import load_checkpoint
-
     if not timm.is_model(name):
         raise ValueError(f"objective.teacher: {name!r} is not a timm model name (timm.list_models() lists them)")
     model = timm.create_model(name, pretrained=False, num_classes=num_classes)
@@ -49,19 +51,12 @@ def _timm_teacher(name: str, path: Path, num_classes: int) -> nn.Module:
 
 
 def _run_teacher(path: Path, num_classes: int, mean=None, std=None) -> nn.Module:
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    from objectives.supervised import build_head
-    from ssl_vit.export import load_encoder, read_preprocess
-
-    run = path.parent if path.is_file() else path
-    encoder_file, heads_file = run / "encoder.safetensors", run / "heads.safetensors"
+    encoder_file, heads_file = run_files(path)
+    run = encoder_file.parent
     if not encoder_file.is_file() or not heads_file.is_file():
         raise ValueError(f"objective.teacher: {run} has no encoder.safetensors + heads.safetensors (a run of "
                          f"objective=supervised or deit writes both)")
-    with safe_open(str(heads_file), "pt") as f:
-        meta = f.metadata() or {}
+    heads, meta = load_heads(heads_file)
     objective = meta.get("objective")
     if objective not in ("supervised", "deit"):
         raise ValueError(f"objective.teacher: {run} was trained with objective={objective!r}, which has no "
@@ -72,7 +67,6 @@ def _run_teacher(path: Path, num_classes: int, mean=None, std=None) -> nn.Module
         raise ValueError(f"objective.teacher: {run} was trained on images normalised with mean={recorded.mean}, "
                          f"std={recorded.std}, this run's are mean={list(mean)}, std={list(std)}; the teacher sees "
                          f"the student's images: set data.mean={recorded.mean} data.std={recorded.std}")
-    heads = load_file(str(heads_file))
     encoder = load_encoder(encoder_file)
     kind = config.get("head", "linear") if objective == "supervised" else "linear"
 

@@ -27,16 +27,16 @@ from ssl_vit.analysis.plots import (
     plot_pos_embed_similarity,
     plot_rollout,
 )
-from ssl_vit.config import ConfigError
 from ssl_vit.data import Digits, SyntheticShapes
 from ssl_vit.eval.run import load_any_encoder
 from ssl_vit.preprocess import Preprocess
+from ssl_vit.schema import ConfigError
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="encoder.safetensors, a run directory, or an import form: timm:..., "
-                        "hf:<dir>, open_clip:... (ssl_vit/export/pretrained.py)")
+                        "hf:<dir>, open_clip:... (ssl_vit/interop/sources.py)")
     parser.add_argument("--images", default="synthetic", choices=("synthetic", "digits"))
     parser.add_argument("--num-images", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None, help="default: beside the checkpoint")

@@ -14,8 +14,7 @@ cached under cache_dir.
 
 import hydra
 
-from ssl_vit.cli import run_reporting_errors
-from ssl_vit.config import register_configs
+from ssl_vit.cli import register_configs, run_reporting_errors
 from ssl_vit.eval.run import evaluate, print_table, write_report
 
 register_configs()

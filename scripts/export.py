@@ -12,7 +12,7 @@ then, offline:
     open_clip.create_model_and_transforms("local-dir:exported/clip")
 
 The source is a run directory, an encoder.safetensors, or any import form (timm:, hf:, open_clip:; see
-ssl_vit/export/pretrained.py). --to hf writes a transformers directory (default --hf-arch: clip for pre-norm models,
+ssl_vit/interop/sources.py). --to hf writes a transformers directory (default --hf-arch: clip for pre-norm models,
 dinov2 with layer scale or registers, siglip without a class token, vit otherwise; a CLIP run's projection becomes
 visual_projection) with its image processor; --to timm a model.safetensors + timm config.json; --to onnx model.onnx
 (dynamic batch, checked with onnxruntime); --to open_clip a CLIP / SigLIP run's image and text towers.
@@ -22,12 +22,18 @@ import argparse
 import sys
 from pathlib import Path
 
+from objectives import load_trained
+from ssl_vit.artifacts import load_heads, read_preprocess, run_files, save_encoder
+from ssl_vit.interop.hf import HF_ARCHS, default_arch, export_hf
+from ssl_vit.interop.onnx import export_onnx
+from ssl_vit.interop.open_clip import export_open_clip
+from ssl_vit.interop.sources import LIBRARIES, load_pretrained
+from ssl_vit.interop.timm import export_timm
+
 TARGETS = ("hf", "timm", "onnx", "open_clip", "safetensors")
 
 
 def main(argv=None) -> int:
-    from ssl_vit.export.hf import HF_ARCHS
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a run directory, an encoder.safetensors, timm:..., hf:<dir>, open_clip:...")
     parser.add_argument("--to", required=True, choices=TARGETS, help="the target library's format")
@@ -45,45 +51,31 @@ def main(argv=None) -> int:
 def export(source: str, to: str, out: str, hf_arch: str | None = None) -> str:
     """Write the export; returns the line telling how to load it."""
     if to == "open_clip":
-        from ssl_vit.export.open_clip import export_open_clip
-
-        path = export_open_clip(source, out)
+        encoder_file, _ = run_files(source)
+        path = export_open_clip(load_trained(source), out, read_preprocess(encoder_file))
         return f"wrote {path}: open_clip.create_model_and_transforms('local-dir:{path}')"
-    from ssl_vit.export.pretrained import load_pretrained
-
     pretrained = load_pretrained(source)
     encoder, preprocess = pretrained.encoder, pretrained.preprocess
     if to == "hf":
-        from ssl_vit.export.hf import default_arch, export_hf
-
         arch = hf_arch or default_arch(encoder.config)
         path = export_hf(encoder, out, arch, _clip_projection(source) if arch == "clip" else None, preprocess)
         return f"wrote {path}: transformers.AutoModel.from_pretrained('{path}')"
     if to == "timm":
-        from ssl_vit.export.timm import export_timm
-
         path = export_timm(encoder, out, preprocess)
         return f"wrote {path}: timm.create_model('local-dir:{path}', pretrained=True)"
     if to == "onnx":
-        from ssl_vit.export.onnx import export_onnx
-
         path, error = export_onnx(encoder, out, preprocess)
         return f"wrote {path} (onnxruntime vs torch: max abs difference {error:.2e})"
-    from ssl_vit.export.safetensors import save_encoder
-
     path = save_encoder(encoder, Path(out) / "encoder.safetensors", preprocess, source=source)
-    return f"wrote {path}: ssl_vit.export.load_encoder('{path}'), checkpoint={path.parent}"
+    return f"wrote {path}: ssl_vit.artifacts.load_encoder('{path}'), checkpoint={path.parent}"
 
 
 def _clip_projection(source: str):
     """A CLIP / SigLIP run's image projection (heads.safetensors beside the encoder), for --hf-arch clip."""
-    path = Path(source)
-    heads = (path if path.is_dir() else path.parent) / "heads.safetensors"
-    if source.split(":", 1)[0] in ("timm", "hf", "open_clip") or not heads.is_file():
+    _, heads = run_files(source)
+    if source.split(":", 1)[0] in LIBRARIES or not heads.is_file():
         return None
-    from safetensors.torch import load_file
-
-    return load_file(str(heads)).get("image_proj.weight")
+    return load_heads(heads)[0].get("image_proj.weight")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ count that fits. Nothing is allocated: the model is counted on the meta device.
 
 import hydra
 
-from ssl_vit.cli import run_reporting_errors
-from ssl_vit.config import model_kwargs, register_configs, validate_config
+from ssl_vit.cli import register_configs, run_reporting_errors
+from ssl_vit.config import model_kwargs
+from ssl_vit.schema import validate_config
 from ssl_vit.train.memory import GIB, STRATEGIES, ModelShape, deepspeed_estimate, plan, smallest_gpu_count
 
 register_configs()

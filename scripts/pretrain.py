@@ -10,8 +10,7 @@ Hydra overrides select and change everything in configs/; see configs/pretrain.y
 
 import hydra
 
-from ssl_vit.cli import exit_without_teardown, run_reporting_errors
-from ssl_vit.config import register_configs
+from ssl_vit.cli import exit_without_teardown, register_configs, run_reporting_errors
 from ssl_vit.train import pretrain
 
 register_configs()

@@ -2,10 +2,6 @@
 
 `ssl_vit.VisionEncoder` (ssl_vit/encoder.py) is the entry point for using a trained encoder elsewhere."""
 
+from ssl_vit.encoder import VisionEncoder, mlp_projector
 
-def __getattr__(name):  # lazily: `import ssl_vit.config` should not import torch
-    if name in ("VisionEncoder", "mlp_projector"):
-        from ssl_vit import encoder
-
-        return getattr(encoder, name)
-    raise AttributeError(f"module 'ssl_vit' has no attribute {name!r}")
+__all__ = ["VisionEncoder", "mlp_projector"]

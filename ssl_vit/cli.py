@@ -5,7 +5,8 @@ its own CalledProcessError traceback and exit status 1 after our line; the first
 
 `OutputDirCheck` is a Hydra callback (`hydra.callbacks` in configs/pretrain.yaml and evaluate.yaml): Hydra
 creates the run directory before the job starts, so an unwritable one is reported from here, before Hydra's own
-traceback.
+traceback. `register_configs` puts every schema in Hydra's ConfigStore: the engine's, each dataset kind's (the
+registry) and each objective's (the registry), so it lives here, above all of them.
 """
 
 from __future__ import annotations
@@ -15,12 +16,27 @@ import os
 import sys
 from pathlib import Path
 
+from hydra.core.config_store import ConfigStore
 from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
 
-from ssl_vit.config import ConfigError
+from objectives import OBJECTIVES
+from ssl_vit.config import (
+    EvalConfig,
+    ModelConfig,
+    OptimConfig,
+    PlanConfig,
+    PretrainConfig,
+    ProbeConfig,
+    TrainerConfig,
+    launch_time,
+)
+from ssl_vit.data import DATASETS
 from ssl_vit.data.errors import DataError
+from ssl_vit.schema import ConfigError
 from ssl_vit.train.guard import TrainingDiverged
 from ssl_vit.train.outputs import OutputError, check_writable
+from ssl_vit.vit import PRESETS
 
 EXIT_STOPPED, EXIT_CONFIG = 1, 2
 
@@ -72,3 +88,24 @@ class OutputDirCheck(Callback):
             check_writable(directory)
         except OutputError as err:
             fail(f"{err} (hydra.run.dir)", EXIT_CONFIG)
+
+
+def register_configs() -> None:
+    """Register the schemas, the model presets and the `launch_time` resolver (idempotent)."""
+    if not OmegaConf.has_resolver("launch_time"):
+        OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True)
+    store = ConfigStore.instance()
+    store.store(name="pretrain_schema", node=PretrainConfig)
+    store.store(name="probe_schema", node=ProbeConfig)
+    store.store(name="plan_schema", node=PlanConfig)
+    store.store(group="schema/eval", name="eval", node=EvalConfig)
+    # Schemas live in their own groups (schema/<group>/<option>) so that Hydra's list of valid options for a
+    # group shows only the real options; each option file pulls its schema in with `/schema/...@_here_`.
+    store.store(group="schema/optim", name="adamw", node=OptimConfig)
+    store.store(group="schema/trainer", name="default", node=TrainerConfig)
+    for name, kind in DATASETS.items():
+        store.store(group="schema/data", name=name, node=kind.config)
+    for name, objective in OBJECTIVES.items():
+        store.store(group="schema/objective", name=name, node=objective.config_class)
+    for name in PRESETS:
+        store.store(group="model", name=name, node=ModelConfig(name=name))

@@ -1,97 +1,23 @@
-"""Structured (dataclass) schemas for the Hydra configs under configs/, registered in Hydra's ConfigStore.
-
-Each group option file under configs/ extends its schema (`defaults: [/schema/<group>/<option>@_here_, _self_]`),
-so a misspelt key or a wrong type fails at start-up with OmegaConf's message naming the key, the bad value and the
-expected type. Model
-presets need no files: every name in `ssl_vit.vit.PRESETS` is a `model=<name>` option, so the list of valid names
-Hydra prints on a typo is the preset table itself.
+"""The schemas of the engine's own config groups (model, optim, trainer, eval) and of the entry points (pretrain,
+evaluate, plan_memory), with the helpers that read them. Each data kind's schema lives with its data
+(ssl_vit.data), each objective's with its method (objectives/); `ssl_vit.cli.register_configs` puts them all in
+Hydra's ConfigStore, so that a misspelt key or a wrong type fails at start-up with OmegaConf's message naming the
+key, the bad value and the expected type. Model presets need no files: every name in `ssl_vit.vit.PRESETS` is a
+`model=<name>` option.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING
 
-from ssl_vit.preprocess import IMAGENET_MEAN, IMAGENET_STD  # noqa: F401 (re-exported)
+from ssl_vit.schema import checked
 from ssl_vit.vit import PRESETS
-
-
-class ConfigError(ValueError):
-    """A bad configuration value, reported at start-up with the valid choices."""
-
-
-def checked(default: Any = MISSING, *, factory=None, ge=None, gt=None, le=None, lt=None, length=None,
-            example: str | None = None):
-    """A dataclass field with range rules that `validate_config` enforces: bounds apply to a number or to every
-    item of a list, `length` to a list; None always passes (optional fields). `example` completes the message when a
-    mandatory value is missing."""
-    rules = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, length=length, example=example).items()
-             if v is not None}
-    if factory is not None:
-        return field(default_factory=factory, metadata=rules)
-    return field(default=default, metadata=rules)
-
-
-_BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
-           "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
-
-
-def _rule_violation(value, rules: dict) -> str | None:
-    """What `value` breaks of `rules` ("must be >= 1", "must have 3 values"), or None."""
-    if value is None:
-        return None
-    allowed = " and ".join(f"{symbol} {rules[key]}" for key, (symbol, _) in _BOUNDS.items() if key in rules)
-    if isinstance(value, list | tuple | ListConfig):
-        if "length" in rules and len(value) != rules["length"]:
-            return f"must have {rules['length']} values, got {len(value)}"
-        bad = [v for v in value if not all(test(v, rules[k]) for k, (_, test) in _BOUNDS.items() if k in rules)]
-        return f"every value must be {allowed}" if bad else None
-    if not all(test(value, rules[key]) for key, (_, test) in _BOUNDS.items() if key in rules):
-        return f"must be {allowed}"
-    return None
-
-
-def validate_config(cfg) -> None:
-    """One pass over a composed config: every mandatory value is set, every `checked` rule holds. Raises ConfigError
-    naming the key, the value and what is allowed."""
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        key = missing[0]
-        example = _field_rules(cfg, key).get("example")
-        raise ConfigError(f"{key} is not set" + (f" (data={cfg.data.name})" if key.startswith("data.") else "")
-                          + f"; give it on the command line, e.g. {example or key + '=...'}")
-    _check_node(cfg, "")
-
-
-def _field_rules(cfg, dotted_key: str) -> dict:
-    parent_key, _, name = dotted_key.rpartition(".")
-    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
-    schema = OmegaConf.get_type(parent) if isinstance(parent, DictConfig) else None
-    if schema is not None and is_dataclass(schema):
-        return dict(next((f.metadata for f in fields(schema) if f.name == name), {}))
-    return {}
-
-
-def _check_node(node: DictConfig, prefix: str) -> None:
-    schema = OmegaConf.get_type(node)
-    rules = {f.name: f.metadata for f in fields(schema)} if schema is not None and is_dataclass(schema) else {}
-    for key in node:
-        child = node._get_node(key)
-        if isinstance(child, DictConfig):
-            _check_node(child, f"{prefix}{key}.")
-            continue
-        if rules.get(key):
-            value = node[key]
-            problem = _rule_violation(value, rules[key])
-            if problem:
-                shown = list(value) if isinstance(value, ListConfig) else value
-                raise ConfigError(f"{prefix}{key}={shown} is invalid: {problem}")
 
 
 class Precision(str, Enum):
@@ -143,104 +69,13 @@ class ModelConfig:
     stem_channels: list[int] | None = checked(None, ge=1)
     stem_width: int | None = checked(None, ge=1)
     # Start from pre-trained weights: an encoder file or run directory, timm:<name or file>, hf:<dir>,
-    # open_clip:<dir> (ssl_vit.export.pretrained); the architecture is the source's, position embeddings resampled
+    # open_clip:<dir> (ssl_vit.interop.sources); the architecture is the source's, position embeddings resampled
     # to data.img_size as the source library does it.
     init_from: str | None = None
 
 
 MODEL_OVERRIDE_FIELDS = tuple(f.name for f in fields(ModelConfig)
                               if f.name not in ("name", "grad_checkpointing", "init_from"))
-
-
-AUGMENTS = ("none", "crop_flip", "augreg")
-
-
-@dataclass
-class AugRegConfig:
-    """`data.augreg.*`, used with `data.augment=augreg` (ssl_vit.data.augreg: timm's data tools). Defaults are DeiT's
-    ImageNet recipe; the crop scale is data.crop_scale (DeiT: 0.08 at 224 px; the default 0.35 suits small images)."""
-
-    rand_augment: str = "rand-m9-mstd0.5-inc1"  # timm's RandAugment policy string; "" turns it off
-    random_erasing: float = checked(0.25, ge=0, le=1)  # probability per image (timm's RandomErasing, 'pixel' mode)
-    mixup: float = checked(0.8, ge=0)  # Mixup's Beta(alpha, alpha); 0 turns it off
-    cutmix: float = checked(1.0, ge=0)  # CutMix's Beta(alpha, alpha); 0 turns it off
-    mix_prob: float = checked(1.0, ge=0, le=1)  # probability that a batch is mixed at all
-    switch_prob: float = checked(0.5, ge=0, le=1)  # with both on: CutMix instead of Mixup for a mixed batch
-    label_smoothing: float = checked(0.1, ge=0, lt=1)  # in Mixup's soft targets (Mixup off: objective.label_smoothing)
-    repeats: int = checked(3, ge=1)  # repeated augmentation (map-style data): each image this often per epoch
-    interpolation: str = "bicubic"
-
-
-@dataclass
-class DataConfig:
-    name: str = MISSING
-    img_size: int | None = checked(None, ge=1)  # None: the model preset's (or, evaluating, the encoder's) size
-    batch_size: int = checked(64, ge=1)  # per process and micro-step; global = this x processes x grad_accum_steps
-    num_workers: int = checked(0, ge=0)
-    # none | crop_flip (random resized crop + horizontal flip; true / false still mean crop_flip / none) | augreg
-    # (DeiT / AugReg: timm's RandAugment, random erasing, Mixup / CutMix, repeated augmentation; data.augreg.*)
-    augment: str = "none"
-    augreg: AugRegConfig = field(default_factory=AugRegConfig)
-    crop_scale: list[float] = checked(factory=lambda: [0.35, 1.0], gt=0, le=1, length=2)
-    # Normalisation per colour channel. None: the encoder's own when evaluating one that records it, else the
-    # dataset's statistics (ImageNet's for natural images).
-    mean: list[float] | None = checked(None, length=3)
-    std: list[float] | None = checked(None, gt=0, length=3)
-    max_train_samples: int | None = checked(None, ge=1)  # a stratified subset of the training set
-    max_test_samples: int | None = checked(None, ge=1)  # a stratified subset of the test set (evaluation)
-
-
-@dataclass
-class SyntheticDataConfig(DataConfig):
-    name: str = "synthetic"
-    num_samples: int = checked(4096, ge=1)
-    seed: int = 0
-
-
-@dataclass
-class FolderDataConfig(DataConfig):
-    name: str = "folder"
-    root: str = checked(MISSING, example="data.root=/path/to/images (class subfolders of images)")
-    test_root: str | None = None  # held-out images in the same layout, for evaluation
-    augment: str = "crop_flip"
-
-
-@dataclass
-class CaptionDataConfig(DataConfig):
-    """Images with same-named .txt captions (ssl_vit.data.captions), split by a stable hash of the path."""
-
-    name: str = "captions"
-    root: str = checked(MISSING, example="data.root=/path/to/pairs (images with same-named .txt captions)")
-    split: str = "train"  # train | test | all
-    test_fraction: float = checked(0.1, ge=0, lt=1)
-
-
-@dataclass
-class TuxPaintDataConfig(CaptionDataConfig):
-    name: str = "tuxpaint"
-    root: str = "/usr/share/tuxpaint/stamps"
-
-
-@dataclass
-class FashionMNISTDataConfig(DataConfig):
-    name: str = "fashion_mnist"
-    root: str = "/usr/share/datasets/fashion-mnist"
-    split: str = "train"
-
-
-@dataclass
-class DigitsDataConfig(DataConfig):
-    name: str = "digits"
-    split: str = "train"
-
-
-@dataclass
-class ShardDataConfig(DataConfig):
-    name: str = "wds"
-    urls: Any = checked(MISSING, example="data.urls=data/shapes (a directory of .tar shards)")
-    num_classes: int | None = checked(None, ge=2)  # for objectives that use labels (shards carry no class list)
-    resampled: bool = True  # draw shards with replacement (step-based training, as open_clip)
-    shuffle_buffer: int = checked(1000, ge=0)
 
 
 @dataclass
@@ -371,43 +206,6 @@ def launch_time(fmt: str = "%Y-%m-%d_%H-%M-%S") -> str:
     return time.strftime(fmt, time.localtime(stamp))
 
 
-def register_configs() -> None:
-    """Register the schemas, the model presets and the `launch_time` resolver (idempotent)."""
-    from objectives import OBJECTIVES
-
-    if not OmegaConf.has_resolver("launch_time"):
-        OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True)
-    store = ConfigStore.instance()
-    store.store(name="pretrain_schema", node=PretrainConfig)
-    store.store(name="probe_schema", node=ProbeConfig)
-    store.store(name="plan_schema", node=PlanConfig)
-    store.store(group="schema/eval", name="eval", node=EvalConfig)
-    # Schemas live in their own groups (schema/<group>/<option>) so that Hydra's list of valid options for a
-    # group shows only the real options; each option file pulls its schema in with `/schema/...@_here_`.
-    store.store(group="schema/optim", name="adamw", node=OptimConfig)
-    store.store(group="schema/trainer", name="default", node=TrainerConfig)
-    store.store(group="schema/data", name="synthetic", node=SyntheticDataConfig)
-    store.store(group="schema/data", name="folder", node=FolderDataConfig)
-    store.store(group="schema/data", name="captions", node=CaptionDataConfig)
-    store.store(group="schema/data", name="tuxpaint", node=TuxPaintDataConfig)
-    store.store(group="schema/data", name="fashion_mnist", node=FashionMNISTDataConfig)
-    store.store(group="schema/data", name="digits", node=DigitsDataConfig)
-    store.store(group="schema/data", name="wds", node=ShardDataConfig)
-    for name, objective in OBJECTIVES.items():
-        store.store(group="schema/objective", name=name, node=objective.config_class)
-    for name in PRESETS:
-        store.store(group="model", name=name, node=ModelConfig(name=name))
-
-
-def augment_kind(data_cfg) -> str:
-    """data.augment as one of AUGMENTS (true / false, as before the recipe existed: crop_flip / none)."""
-    value = str(data_cfg.get("augment", "none")).lower()
-    value = {"true": "crop_flip", "false": "none"}.get(value, value)
-    if value not in AUGMENTS:
-        raise ConfigError(f"data.augment={data_cfg.get('augment')!r} is not one of {list(AUGMENTS)}")
-    return value
-
-
 def peak_lr(optim_cfg, global_batch: int) -> float:
     """optim.lr, or scaled linearly by the global batch when optim.lr_base_batch is set."""
     if optim_cfg.get("lr_base_batch"):
@@ -435,7 +233,3 @@ def model_kwargs(model_cfg) -> dict:
     if kwargs.get("stem") == "resnet" and preset.get("stem") != "resnet" and "patch_size" not in kwargs:
         kwargs["patch_size"] = 1
     return kwargs
-
-
-def to_container(cfg) -> dict:
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)

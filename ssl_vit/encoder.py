@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ssl_vit.interop.sources import load_pretrained
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.vit import VisionTransformer
 
@@ -43,10 +44,8 @@ class VisionEncoder(nn.Module):
     @classmethod
     def from_pretrained(cls, spec: str, layer: int | None = -2, drop_prefix: bool = True,
                         img_size: int | None = None) -> VisionEncoder:
-        """Any source `ssl_vit.export.pretrained` reads (ours, timm:, hf:, open_clip:), in eval mode; `img_size`
+        """Any source `ssl_vit.interop.sources` reads (ours, timm:, hf:, open_clip:), in eval mode; `img_size`
         resamples the position embeddings as the source library does."""
-        from ssl_vit.export.pretrained import load_pretrained
-
         source = load_pretrained(spec)
         preprocessing = source.preprocess or Preprocess(img_size=int(source.encoder.patch_embed.img_size[0]))
         if img_size is not None:

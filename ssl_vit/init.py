@@ -162,7 +162,7 @@ def writable(*params: torch.Tensor):
     if not partitioned:
         yield
         return
-    import deepspeed
+    import deepspeed  # heavy: only where ZeRO-3 partitioned something
 
     with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0):
         yield
@@ -178,7 +178,7 @@ def rng_devices() -> list[int]:
 def whole_modules():
     """Build modules that stay whole and outside the trained model (a frozen teacher) even inside DeepSpeed's
     zero.Init, which would otherwise partition them as it partitions the model; a no-op without it."""
-    try:
+    try:  # heavy (deepspeed): only where a frozen teacher is built
         from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
     except ImportError:
         yield
@@ -188,3 +188,36 @@ def whole_modules():
         yield
     finally:
         restore_init_context()
+
+
+_RANDOM_INITS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                 "xavier_normal_", "orthogonal_")
+
+
+@contextmanager
+def fp32_random_init():
+    """Inside: `torch.nn.init`'s random initialisers draw into an fp32 copy of a 16-bit tensor, then round it in.
+    DeepSpeed's zero.Init creates a bf16 run's parameters in bf16 before any layer initialises them; drawn in bf16,
+    trunc-normal and uniform values are coarse and the random stream differs from an fp32 run's. Drawn in fp32,
+    a bf16 run starts from the fp32 run's weights, rounded, whatever builds them (our layers, timm's ResNet, open_clip's
+    and PyTorch's defaults all initialise through torch.nn.init)."""
+    originals = {name: getattr(nn.init, name) for name in _RANDOM_INITS}
+
+    def in_fp32(draw):
+        def wrapped(tensor, *args, **kwargs):
+            if tensor.dtype not in (torch.bfloat16, torch.float16):
+                return draw(tensor, *args, **kwargs)
+            with torch.no_grad():
+                full = tensor.float()
+                draw(full, *args, **kwargs)
+                tensor.copy_(full)
+            return tensor
+        return wrapped
+
+    for name, draw in originals.items():
+        setattr(nn.init, name, in_fp32(draw))
+    try:
+        yield
+    finally:
+        for name, draw in originals.items():
+            setattr(nn.init, name, draw)

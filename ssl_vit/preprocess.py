@@ -9,16 +9,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from ssl_vit.data.registry import dataset_kind
+from ssl_vit.data.views import ViewBuilder
+
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
 RESIZE_MODES = ("shortest", "squash")
-
-# Per-dataset channel statistics; anything not listed (natural images) uses ImageNet's.
-DATASET_STATS = {
-    "fashion_mnist": ([0.286] * 3, [0.353] * 3),
-    "digits": ([0.3] * 3, [0.4] * 3),
-}
 
 
 @dataclass
@@ -41,8 +38,6 @@ class Preprocess:
 
     def view_builder(self, views=("image", "label"), augment: bool | str = False, crop_scale=(0.35, 1.0),
                      multicrop: dict | None = None, tokenizer=None, augreg=None, num_classes: int | None = None):
-        from ssl_vit.data.views import ViewBuilder
-
         return ViewBuilder(views, self.img_size, self.mean, self.std, augment, crop_scale, self.interpolation,
                            self.crop_pct, multicrop, tokenizer, self.resize_mode, augreg, num_classes)
 
@@ -55,8 +50,9 @@ class Preprocess:
 
 
 def dataset_stats(data_name: str) -> tuple[list[float], list[float]]:
-    mean, std = DATASET_STATS.get(data_name, (IMAGENET_MEAN, IMAGENET_STD))
-    return list(mean), list(std)
+    """The dataset kind's pixel statistics (ssl_vit.data.registry); ImageNet's for natural images."""
+    kind = dataset_kind(data_name)
+    return list(kind.mean or IMAGENET_MEAN), list(kind.std or IMAGENET_STD)
 
 
 def resolve_preprocess(data_cfg, img_size: int, recorded: Preprocess | None = None) -> Preprocess:

@@ -10,11 +10,14 @@ drops ResNet-50's stage 4 and moves its blocks into stage 3: stages (3, 4, 9), a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
-from timm.layers import Format, HybridEmbed
+from timm.layers import Format, HybridEmbed, StdConv2dSame
+from timm.models.resnetv2 import ResNetV2, create_resnetv2_stem
 from torch import nn
 
+from ssl_vit.geometry import check_divisible, pair
 from ssl_vit.init import PatchProjection, rng_devices, writable
 
 STEMS = ("patch", "resnet")
@@ -55,11 +58,6 @@ def build_resnet(layers: Sequence[int], channels: Sequence[int] | None, width: i
     run on the gathered weights under a seed drawn before construction, all forked from the run's random stream, so
     that every strategy starts from the same weights and continues with the same stream.
     """
-    from functools import partial
-
-    from timm.layers import StdConv2dSame
-    from timm.models.resnetv2 import ResNetV2, create_resnetv2_stem
-
     conv_layer = partial(StdConv2dSame, eps=1e-8)
     seed = int(torch.randint(2**62, (), device="cpu"))  # (also when building on the meta device)
     with torch.random.fork_rng(devices=rng_devices()):
@@ -98,13 +96,9 @@ class HybridPatchEmbed(HybridEmbed):
 
     def _init_backbone(self, img_size=224, patch_size=1, feature_size=None, feature_ratio=None, feature_dim=None,
                        **_):
-        from timm.layers import to_2tuple
-
-        img_size, patch_size = to_2tuple(img_size), to_2tuple(patch_size)
+        img_size, patch_size = pair(img_size), pair(patch_size)
         stride = (self._feature_stride * patch_size[0], self._feature_stride * patch_size[1])
-        from ssl_vit.vit import _check_divisible
-
-        _check_divisible(img_size, stride)
+        check_divisible(img_size, stride)
         feature_size = (img_size[0] // self._feature_stride, img_size[1] // self._feature_stride)
         grid_size = (feature_size[0] // patch_size[0], feature_size[1] // patch_size[1])
         ratio = (self._feature_stride, self._feature_stride)
@@ -116,9 +110,7 @@ class HybridPatchEmbed(HybridEmbed):
         return self.feature_ratio[0] * self.patch_size[0], self.feature_ratio[1] * self.patch_size[1]
 
     def grid_for(self, height: int, width: int) -> tuple[int, int]:
-        from ssl_vit.vit import _check_divisible
-
-        _check_divisible((height, width), self.stride)
+        check_divisible((height, width), self.stride)
         return height // self.stride[0], width // self.stride[1]
 
     def resize(self, img_size: tuple[int, int]) -> None:

@@ -2,14 +2,18 @@
 
 One `VisionTransformer` configured by keyword arguments; variants are data in `PRESETS`. Parameter names follow
 timm's `VisionTransformer` (and its `ParallelScalingBlock` for 22B-style parallel blocks), so state dicts move
-between the two without renaming. The forward pass is a chain of small steps that objectives can interleave with
-their own token surgery (masking, dropping, corrupting):
+between the two without renaming. The forward pass is a chain of small steps:
 
-    tokens = vit.patch_embed(images)          # (B, N, D), raster order
-    tokens = vit.add_pos(tokens, grid)        # patch position embeddings (resampled if the grid differs)
-    tokens = vit.prepend_tokens(tokens)       # class token and registers, with their position embeddings
-    tokens = vit.run_blocks(tokens)           # pre-norm, the L blocks, final norm
-    embedding = vit.pool(tokens)              # class token or average of patch tokens (+ fc_norm)
+    patches = vit.patch_embed(images)                 # (B, N, D), raster order
+    tokens = vit.embed_patches(patches, grid, ...)    # masked patches replaced, position embeddings added, a
+                                                      # subset kept, then the class token and registers in front
+    tokens = vit.run_blocks(tokens)                   # pre-norm, the L blocks, final norm
+    embedding = vit.pool(tokens)                      # class token or average of patch tokens (+ fc_norm)
+
+`forward_features(images, mask=, mask_token=, keep=)` is the same in one call. The masked-token path, shared by
+every masking objective: `mask` (B, N) bool replaces those patch embeddings by `mask_token` before the position
+embeddings (iBOT, the ViT paper's masked patch prediction; a (B, N, D) `mask_token` gives each masked patch its own
+replacement); `keep` (B, K) indices keeps only those patches after them (MAE's visible patches, I-JEPA's context).
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from timm.layers import DropPath
+from timm.layers import DropPath, QuickGELU
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ssl_vit.geometry import check_divisible, pair
 from ssl_vit.init import LayerScale, Linear, PatchProjection, check_scheme, init_embeddings
 from ssl_vit.stem import HybridPatchEmbed, check_stem
 
@@ -36,8 +41,6 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
 
 
 def make_activation(name: str) -> nn.Module:
-    from timm.layers import QuickGELU
-
     if name not in ACTIVATIONS:
         raise ValueError(f"act_layer {name!r} is not one of {list(ACTIVATIONS)}")
     return QuickGELU() if name == "quick_gelu" else nn.GELU(approximate="tanh" if name == "gelu_tanh" else "none")
@@ -82,20 +85,6 @@ for _preset in PRESETS.values():
     _preset.setdefault("weight_init", "jax")
 
 
-def _pair(value: int | Sequence[int]) -> tuple[int, int]:
-    return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
-
-
-def _check_divisible(size: tuple[int, int], patch: tuple[int, int]) -> None:
-    if size[0] % patch[0] or size[1] % patch[1]:
-        def near(s, p):
-            return sorted({max(p, s // p * p), (s // p + 1) * p})
-        raise ValueError(
-            f"image size {size[0]}x{size[1]} is not divisible by the patch size {patch[0]}x{patch[1]}; "
-            f"use a multiple of the patch size (e.g. height {near(size[0], patch[0])}, width {near(size[1], patch[1])})"
-        )
-
-
 def _check_pos_embed_interp(mode: str) -> None:
     if mode not in POS_EMBED_INTERP_MODES:
         raise ValueError(f"pos_embed_interp {mode!r} is not one of {list(POS_EMBED_INTERP_MODES)}")
@@ -117,7 +106,7 @@ def resample_pos_embed(
     growing too: PyTorch's antialiased bicubic uses PIL's kernel (a = -0.5), the plain one a = -0.75.
     """
     _check_pos_embed_interp(mode)
-    new_grid, old_grid = _pair(tuple(new_grid)), _pair(tuple(old_grid))
+    new_grid, old_grid = pair(tuple(new_grid)), pair(tuple(old_grid))
     prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
     if grid.shape[1] != old_grid[0] * old_grid[1]:
         raise ValueError(f"position embedding has {grid.shape[1]} patch slots, not {old_grid[0]}x{old_grid[1]}")
@@ -140,7 +129,7 @@ def sincos_pos_embed_2d(grid: Sequence[int], dim: int, num_prefix_tokens: int = 
     """
     if dim % 4:
         raise ValueError(f"sin-cos position embeddings need a width divisible by 4, got {dim}")
-    rows, cols = _pair(tuple(grid))
+    rows, cols = pair(tuple(grid))
     quarter = dim // 4
     omega = 1.0 / temperature ** (torch.arange(quarter, dtype=torch.float64) / quarter)
     row, col = torch.meshgrid(torch.arange(rows, dtype=torch.float64), torch.arange(cols, dtype=torch.float64),
@@ -159,8 +148,8 @@ class PatchEmbed(nn.Module):
 
     def __init__(self, img_size=224, patch_size=16, in_chans=3, embed_dim=768, bias=True, weight_init="timm"):
         super().__init__()
-        self.img_size, self.patch_size = _pair(img_size), _pair(patch_size)
-        _check_divisible(self.img_size, self.patch_size)
+        self.img_size, self.patch_size = pair(img_size), pair(patch_size)
+        check_divisible(self.img_size, self.patch_size)
         self.grid_size = (self.img_size[0] // self.patch_size[0], self.img_size[1] // self.patch_size[1])
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.proj = PatchProjection(in_chans, embed_dim, self.patch_size, bias=bias, scheme=weight_init)
@@ -170,7 +159,7 @@ class PatchEmbed(nn.Module):
         return self.patch_size
 
     def grid_for(self, height: int, width: int) -> tuple[int, int]:
-        _check_divisible((height, width), self.patch_size)
+        check_divisible((height, width), self.patch_size)
         return height // self.patch_size[0], width // self.patch_size[1]
 
     def resize(self, img_size: tuple[int, int]) -> None:
@@ -346,7 +335,7 @@ class VisionTransformer(nn.Module):
         stem_width: int = 64,
     ):
         super().__init__()
-        # The constructor arguments, so that a saved encoder can be rebuilt (ssl_vit.export).
+        # The constructor arguments, so that a saved encoder can be rebuilt (ssl_vit.artifacts).
         self.config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in locals().items()
                        if k not in ("self", "__class__")}
         if global_pool not in GLOBAL_POOLS:
@@ -429,7 +418,7 @@ class VisionTransformer(nn.Module):
 
     def set_img_size(self, img_size: int | Sequence[int]) -> None:
         """Permanently resample the position embeddings for a new image size (fine-tuning at higher resolution)."""
-        img_size = _pair(img_size)
+        img_size = pair(img_size)
         new_grid = self.patch_embed.grid_for(*img_size)
         self.pos_embed = nn.Parameter(self._resample_pos_embed(self.pos_embed.data, new_grid),
                                       requires_grad=self.pos_embed.requires_grad)
@@ -468,13 +457,28 @@ class VisionTransformer(nn.Module):
                 x = block(x)
         return self.norm(x)
 
-    def embed(self, images: torch.Tensor) -> torch.Tensor:
-        """Images -> the full input token sequence (prefix tokens + patches with position embeddings)."""
-        grid = self.patch_embed.grid_for(images.shape[-2], images.shape[-1])
-        return self.prepend_tokens(self.add_pos(self.patch_embed(images), grid))
+    def embed_patches(self, patches: torch.Tensor, grid: Sequence[int], mask: torch.Tensor | None = None,
+                      mask_token: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Patch embeddings (B, N, D) of a `grid` -> the input token sequence: patches where `mask` (B, N) is true
+        replaced by `mask_token` ((1, 1, D), or (B, N, D) per patch), position embeddings added, only the patches at
+        `keep` (B, K) indices kept, the prefix tokens in front."""
+        if mask is not None:
+            patches = torch.where(mask[..., None], mask_token.to(patches.dtype), patches)
+        tokens = self.add_pos(patches, grid)
+        if keep is not None:
+            tokens = torch.gather(tokens, 1, keep[..., None].expand(-1, -1, tokens.shape[-1]))
+        return self.prepend_tokens(tokens)
 
-    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
-        return self.run_blocks(self.embed(images))
+    def embed(self, images: torch.Tensor, mask: torch.Tensor | None = None, mask_token: torch.Tensor | None = None,
+              keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Images -> the input token sequence (`embed_patches` of their patch embeddings)."""
+        grid = self.patch_embed.grid_for(images.shape[-2], images.shape[-1])
+        return self.embed_patches(self.patch_embed(images), grid, mask, mask_token, keep)
+
+    def forward_features(self, images: torch.Tensor, mask: torch.Tensor | None = None,
+                         mask_token: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Output tokens (B, prefix + N or K, D), after the final norm; `mask`, `keep`: see `embed_patches`."""
+        return self.run_blocks(self.embed(images, mask, mask_token, keep))
 
     def pool(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, n, D) output tokens -> (B, D) image embedding (with a distillation token: the mean of the class and

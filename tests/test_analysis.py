@@ -15,7 +15,7 @@ from ssl_vit.analysis.inspect import (
     patch_embedding_components,
     pos_embed_similarity,
 )
-from ssl_vit.export import save_encoder
+from ssl_vit.artifacts import save_encoder
 from ssl_vit.vit import build_vit
 
 

@@ -15,10 +15,13 @@ from timm.data.random_erasing import RandomErasing
 from timm.data.transforms import RandomResizedCropAndInterpolation
 from timm.layers import DropPath
 
-from ssl_vit.config import AugRegConfig, ConfigError, peak_lr, register_configs, warmup_steps
+from ssl_vit.cli import register_configs
+from ssl_vit.config import peak_lr, warmup_steps
 from ssl_vit.data import StepBatchSampler, build_loader
 from ssl_vit.data.augreg import BatchMixer
-from ssl_vit.train.loop import build_components
+from ssl_vit.data.config import AugRegConfig
+from ssl_vit.schema import ConfigError
+from ssl_vit.train.build import build_components
 
 
 def _compose(*overrides):

@@ -179,7 +179,7 @@ def test_training_on_a_folder_with_bad_files_counts_them(tmp_path):
     from accelerate.state import AcceleratorState
     from hydra import compose, initialize_config_dir
 
-    from ssl_vit.config import register_configs
+    from ssl_vit.cli import register_configs
     from ssl_vit.train import pretrain
 
     _bad_folder(tmp_path / "images")
@@ -359,7 +359,7 @@ def test_documented_url_overrides_parse_in_hydra_and_expand(tmp_path, monkeypatc
 
     from hydra import compose, initialize_config_dir
 
-    from ssl_vit.config import register_configs
+    from ssl_vit.cli import register_configs
 
     monkeypatch.chdir(tmp_path)
     spec = importlib.util.spec_from_file_location("make_shards", ROOT / "scripts" / "make_shards.py")

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from ssl_vit.config import ConfigError
-from ssl_vit.export import load_encoder, read_metadata, save_encoder
+from ssl_vit.artifacts import load_encoder, read_metadata, save_encoder
+from ssl_vit.schema import ConfigError
 from ssl_vit.train.checkpoint import list_checkpoints, resolve_resume
 from ssl_vit.vit import build_vit
 

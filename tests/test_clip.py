@@ -14,12 +14,13 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from objectives import DataInfo
-from objectives.clip import CLIP, SigLIP, load_clip, share_gradient
-from ssl_vit.config import ConfigError, register_configs
+from objectives import DataInfo, Objective, load_trained
+from objectives.clip import CLIP, SigLIP, share_gradient
+from ssl_vit.cli import register_configs
 from ssl_vit.eval.zeroshot import retrieval_recall, zeroshot_accuracy, zeroshot_classifier
-from ssl_vit.export.pretrained import load_pretrained
+from ssl_vit.interop.sources import load_pretrained
 from ssl_vit.preprocess import Preprocess
+from ssl_vit.schema import ConfigError
 from ssl_vit.vit import build_vit
 
 TOWERS = dict(embed_dim=16, context_length=16, text_width=16, text_heads=2, text_layers=1)
@@ -139,7 +140,7 @@ def test_share_gradient_keeps_the_value_and_divides_the_gradient():
 
 
 def _train(tmp_path, name, *overrides):
-    from ssl_vit.train.loop import pretrain
+    from ssl_vit.train.trainer import pretrain
 
     cfg = _config("objective=clip_tiny", *[f"objective.{k}={v}" for k, v in TOWERS.items()], "model=vit_test",
                   "data.num_samples=64", "trainer.max_steps=2", "trainer.log_every=1", "trainer.progress=false",
@@ -156,7 +157,7 @@ def test_accumulation_with_cached_features_equals_one_big_batch(tmp_path, monkey
     for step in (0, 1):
         assert cached[step]["grad_norm"] == pytest.approx(big[step]["grad_norm"], rel=1e-5)
         assert cached[step]["loss"] == pytest.approx(big[step]["loss"], rel=1e-5)
-    monkeypatch.setattr(CLIP, "caches_features", False)
+    monkeypatch.setattr(CLIP, "micro_steps", Objective.micro_steps)  # one forward per micro-batch
     plain = _train(tmp_path, "plain", "data.batch_size=8", "trainer.grad_accum_steps=2")
     assert abs(plain[0]["grad_norm"] - big[0]["grad_norm"]) > 1e-3 * big[0]["grad_norm"]
 
@@ -195,7 +196,7 @@ def test_retrieval_recall_on_a_hand_made_case():
 @pytest.fixture(scope="module")
 def clip_run(tmp_path_factory):
     """~40 s of objective=clip_tiny (2-block ViT at 24 px) on synthetic shapes."""
-    from ssl_vit.train.loop import pretrain
+    from ssl_vit.train.trainer import pretrain
 
     out = tmp_path_factory.mktemp("clip_run")
     pretrain(_config("objective=clip_tiny", "model=vit_tiny", "model.depth=2", "data.img_size=24",
@@ -225,7 +226,7 @@ def test_the_open_clip_export_reproduces_encode_image_and_encode_text(clip_run, 
     import open_clip
 
     assert export_script().main([str(clip_run), "--to", "open_clip", "--out", str(tmp_path / "export")]) == 0
-    ours = load_clip(clip_run)
+    ours = load_trained(clip_run)
     model, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{tmp_path / 'export'}")
     tokenizer = open_clip.get_tokenizer(f"local-dir:{tmp_path / 'export'}")
     model.eval()
@@ -250,7 +251,7 @@ def test_the_open_clip_export_reproduces_encode_image_and_encode_text(clip_run, 
 def test_the_open_clip_export_maps_every_image_tower_option(tmp_path, options):
     import open_clip
 
-    from ssl_vit.export.open_clip import export_open_clip
+    from ssl_vit.interop.open_clip import export_open_clip
 
     torch.manual_seed(0)
     ours = _model("siglip", model_overrides=options).eval()
@@ -302,7 +303,7 @@ def test_open_clip_checkpoints_import_by_name_and_file_with_quick_gelu(tmp_path,
     with torch.no_grad():
         torch.testing.assert_close(imported.encoder(images) @ model.visual.proj, model.visual(images),
                                    atol=1e-5, rtol=0)
-    from ssl_vit.export.pretrained import from_open_clip_visual
+    from ssl_vit.interop.open_clip import from_open_clip_visual
 
     model.visual.register_parameter("head_scale", torch.nn.Parameter(torch.ones(2)))  # an option we lack
     with pytest.raises(ValueError, match=r"without an equivalent here \(weights \['head_scale'\]\)"):
@@ -319,7 +320,7 @@ def test_open_clip_checkpoints_import_by_name_and_file_with_quick_gelu(tmp_path,
 
 
 def test_the_open_clip_export_refuses_what_it_cannot_represent(tmp_path):
-    from ssl_vit.export.open_clip import export_open_clip
+    from ssl_vit.interop.open_clip import export_open_clip
 
     with pytest.raises(ValueError, match="num_registers=2 .*open_clip's ViT has no registers"):
         export_open_clip(_model(model_overrides={"num_registers": 2}), tmp_path)
@@ -338,11 +339,11 @@ def test_a_lit_run_trains_only_the_text_side_from_a_saved_encoder(clip_run, tmp_
     check_ok(proc)
     before, after = load_file(clip_run / "encoder.safetensors"), load_file(tmp_path / "encoder.safetensors")
     assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before)
-    assert load_clip(tmp_path).backbone.patch_embed.img_size[0] == 24
+    assert load_trained(tmp_path).backbone.patch_embed.img_size[0] == 24
 
     from accelerate.utils import set_seed
 
-    from ssl_vit.train.loop import build_components
+    from ssl_vit.train.build import build_components
 
     set_seed(0)  # the run's initial weights: pretrain seeds with cfg.seed before building
     initial, *_ = build_components(_config(*overrides, "output_dir=x"))
@@ -377,7 +378,7 @@ def test_the_hf_text_tower_trains_from_a_config_and_a_local_directory(tmp_path):
 
 @pytest.mark.parametrize("option", ["clip", "siglip", "clip_tiny", "siglip_tiny"])
 def test_every_clip_config_composes_and_bad_values_name_the_choices(option):
-    from ssl_vit.train.loop import build_components
+    from ssl_vit.train.build import build_components
 
     cfg = _config(f"objective={option}", "model=vit_test", "output_dir=x")
     assert cfg.objective.name == option.removesuffix("_tiny")
@@ -390,7 +391,7 @@ def test_every_clip_config_composes_and_bad_values_name_the_choices(option):
 
 
 def test_clip_turns_on_the_pre_norm_unless_the_model_config_says_otherwise():
-    from ssl_vit.train.loop import build_components
+    from ssl_vit.train.build import build_components
 
     objective, *_ = build_components(_config("objective=clip_tiny", "model=vit_test", "output_dir=x"))
     assert objective.backbone.config["pre_norm"] and objective.backbone.patch_embed.proj.bias is None
@@ -407,7 +408,7 @@ def test_the_image_tower_exports_to_transformers_clip_vision_with_the_projection
     assert export_script().main([str(clip_run), "--to", "hf", "--out", str(tmp_path)]) == 0
     model, info = CLIPVisionModelWithProjection.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
-    ours = load_clip(clip_run)
+    ours = load_trained(clip_run)
     images = torch.randn(3, 3, 24, 24)
     with torch.no_grad():
         out = model.eval()(pixel_values=images)
@@ -420,7 +421,7 @@ def test_the_image_tower_exports_to_transformers_clip_vision_with_the_projection
 def test_the_hf_export_folds_layer_scale_and_refuses_what_clip_cannot_hold(tmp_path, options):
     from transformers import CLIPVisionModel
 
-    from ssl_vit.export.hf import export_hf
+    from ssl_vit.interop.hf import export_hf
 
     torch.manual_seed(0)
     encoder = build_vit("vit_test", **options).eval()

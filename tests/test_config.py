@@ -9,7 +9,9 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
 from objectives import OBJECTIVES
-from ssl_vit.config import MODEL_OVERRIDE_FIELDS, ConfigError, launch_time, register_configs, validate_config
+from ssl_vit.cli import register_configs
+from ssl_vit.config import MODEL_OVERRIDE_FIELDS, launch_time
+from ssl_vit.schema import ConfigError, validate_config
 from ssl_vit.vit import PRESETS, VisionTransformer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -11,9 +11,10 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 
 from objectives.teacher import load_teacher
-from ssl_vit.config import ConfigError, register_configs
-from ssl_vit.export import load_encoder
-from ssl_vit.train.loop import build_components
+from ssl_vit.artifacts import load_encoder
+from ssl_vit.cli import register_configs
+from ssl_vit.schema import ConfigError
+from ssl_vit.train.build import build_components
 from ssl_vit.vit import VisionTransformer
 
 NUM_CLASSES = 8  # data=synthetic's shapes
@@ -153,7 +154,7 @@ def test_bad_teachers_are_named(timm_teacher, teacher, message):
 
 def test_deit_needs_its_token_and_a_teacher(timm_teacher):
     with pytest.raises(ConfigError, match=r"objective.teacher is not set; .*objective.teacher=outputs/"):
-        from ssl_vit.config import validate_config
+        from ssl_vit.schema import validate_config
 
         register_configs()
         with initialize_config_dir(str(ROOT / "configs"), version_base=None):
@@ -166,8 +167,8 @@ def test_deit_needs_its_token_and_a_teacher(timm_teacher):
 
 
 def test_a_deit_encoder_exports_to_timm_as_distilled_deit_and_transformers_refuses_it(tmp_path):
-    from ssl_vit.export.hf import hf_config
-    from ssl_vit.export.timm import export_timm, from_timm
+    from ssl_vit.interop.hf import hf_config
+    from ssl_vit.interop.timm import export_timm, from_timm
 
     encoder = VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, dist_token=True).eval()
     with torch.no_grad():

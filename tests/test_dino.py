@@ -21,15 +21,16 @@ from test_shards import _synthetic_shards, _write_idx
 
 from objectives import DataInfo, build_objective
 from objectives.dino import DINOConfig, DINOv2Config
-from ssl_vit.config import ConfigError, register_configs, validate_config
+from ssl_vit import ema as ema_module
+from ssl_vit.artifacts import load_encoder, read_preprocess
+from ssl_vit.cli import register_configs
 from ssl_vit.data import SyntheticShapes, build_dataset, make_loader
+from ssl_vit.ema import EMA
 from ssl_vit.eval.knn import knn_eval
-from ssl_vit.export import load_encoder, read_preprocess
+from ssl_vit.optim import apply_schedule, build_optimizer
 from ssl_vit.preprocess import Preprocess
+from ssl_vit.schema import ConfigError, validate_config
 from ssl_vit.train import build_components, pretrain
-from ssl_vit.train import ema as ema_module
-from ssl_vit.train.ema import EMA
-from ssl_vit.train.optim import apply_schedule, build_optimizer
 from ssl_vit.vit import build_vit
 
 SMALL = dict(out_dim=64, ibot_out_dim=64, hidden_dim=32, bottleneck_dim=16, local_crops=2)

@@ -16,7 +16,7 @@ import torch
 from conftest import ACCELERATE_LAUNCH, ROOT, TINY, check_ok, launch, read_metrics
 from safetensors.torch import load_file
 
-from ssl_vit.export import load_encoder, read_metadata
+from ssl_vit.artifacts import load_encoder, read_metadata
 
 STEPS = 30
 

@@ -11,8 +11,8 @@ from timm.layers import HybridEmbed, StdConv2dSame
 from timm.models.resnetv2 import ResNetV2
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 
-from ssl_vit.export import load_encoder
-from ssl_vit.export.timm import export_timm, from_timm
+from ssl_vit.artifacts import load_encoder
+from ssl_vit.interop.timm import export_timm, from_timm
 from ssl_vit.vit import PRESETS, VisionTransformer, build_vit, count_parameters
 from tests.test_vit import _randomise
 
@@ -101,8 +101,8 @@ def test_timm_export_of_a_hybrid_loads_in_timm_and_unsupported_stems_are_refused
     _assert_same(ours, theirs, torch.randn(2, 3, 32, 32))
     with pytest.raises(ValueError, match=r"timm has no hybrid with stem_layers=\[1\].*vit_base_r50_s16_224"):
         export_timm(build_vit("vit_tiny_r"), tmp_path / "tiny")
-    from ssl_vit.export.hf import hf_config
-    from ssl_vit.export.open_clip import vision_config
+    from ssl_vit.interop.hf import hf_config
+    from ssl_vit.interop.open_clip import vision_config
 
     with pytest.raises(ValueError, match="stem='resnet' .*no hybrid ViT"):
         hf_config(build_vit("vit_tiny_r").config, "vit")
@@ -125,8 +125,9 @@ def test_bad_stem_settings_are_named(kwargs, message):
 def test_pixel_target_objectives_refuse_the_hybrid_by_name(objective):
     from hydra import compose, initialize_config_dir
 
-    from ssl_vit.config import ConfigError, register_configs
-    from ssl_vit.train.loop import build_components
+    from ssl_vit.cli import register_configs
+    from ssl_vit.schema import ConfigError
+    from ssl_vit.train.build import build_components
     from tests.conftest import ROOT
 
     register_configs()
@@ -159,8 +160,8 @@ def test_whole_image_objectives_train_a_hybrid(objective):
     a forward and backward reach the ResNet."""
     from hydra import compose, initialize_config_dir
 
-    from ssl_vit.config import register_configs
-    from ssl_vit.train.loop import build_components
+    from ssl_vit.cli import register_configs
+    from ssl_vit.train.build import build_components
     from tests.conftest import ROOT
 
     register_configs()

@@ -12,11 +12,11 @@ import pytest
 import torch
 from conftest import ROOT, TINY, check_ok, export_script, launch, read_metrics
 
-from ssl_vit.export import save_encoder
-from ssl_vit.export.hf import export_hf, from_hf
-from ssl_vit.export.onnx import export_onnx
-from ssl_vit.export.pretrained import load_pretrained
-from ssl_vit.export.timm import export_timm
+from ssl_vit.artifacts import save_encoder
+from ssl_vit.interop.hf import export_hf, from_hf
+from ssl_vit.interop.onnx import export_onnx
+from ssl_vit.interop.sources import load_pretrained
+from ssl_vit.interop.timm import export_timm
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.vit import build_vit
 
@@ -198,7 +198,7 @@ def test_timm_export_loads_through_timms_own_loader_and_imports_back(tmp_path, o
 
 
 def test_timm_names_for_presets_and_refusals():
-    from ssl_vit.export.timm import timm_architecture, timm_model_args
+    from ssl_vit.interop.timm import timm_architecture, timm_model_args
 
     with pytest.raises(ValueError, match=r"mlp_dim=480 \(timm rebuilds int\(width x mlp_ratio\) = 479\)"):
         timm_model_args(build_vit("vit_test", embed_dim=104, num_heads=2, mlp_dim=480).config)
@@ -317,7 +317,7 @@ def test_export_script_converts_between_every_format(tmp_path, capsys):
 
 def test_hf_preprocessor_configs_in_the_older_number_form_read_as_transformers_reads_them(tmp_path):
     """openai/clip-vit-large-patch14-336 style: "size": 336, "crop_size": 336 (plain numbers)."""
-    from ssl_vit.export.pretrained import hf_preprocess
+    from ssl_vit.interop.hf import hf_preprocess
 
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({
         "size": 256, "crop_size": 224, "do_center_crop": True, "image_mean": [0.48, 0.46, 0.41],
@@ -459,8 +459,8 @@ def test_init_from_starts_training_from_imported_weights_in_every_format(tmp_pat
     from accelerate.state import AcceleratorState
     from hydra import compose, initialize_config_dir
 
-    from ssl_vit.config import register_configs
-    from ssl_vit.train.loop import pretrain
+    from ssl_vit.cli import register_configs
+    from ssl_vit.train.trainer import pretrain
 
     encoder = perturbed(layer_scale=0.1)
     save_encoder(encoder, tmp_path / "ours" / "encoder.safetensors")
@@ -488,7 +488,7 @@ def test_init_from_under_every_strategy_resamples_to_the_run_size_and_refuses_so
     partitioning, transformers' own ZeRO-3 hook off, and loaded into the sharded backbone) at data.img_size=24
     (resampled as transformers does); after one step at learning rate 0 (warm-up) the saved encoder is that
     exactly."""
-    from ssl_vit.export.safetensors import load_encoder
+    from ssl_vit.artifacts import load_encoder
 
     export_hf(perturbed(layer_scale=0.1), tmp_path / "hf", "dinov2")
     run = tmp_path / "run"
@@ -506,8 +506,9 @@ def test_init_from_under_every_strategy_resamples_to_the_run_size_and_refuses_so
         return
     from hydra import compose, initialize_config_dir
 
-    from ssl_vit.config import ConfigError, register_configs
-    from ssl_vit.train.loop import build_components
+    from ssl_vit.cli import register_configs
+    from ssl_vit.schema import ConfigError
+    from ssl_vit.train.build import build_components
 
     register_configs()
     for overrides, message in ((["model.depth=4"], "remove model.depth=4 (adjustable:"),
@@ -522,7 +523,7 @@ def test_init_from_under_every_strategy_resamples_to_the_run_size_and_refuses_so
 def test_evaluate_takes_imported_checkpoints(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from ssl_vit.config import register_configs
+    from ssl_vit.cli import register_configs
     from ssl_vit.eval.run import evaluate
 
     encoder = perturbed()
@@ -587,8 +588,8 @@ def test_hf_import_of_directories_transformers_wrote_itself(tmp_path, name):
 def test_init_from_gives_a_dino_teacher_and_student_the_source_weights(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from ssl_vit.config import register_configs
-    from ssl_vit.train.loop import build_components
+    from ssl_vit.cli import register_configs
+    from ssl_vit.train.build import build_components
 
     register_configs()
     encoder = perturbed()

@@ -7,7 +7,8 @@ import timm
 import torch
 from conftest import ROOT
 
-from ssl_vit.export import from_timm, save_encoder
+from ssl_vit.artifacts import save_encoder
+from ssl_vit.interop.timm import from_timm
 from ssl_vit.vit import build_vit
 
 
@@ -59,8 +60,8 @@ def test_cli_bad_checkpoint_and_evaluator_are_clear_errors(tmp_path, tiny_checkp
         proc = _probe(*args, f"hydra.run.dir={tmp_path / str(index)}", script="evaluate.py" if index else None)
         assert proc.returncode == 2 and expected in proc.stderr, proc.stderr[-2000:]
         assert proc.stderr.strip().startswith("ssl-vit: error:") and "Traceback" not in proc.stderr
-    from ssl_vit.config import ConfigError
     from ssl_vit.eval.run import evaluate
+    from ssl_vit.schema import ConfigError
 
     for args, expected in cases[2:]:
         with pytest.raises(ConfigError) as err:
@@ -71,7 +72,7 @@ def test_cli_bad_checkpoint_and_evaluator_are_clear_errors(tmp_path, tiny_checkp
 def _probe_config(*overrides):
     from hydra import compose, initialize_config_dir
 
-    from ssl_vit.config import register_configs
+    from ssl_vit.cli import register_configs
 
     register_configs()
     with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from objectives.supervised import Supervised
-from ssl_vit.config import register_configs
+from ssl_vit.cli import register_configs
 from ssl_vit.train import TrainingDiverged, pretrain
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -123,7 +123,7 @@ def test_resume_refuses_what_cannot_continue_the_run_exactly(tmp_path, caplog):
 
     from accelerate.state import AcceleratorState
 
-    from ssl_vit.config import ConfigError
+    from ssl_vit.schema import ConfigError
 
     def attempt(*overrides):
         AcceleratorState._reset_state(reset_partial_state=True)

@@ -11,7 +11,7 @@ from test_mae import _mae
 
 from objectives.patches import patchify
 from ssl_vit.analysis.mae_reconstruction import MASK_GREY, reconstruction_rows
-from ssl_vit.config import register_configs
+from ssl_vit.cli import register_configs
 from ssl_vit.train import pretrain
 
 

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from objectives.base import DataInfo
 from objectives.supervised import Supervised, SupervisedConfig
 from ssl_vit.config import OptimConfig
-from ssl_vit.train.optim import apply_schedule, param_groups, schedule, weight_decay_schedule
+from ssl_vit.optim import apply_schedule, param_groups, schedule, weight_decay_schedule
 from ssl_vit.vit import build_vit
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-from ssl_vit.config import ConfigError
+from ssl_vit.schema import ConfigError
 from ssl_vit.train.memory import (
     DEEPSPEED_BUCKET,
     GIB,

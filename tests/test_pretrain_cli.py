@@ -10,7 +10,7 @@ from conftest import ROOT, TINY, launch, read_metrics
 from conftest import check_ok as _ok
 from safetensors.torch import load_file
 
-from ssl_vit.export import load_encoder
+from ssl_vit.artifacts import load_encoder
 from ssl_vit.vit import sincos_pos_embed_2d
 
 
@@ -79,8 +79,8 @@ def test_bad_configuration_fails_at_start_up_with_the_valid_choices(tmp_path, ov
 def test_bad_configuration_messages_name_the_valid_choices(override, expected):
     from hydra import compose, initialize_config_dir
 
-    from ssl_vit.config import register_configs
-    from ssl_vit.train.loop import build_components
+    from ssl_vit.cli import register_configs
+    from ssl_vit.train.build import build_components
 
     register_configs()
     with pytest.raises(Exception) as err:  # noqa: B017 (Hydra's, OmegaConf's or our ConfigError, as the CLI prints)

@@ -20,9 +20,9 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.preprocessing import StandardScaler
 from test_loop import CONFIGS, _fresh_accelerator_state  # noqa: F401  (fixture)
 
-from ssl_vit.config import register_configs
+from ssl_vit.artifacts import load_encoder, read_preprocess
+from ssl_vit.cli import register_configs
 from ssl_vit.data import SyntheticShapes
-from ssl_vit.export import load_encoder, read_preprocess
 from ssl_vit.train import pretrain
 from ssl_vit.vit import build_vit
 

@@ -121,8 +121,9 @@ def test_pretraining_on_shards_through_the_cli(tmp_path):
     assert [m["step"] for m in metrics] == [2, 4, 6] and metrics[-1]["skipped_samples"] == 0
     from hydra import compose, initialize_config_dir
 
-    from ssl_vit.config import ConfigError, register_configs
-    from ssl_vit.train.loop import build_components
+    from ssl_vit.cli import register_configs
+    from ssl_vit.schema import ConfigError
+    from ssl_vit.train.build import build_components
 
     register_configs()
     with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):

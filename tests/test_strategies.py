@@ -16,7 +16,7 @@ import torch
 from conftest import ACCELERATE_LAUNCH, ROOT, check_ok, launch, read_metrics
 from safetensors.torch import load_file, save_file
 
-from ssl_vit.export import load_encoder
+from ssl_vit.artifacts import load_encoder
 from ssl_vit.vit import build_vit
 
 STRATEGIES = ["ddp_cpu2", "zero1_cpu2", "zero2_cpu2", "zero3_cpu2", "fsdp2_cpu2"]
@@ -286,7 +286,8 @@ def test_a_zero3_shard_is_read_without_its_uninitialised_padding(monkeypatch):
 def test_zero_init_builds_parameters_in_the_precision_whatever_the_accelerator_says_of_fp16():
     """DeepSpeed 0.19.8 reads an explicit zero.Init dtype through `is_fp16_supported()`: fp32 became bf16 on a CPU
     without fp16 (and bf16 fp32 on GPUs). Built as the trainer builds (the dtype from the config), with the answer
-    patched both ways: fp32 runs build fp32 parameters, bf16 runs bf16 ones, and DINO's centres stay fp32."""
+    patched both ways: fp32 runs build fp32 parameters, bf16 runs bf16 ones (the fp32 build's initial weights,
+    rounded: drawn in fp32), and DINO's centres stay fp32."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "tests/helpers/zero_init_dtypes.py")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -297,6 +298,7 @@ def test_zero_init_builds_parameters_in_the_precision_whatever_the_accelerator_s
     for case in cases:
         assert case["parameters"] == [f"torch.{'bfloat16' if case['precision'] == 'bf16' else 'float32'}"], case
         assert case["buffers"] == {"centre": "torch.float32", "patch_centre": "torch.float32"}, case
+        assert case["max_difference_to_fp32_rounded"] == 0.0, case  # initialised in fp32, then rounded
 
 
 def test_training_refuses_parameters_of_another_dtype_than_the_precision_means():

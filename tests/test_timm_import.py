@@ -11,10 +11,10 @@ from timm.models.vision_transformer import ParallelScalingBlock
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch import nn
 
+from ssl_vit.artifacts import load_encoder, save_encoder
 from ssl_vit.config import ModelConfig, model_kwargs
-from ssl_vit.export import from_timm, load_encoder, save_encoder
-from ssl_vit.export.timm import layer_scale_init
 from ssl_vit.init import LayerScale as OurLayerScale
+from ssl_vit.interop.timm import from_timm, layer_scale_init
 from ssl_vit.vit import VisionTransformer, build_vit, resample_pos_embed
 
 

@@ -14,8 +14,12 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
+from PIL import Image
+from timm.data import Mixup, create_transform
+from timm.data.auto_augment import RandAugment, posterize
+from torchvision.transforms.v2.functional import to_pil_image
 
-from ssl_vit.config import AugRegConfig
+from ssl_vit.data.config import AugRegConfig
 
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest")  # timm's create_transform names
 
@@ -38,8 +42,6 @@ class AugRegTransform:
     under a seed drawn from torch's generator (which the loader seeds per sample)."""
 
     def __init__(self, img_size: int, mean, std, crop_scale, cfg: AugRegConfig):
-        from timm.data import create_transform
-
         if cfg.interpolation not in INTERPOLATIONS:
             raise ValueError(f"data.augreg.interpolation={cfg.interpolation!r} is not one of {list(INTERPOLATIONS)}")
         if cfg.rand_augment and not cfg.rand_augment.startswith("rand-m"):
@@ -55,8 +57,6 @@ class AugRegTransform:
         _allow_zero_bit_posterize(self.transform)
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
-        from torchvision.transforms.v2.functional import to_pil_image
-
         with seeded_python_and_numpy(int(torch.randint(2**62, ()))):
             return self.transform(to_pil_image(image))
 
@@ -67,17 +67,12 @@ def _posterize(img, bits_to_keep, **kwargs):
     timm's 'inc1' RandAugment keeps 4 - int(4 m / 10) bits, so 0 at magnitude 10, which DeiT's m9 with std 0.5
     reaches ~2% of the time; Pillow 13's ImageOps.posterize refuses 0 bits ("bits must be between or equal to 1 and
     8"), which would stop a run."""
-    from PIL import Image
-    from timm.data.auto_augment import posterize
-
     if bits_to_keep <= 0:
         return Image.new(img.mode, img.size)
     return posterize(img, bits_to_keep, **kwargs)
 
 
 def _allow_zero_bit_posterize(transform) -> None:
-    from timm.data.auto_augment import RandAugment, posterize
-
     for step in getattr(transform, "transforms", []):
         if isinstance(step, RandAugment):
             for op in step.ops:
@@ -90,8 +85,6 @@ class BatchMixer:
     batch's own seed."""
 
     def __init__(self, cfg: AugRegConfig, num_classes: int):
-        from timm.data import Mixup
-
         self.mixup = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, prob=cfg.mix_prob,
                            switch_prob=cfg.switch_prob, mode="batch", label_smoothing=cfg.label_smoothing,
                            num_classes=num_classes)

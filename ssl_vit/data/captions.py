@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
+from omegaconf import MISSING
 from torch.utils.data import Dataset
 
+from ssl_vit.data.config import DataConfig, DatasetKind
 from ssl_vit.data.decode import decode_rgb
+from ssl_vit.schema import checked
 
 log = logging.getLogger(__name__)
 RASTER_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".ppm", ".tif", ".tiff")
@@ -103,3 +107,31 @@ class TuxPaintStamps(CaptionFolder):
 
     def describe(self) -> str:
         return f"Tux Paint stamps {str(self.root)!r}"
+
+
+@dataclass
+class CaptionDataConfig(DataConfig):
+    """Images with same-named .txt captions, split by a stable hash of the path."""
+
+    name: str = "captions"
+    root: str = checked(MISSING, example="data.root=/path/to/pairs (images with same-named .txt captions)")
+    split: str = "train"  # train | test | all
+    test_fraction: float = checked(0.1, ge=0, lt=1)
+
+
+@dataclass
+class TuxPaintDataConfig(CaptionDataConfig):
+    name: str = "tuxpaint"
+    root: str = TUXPAINT_DIR
+
+
+def _caption_kind(name: str, config: type, folder: type) -> DatasetKind:
+    return DatasetKind(
+        name=name, config=config, build=lambda cfg, img_size: folder(cfg.root, cfg.split, cfg.test_fraction),
+        eval_splits=lambda cfg, img_size: (folder(cfg.root, "train", cfg.test_fraction),
+                                           folder(cfg.root, "test", cfg.test_fraction)),
+        captioned=True)
+
+
+CAPTIONS = _caption_kind("captions", CaptionDataConfig, CaptionFolder)
+TUXPAINT = _caption_kind("tuxpaint", TuxPaintDataConfig, TuxPaintStamps)

@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
+from omegaconf import MISSING
 from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
 
+from ssl_vit.data.config import DataConfig, DatasetKind
 from ssl_vit.data.decode import decode_rgb
+from ssl_vit.schema import ConfigError, checked
 
 
 class FolderDataset(Dataset):
@@ -38,3 +42,21 @@ class FolderDataset(Dataset):
 
     def describe(self) -> str:
         return f"image folder {str(self.root)!r}"
+
+
+@dataclass
+class FolderDataConfig(DataConfig):
+    name: str = "folder"
+    root: str = checked(MISSING, example="data.root=/path/to/images (class subfolders of images)")
+    test_root: str | None = None  # held-out images in the same layout, for evaluation
+    augment: str = "crop_flip"
+
+
+def _folder_splits(cfg, img_size: int) -> tuple[FolderDataset, FolderDataset]:
+    if not cfg.test_root:
+        raise ConfigError("data=folder evaluation needs data.test_root (held-out images, same layout)")
+    return FolderDataset(cfg.root), FolderDataset(cfg.test_root)
+
+
+FOLDER = DatasetKind(name="folder", config=FolderDataConfig, build=lambda cfg, img_size: FolderDataset(cfg.root),
+                     eval_splits=_folder_splits)

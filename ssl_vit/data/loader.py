@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ssl_vit.data.errors import BadSampleError, NoUsableSamplesError, SkipLog
+from ssl_vit.data.shards import ShardStream
 
 log = logging.getLogger(__name__)
 MAX_SUBSTITUTE_SEARCH = 64  # how many following indices a bad sample's substitute is looked for among
@@ -146,3 +147,16 @@ def build_loader(dataset: Dataset, views, batch_size: int, *, rank: int = 0, wor
         persistent_workers=num_workers > 0,
         generator=torch.Generator().manual_seed(seed),  # keep the global RNG untouched (exact resume)
     )
+
+
+def make_loader(dataset, views, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
+                start: int = 0, num_workers: int = 0, pin_memory: bool = False, repeats: int = 1):
+    """Batches for one rank from micro-step `start` on (exactly resumable for map-style datasets), from a map-style
+    dataset or a shard stream. `repeats`: repeated augmentation, for map-style datasets (a shard stream has no
+    epochs to repeat within)."""
+    if isinstance(dataset, ShardStream):
+        return dataset.loader(views, batch_size, seed=seed, start=start, num_workers=num_workers,
+                              pin_memory=pin_memory, need_label="label" in views.views,
+                              need_text="text" in views.views)
+    return build_loader(dataset, views, batch_size, rank=rank, world_size=world_size, seed=seed, start=start,
+                        num_workers=num_workers, pin_memory=pin_memory, repeats=repeats)

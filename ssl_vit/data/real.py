@@ -10,13 +10,16 @@ Grey images are repeated to 3 channels; resizing to the model's size is the view
 from __future__ import annotations
 
 import gzip
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+from ssl_vit.data.config import DataConfig, DatasetKind
+
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
                          "Ankle boot")
 FASHION_MNIST_INSTALL = "apt-get update && apt-get install -y dataset-fashion-mnist   (or: bash scripts/get_data.sh)"
@@ -80,7 +83,7 @@ class Digits(Dataset):
     classes = tuple(str(d) for d in range(10))
 
     def __init__(self, split: str = "train"):
-        from sklearn.datasets import load_digits
+        from sklearn.datasets import load_digits  # heavy (scikit-learn): only for data=digits
 
         if split not in (*SPLITS, "all"):
             raise ValueError(f"unknown split {split!r}; valid choices: {[*SPLITS, 'all']}")
@@ -95,3 +98,29 @@ class Digits(Dataset):
 
     def __getitem__(self, index: int) -> dict:
         return {"image": _grey_to_rgb(self.images[index]), "label": int(self.labels[index])}
+
+
+@dataclass
+class FashionMNISTDataConfig(DataConfig):
+    name: str = "fashion_mnist"
+    root: str = FASHION_MNIST_DIR
+    split: str = "train"
+
+
+@dataclass
+class DigitsDataConfig(DataConfig):
+    name: str = "digits"
+    split: str = "train"
+
+
+FASHION_MNIST = DatasetKind(
+    name="fashion_mnist", config=FashionMNISTDataConfig,
+    build=lambda cfg, img_size: FashionMNIST(cfg.root, cfg.split),
+    eval_splits=lambda cfg, img_size: (FashionMNIST(cfg.root, "train"), FashionMNIST(cfg.root, "test")),
+    mean=(0.286,) * 3, std=(0.353,) * 3,
+    templates=("a photo of a {}.", "a black and white photo of a {}.", "a low resolution photo of a {}.",
+               "a photo of the {}, a type of clothing."))
+DIGITS = DatasetKind(
+    name="digits", config=DigitsDataConfig, build=lambda cfg, img_size: Digits(cfg.split),
+    eval_splits=lambda cfg, img_size: (Digits("train"), Digits("test")), mean=(0.3,) * 3, std=(0.4,) * 3,
+    templates=("a photo of the number {}.", "a low resolution photo of the digit {}.", "the digit {}."))

@@ -29,18 +29,23 @@ import os
 import random
 import tarfile
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import webdataset as wds
 from braceexpand import braceexpand
+from omegaconf import MISSING
 from PIL import Image
 from torch.utils.data import DataLoader, default_collate
 from webdataset.tariterators import base_plus_ext, valid_sample
 
+from ssl_vit.data.config import DataConfig, DatasetKind
 from ssl_vit.data.decode import decode_rgb
 from ssl_vit.data.errors import BadSampleError, MissingKeyError, NoUsableShardsError, SkipLog
+from ssl_vit.schema import checked
 
 log = logging.getLogger(__name__)
 IMAGE_KEYS = ("png", "jpg", "jpeg", "webp", "ppm", "bmp", "tif", "tiff", "gif")
@@ -452,3 +457,19 @@ class ShardStream:
         pipeline, _ = self.pipeline(views, batch_size, seed * 1_000_003 + start, need_label, need_text)
         return DataLoader(pipeline, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
                           persistent_workers=num_workers > 0)
+
+
+@dataclass
+class ShardDataConfig(DataConfig):
+    name: str = "wds"
+    urls: Any = checked(MISSING, example="data.urls=data/shapes (a directory of .tar shards)")
+    num_classes: int | None = checked(None, ge=2)  # for objectives that use labels (shards carry no class list)
+    resampled: bool = True  # draw shards with replacement (step-based training, as open_clip)
+    shuffle_buffer: int = checked(1000, ge=0)
+
+
+SHARDS = DatasetKind(
+    name="wds", config=ShardDataConfig,
+    build=lambda cfg, img_size: ShardStream(cfg.urls, cfg.num_classes, cfg.resampled, cfg.shuffle_buffer),
+    eval_refusal="a shard stream has no held-out split: write the shards' images to a folder for data=folder",
+    captioned=True, stream=True)  # captions: the samples that have a `txt` (the others are skipped and counted)

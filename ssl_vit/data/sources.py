@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import fields
 
-from ssl_vit.data.captions import TUXPAINT_DIR, CaptionFolder, TuxPaintStamps
+from omegaconf import OmegaConf
+
 from ssl_vit.data.errors import BadSampleError, SkipLog
-from ssl_vit.data.folder import FolderDataset
-from ssl_vit.data.real import FASHION_MNIST_DIR, Digits, FashionMNIST
-from ssl_vit.data.synthetic import SyntheticShapes
+from ssl_vit.data.registry import DATASETS
 
 log = logging.getLogger(__name__)
-SOURCES = ("synthetic", "folder", "captions", "tuxpaint", "fashion_mnist", "digits")
+SOURCES = tuple(name for name, kind in DATASETS.items() if not kind.stream)  # every kind but shard streams
 
 
 class ReadableSamples:
@@ -35,23 +35,17 @@ class ReadableSamples:
 
 def open_source(name: str, *, root=None, split: str = "train", num_samples: int = 10000, img_size: int = 64,
                 seed: int = 0) -> tuple[Iterable[dict], tuple | None]:
-    """(samples, class names or None) of a named source; `samples.skipped` counts unreadable ones left out."""
-    if name == "synthetic":
-        dataset = SyntheticShapes(num_samples, img_size, seed)
-    elif name == "folder":
-        if not root:
-            raise ValueError("the folder source needs --root (a directory of class subfolders)")
-        dataset = FolderDataset(root)
-    elif name == "captions":
-        if not root:
-            raise ValueError("the captions source needs --root (images with same-named .txt captions)")
-        dataset = CaptionFolder(root, split)
-    elif name == "tuxpaint":
-        dataset = TuxPaintStamps(root or TUXPAINT_DIR, split)
-    elif name == "fashion_mnist":
-        dataset = FashionMNIST(root or FASHION_MNIST_DIR, split)
-    elif name == "digits":
-        dataset = Digits(split)
-    else:
+    """(samples, class names or None) of a named source; `samples.skipped` counts unreadable ones left out. The
+    options fill the dataset kind's own config (those it has)."""
+    if name not in SOURCES:
         raise ValueError(f"unknown source {name!r}; valid choices: {list(SOURCES)}")
+    kind = DATASETS[name]
+    options = {f.name: f for f in fields(kind.config)}
+    given = {"root": root, "split": split, "num_samples": num_samples, "seed": seed}
+    cfg = OmegaConf.merge(OmegaConf.structured(kind.config),
+                          {k: v for k, v in given.items() if k in options and v is not None})
+    if "root" in options and OmegaConf.is_missing(cfg, "root"):
+        example = options["root"].metadata.get("example", "")
+        raise ValueError(f"the {name} source needs --root ({example.removeprefix('data.root=')})")
+    dataset = kind.build(cfg, img_size)
     return ReadableSamples(dataset), tuple(dataset.classes) or None

@@ -6,9 +6,14 @@ with a caption such as "a small red disc in the top left". Sample i is a pure fu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from ssl_vit.data.config import DataConfig, DatasetKind
+from ssl_vit.schema import checked
 
 SHAPES = ("disc", "ring", "square", "frame", "triangle", "diamond", "cross", "star")
 COLOURS = {
@@ -104,3 +109,23 @@ class SyntheticShapes(Dataset):
         label = int(rng.integers(len(SHAPES)))
         image, caption = render_shape_image(rng, self.img_size, SHAPES[label])
         return {"image": torch.from_numpy(image).permute(2, 0, 1).contiguous(), "label": label, "text": caption}
+
+
+@dataclass
+class SyntheticDataConfig(DataConfig):
+    name: str = "synthetic"
+    num_samples: int = checked(4096, ge=1)
+    seed: int = 0
+
+
+def _synthetic_splits(cfg, img_size: int) -> tuple[SyntheticShapes, SyntheticShapes]:
+    """The training set, and a quarter as many held-out shapes rendered with the next seed."""
+    return (SyntheticShapes(cfg.num_samples, img_size, cfg.seed),
+            SyntheticShapes(max(cfg.num_samples // 4, 1), img_size, cfg.seed + 1))
+
+
+SYNTHETIC = DatasetKind(
+    name="synthetic", config=SyntheticDataConfig,
+    build=lambda cfg, img_size: SyntheticShapes(cfg.num_samples, img_size, cfg.seed),
+    eval_splits=_synthetic_splits, captioned=True,
+    templates=("a {}", "a small {}", "a medium {}", "a large {}", "a {} in the centre"))  # the captions' phrasing

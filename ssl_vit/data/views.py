@@ -15,8 +15,10 @@ import torch
 from torch.utils.data import default_collate
 from torchvision.transforms import v2
 
-from ssl_vit.config import AUGMENTS
+from ssl_vit.data.augreg import AugRegTransform, BatchMixer, mixes
+from ssl_vit.data.config import AUGMENTS, AugRegConfig
 from ssl_vit.data.errors import MissingTextError
+from ssl_vit.data.multicrop import MultiCropViews
 
 VIEW_KINDS = ("image", "pixels", "crops", "label", "text")
 
@@ -46,8 +48,6 @@ class ViewBuilder:
         if augment == "augreg":
             self._build_augreg(img_size, mean, std, crop_scale, augreg, num_classes)
         if "crops" in self.views:
-            from ssl_vit.data.multicrop import MultiCropViews
-
             if not multicrop or "local_size" not in multicrop:
                 raise ValueError(f"the crops view needs multi-crop settings with at least local_size (the objective's "
                                  f"multicrop_options()), got {multicrop}")
@@ -68,9 +68,6 @@ class ViewBuilder:
         self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
 
     def _build_augreg(self, img_size, mean, std, crop_scale, cfg, num_classes) -> None:
-        from ssl_vit.config import AugRegConfig
-        from ssl_vit.data.augreg import AugRegTransform, BatchMixer, mixes
-
         cfg = cfg if cfg is not None else AugRegConfig()
         if "pixels" in self.views:
             raise ValueError("data.augment=augreg gives the normalised `image` view only (timm's transform erases and "

@@ -99,12 +99,6 @@ def cache_key(**parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def file_fingerprint(path: str | Path) -> dict:
-    """Identify a checkpoint file by path, size and modification time (cheap; changes when it is rewritten)."""
-    stat = Path(path).stat()
-    return {"path": str(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-
-
 def cached(cache_dir: str | Path | None, key: str, compute):
     """Load (features, labels) from cache_dir/<key>.pt, or compute and store them (atomically)."""
     if cache_dir is None:

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ssl_vit.data import ViewBuilder, build_loader
-from ssl_vit.train.optim import apply_schedule, param_groups, schedule
+from ssl_vit.optim import apply_schedule, param_groups, schedule
 
 
 class Classifier(nn.Module):

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy.optimize import minimize
 from threadpoolctl import ThreadpoolController
 
 DEFAULT_L2 = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
@@ -115,6 +114,8 @@ def solve_logistic(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2: float
     float64 features are solved in float64. float32 features are solved with float32 matmuls; if float32 rounding
     stalls the descent above the tolerance (the objective stops decreasing), float64 finishes from there.
     """
+    from scipy.optimize import minimize  # heavy (scipy): only when a linear probe is fitted
+
     y = y.to(x.device)
     params = np.zeros(x.shape[1] * num_classes + num_classes)
     if init is not None:

@@ -13,16 +13,24 @@ from pathlib import Path
 
 import torch
 
-from ssl_vit.config import ConfigError, validate_config
-from ssl_vit.data import DATASETS, CaptionFolder, Digits, FashionMNIST, FolderDataset, SyntheticShapes, TuxPaintStamps
-from ssl_vit.data.subset import limit_samples
+from objectives import load_trained
+from ssl_vit.data import eval_datasets
 from ssl_vit.eval.features import FEATURE_KINDS, cache_key, cached, extract_features
 from ssl_vit.eval.fewshot import fewshot_eval
 from ssl_vit.eval.finetune import finetune
 from ssl_vit.eval.knn import knn_eval
 from ssl_vit.eval.linear import linear_probe
-from ssl_vit.export.pretrained import load_pretrained
+from ssl_vit.eval.zeroshot import (
+    class_names,
+    embed_pairs,
+    retrieval_recall,
+    templates_for,
+    zeroshot_accuracy,
+    zeroshot_classifier,
+)
+from ssl_vit.interop.sources import load_pretrained
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
+from ssl_vit.schema import ConfigError, validate_config
 
 EVALUATORS = ("linear", "knn", "fewshot", "finetune", "zeroshot", "retrieval")
 FEATURE_EVALUATORS = EVALUATORS[:3]
@@ -30,35 +38,13 @@ TEXT_EVALUATORS = ("zeroshot", "retrieval")  # need an image-text model
 
 
 def load_any_encoder(spec: str):
-    """An encoder from any source `ssl_vit.export.pretrained` reads (ours, timm:, hf:, open_clip:). Returns
+    """An encoder from any source `ssl_vit.interop.sources` reads (ours, timm:, hf:, open_clip:). Returns
     (encoder, identity for the feature cache, its recorded preprocessing or None); ConfigError on a bad spec."""
     try:
         source = load_pretrained(spec)
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as err:
         raise ConfigError(f"checkpoint: {err}") from err
     return source.encoder, source.identity, source.preprocess
-
-
-def eval_datasets(cfg, img_size: int, seed: int = 0):
-    """(train, test) datasets of a data config, limited to stratified subsets of data.max_train_samples /
-    data.max_test_samples."""
-    if cfg.name in ("fashion_mnist", "digits"):
-        make = (lambda split: FashionMNIST(cfg.root, split)) if cfg.name == "fashion_mnist" else Digits
-        train, test = make("train"), make("test")
-    elif cfg.name == "synthetic":
-        train = SyntheticShapes(cfg.num_samples, img_size, cfg.seed)
-        test = SyntheticShapes(max(cfg.num_samples // 4, 1), img_size, cfg.seed + 1)
-    elif cfg.name in ("captions", "tuxpaint"):
-        make = CaptionFolder if cfg.name == "captions" else TuxPaintStamps
-        train, test = make(cfg.root, "train", cfg.test_fraction), make(cfg.root, "test", cfg.test_fraction)
-    elif cfg.name == "folder":
-        if not cfg.test_root:
-            raise ConfigError("data=folder evaluation needs data.test_root (held-out images, same layout)")
-        train, test = FolderDataset(cfg.root), FolderDataset(cfg.test_root)
-    else:
-        raise ConfigError(f"data={cfg.name} cannot be evaluated; valid choices: "
-                          f"{[d for d in DATASETS if d != 'wds']} (write shards' images to a folder for data=folder)")
-    return limit_samples(train, cfg.max_train_samples, seed), limit_samples(test, cfg.max_test_samples, seed)
 
 
 def evaluate(cfg, progress: bool = True) -> dict:
@@ -74,13 +60,8 @@ def evaluate(cfg, progress: bool = True) -> dict:
     encoder, encoder_identity, recorded = load_any_encoder(cfg.checkpoint)
     model = None
     if any(name in TEXT_EVALUATORS for name in cfg.eval.evaluators):
-        from objectives.clip import load_clip
-
-        try:
-            model = load_clip(cfg.checkpoint)
-        except ValueError as err:
-            raise ConfigError(f"eval={'+'.join(cfg.eval.evaluators)}: {err}") from err
-        encoder = model.backbone
+        model = load_image_text_model(cfg.checkpoint, cfg.eval.evaluators)
+        encoder = model.encoder
     native = encoder.patch_embed.img_size[0]
     img_size = cfg.data.img_size or (recorded.img_size if recorded else native)
     if img_size != native:
@@ -151,10 +132,20 @@ def run_evaluators(encoder, train_set, test_set, ecfg, preprocess: Preprocess, c
     return results, timings, feature_dim
 
 
-def zeroshot_eval(model, test_set, preprocess: Preprocess, ecfg, data_name: str, progress: bool = False) -> dict:
-    from ssl_vit.eval.zeroshot import class_names, embed_pairs, templates_for, zeroshot_accuracy, zeroshot_classifier
+def load_image_text_model(checkpoint: str, evaluators):
+    """The image-text objective of a run directory, for zeroshot / retrieval; ConfigError naming why not."""
+    try:
+        model = load_trained(checkpoint)
+    except ValueError as err:
+        raise ConfigError(f"eval={'+'.join(evaluators)}: {err}") from err
+    if not type(model).requirements(model.cfg).image_text:
+        raise ConfigError(f"eval={'+'.join(evaluators)}: {checkpoint!r} was trained with objective={model.cfg.name}; "
+                          "zero-shot and retrieval need an image-text model (objective=clip or siglip)")
+    return model
 
-    templates = templates_for(data_name, list(ecfg.zeroshot_templates) or list(model.cfg.templates))
+
+def zeroshot_eval(model, test_set, preprocess: Preprocess, ecfg, data_name: str, progress: bool = False) -> dict:
+    templates = templates_for(data_name, list(ecfg.zeroshot_templates) or model.zeroshot_templates)
     names = class_names(test_set)
     device = next(model.parameters()).device
     classifier = zeroshot_classifier(model, model.text_tokenizer(), names, templates, device)
@@ -165,8 +156,6 @@ def zeroshot_eval(model, test_set, preprocess: Preprocess, ecfg, data_name: str,
 
 
 def retrieval_eval(model, test_set, preprocess: Preprocess, ecfg, progress: bool = False) -> dict:
-    from ssl_vit.eval.zeroshot import embed_pairs, retrieval_recall
-
     device = next(model.parameters()).device
     embedded = embed_pairs(model, test_set, preprocess.view_builder(("image",)), model.text_tokenizer(),
                            need_text=True, batch_size=ecfg.batch_size, device=device, progress=progress,

@@ -19,21 +19,13 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from tqdm.auto import tqdm
 
 from ssl_vit.data.errors import BadSampleError, SkipLog
+from ssl_vit.data.registry import dataset_kind
 
 log = logging.getLogger(__name__)
 
-# Prompt templates per dataset (the captions' own phrasing where the data has captions).
-TEMPLATES = {
-    "synthetic": ["a {}", "a small {}", "a medium {}", "a large {}", "a {} in the centre"],
-    "fashion_mnist": ["a photo of a {}.", "a black and white photo of a {}.", "a low resolution photo of a {}.",
-                      "a photo of the {}, a type of clothing."],
-    "digits": ["a photo of the number {}.", "a low resolution photo of the digit {}.", "the digit {}."],
-}
-DEFAULT_TEMPLATES = ["a photo of a {}.", "a drawing of a {}.", "a picture of the {}.", "a {}."]
-
-
 def templates_for(data_name: str, configured=None) -> list[str]:
-    templates = list(configured or TEMPLATES.get(data_name, DEFAULT_TEMPLATES))
+    """The prompts `configured` (eval.zeroshot_templates, objective.templates), else the dataset kind's own."""
+    templates = list(configured or dataset_kind(data_name).templates)
     bad = [t for t in templates if "{}" not in t]
     if bad:
         raise ValueError(f"zero-shot templates must contain '{{}}' for the class name: {bad}")
@@ -51,7 +43,7 @@ def class_names(dataset) -> list[str]:
 @torch.no_grad()
 def zeroshot_classifier(model, tokenizer, classnames, templates, device="cpu") -> torch.Tensor:
     """(embed_dim, num_classes) class embeddings (open_clip's build_zero_shot_classifier)."""
-    from open_clip.zero_shot_classifier import build_zero_shot_classifier
+    from open_clip.zero_shot_classifier import build_zero_shot_classifier  # heavy: only when zero-shot runs
 
     was_training = model.training
     model.eval()

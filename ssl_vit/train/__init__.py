@@ -1,23 +1,12 @@
-"""The training engine. Attributes load lazily, so that objectives can import the engine's helper modules
-(`ssl_vit.train.ema`, `ssl_vit.train.optim`) without importing the loop, which imports the objectives."""
+"""The engine: `build` (config -> the typed parts of a run), `trainer` (the Trainer and `pretrain`), `strategy`
+(how a model is distributed: the one module that knows DDP, DeepSpeed ZeRO-1/2/3 and FSDP2), `checkpoint` (exact
+resume), `outputs` (what a run writes), `evaluation` (periodic evaluation), `guard` (divergence), `memory` (the
+planner) and `faults` (fault injection for the tests). It knows no objective: it reads the objective contract
+(objectives/base.py) and the dataset registry (ssl_vit.data.registry)."""
 
-from __future__ import annotations
+from ssl_vit.train.build import build_components
+from ssl_vit.train.guard import TrainingDiverged
+from ssl_vit.train.outputs import OutputError
+from ssl_vit.train.trainer import TrainState, pretrain
 
-import importlib
-
-_EXPORTS = {
-    "OutputError": "ssl_vit.train.outputs",
-    "TrainState": "ssl_vit.train.loop",
-    "TrainingDiverged": "ssl_vit.train.guard",
-    "build_components": "ssl_vit.train.loop",
-    "pretrain": "ssl_vit.train.loop",
-}
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'ssl_vit.train' has no attribute {name!r}")
-
-
-__all__ = sorted(_EXPORTS)
+__all__ = ["OutputError", "TrainState", "TrainingDiverged", "build_components", "pretrain"]

@@ -13,7 +13,9 @@ import re
 import shutil
 from pathlib import Path
 
-from ssl_vit.config import ConfigError
+from safetensors import safe_open
+
+from ssl_vit.schema import ConfigError
 from ssl_vit.train.faults import fault_point
 from ssl_vit.train.outputs import OutputError, describe_write_failure
 
@@ -72,8 +74,6 @@ def check_checkpoint(path: Path, model, world_size: int, allow_inexact: bool) ->
     """Refuse, with the reason, a checkpoint that cannot resume this run exactly: unreadable files, another model's
     weights, or a missing RNG state (unless allow_inexact, which warns instead). Sharded checkpoints (DeepSpeed's
     pytorch_model/, FSDP's) are checked by their own loaders."""
-    from safetensors import safe_open
-
     _check_rng_states(path, world_size, allow_inexact)
     if not (path / MODEL_FILE).is_file():
         return

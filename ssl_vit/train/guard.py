@@ -9,6 +9,7 @@ so training stops at once without saving them and points to the last good checkp
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from ssl_vit.config import warmup_steps
 
@@ -36,32 +37,46 @@ class UpdateGuard:
         return before, after
 
 
-def divergence_advice(cfg, nonfinite_loss: bool) -> str:
-    """What to change, from what the config does now (never advice that is already in use)."""
-    tips = [f"lower optim.lr (now {cfg.optim.lr:g})"]
-    if not cfg.optim.grad_clip:
-        tips.append("set optim.grad_clip=1.0 (clipping is off)")
-    warmup = warmup_steps(cfg.optim, cfg.trainer.max_steps)
-    if warmup < min(1000, cfg.trainer.max_steps // 20):
-        tips.append(f"lengthen optim.warmup_steps (now {warmup})")
-    if str(getattr(cfg.trainer.precision, "value", cfg.trainer.precision)) == "bf16":
-        tips.append("try trainer.precision=fp32 to rule out bf16 range problems")
-    if nonfinite_loss:
-        tips.append("check the data for broken samples")
-    return "; ".join(tips)
+@dataclass(frozen=True)
+class DivergenceAdvice:
+    """What to tell a user whose run diverged, from the settings the run uses (never advice already in use)."""
 
+    lr: float
+    grad_clip: float | None
+    warmup_steps: int
+    max_steps: int
+    bf16: bool
+    max_param_norm_growth: float
+    max_consecutive_nonfinite: int
 
-def ruined_weights_error(step: int, growth: tuple[float, float], cfg, last_checkpoint) -> TrainingDiverged:
-    return TrainingDiverged(
-        f"the update of step {step} took the parameter norm from {growth[0]:.4g} to {growth[1]:.4g} (limit: "
-        f"x{cfg.trainer.max_param_norm_growth}, trainer.max_param_norm_growth); the weights are ruined and were not "
-        f"saved. Last good checkpoint: {last_checkpoint or 'none (none was saved yet)'}. To fix: "
-        f"{divergence_advice(cfg, nonfinite_loss=False)}")
+    @classmethod
+    def from_config(cls, cfg) -> DivergenceAdvice:
+        return cls(cfg.optim.lr, cfg.optim.grad_clip, warmup_steps(cfg.optim, cfg.trainer.max_steps),
+                   cfg.trainer.max_steps, str(getattr(cfg.trainer.precision, "value", cfg.trainer.precision)) == "bf16",
+                   cfg.trainer.max_param_norm_growth, cfg.trainer.max_consecutive_nonfinite)
 
+    def tips(self, nonfinite_loss: bool) -> str:
+        tips = [f"lower optim.lr (now {self.lr:g})"]
+        if not self.grad_clip:
+            tips.append("set optim.grad_clip=1.0 (clipping is off)")
+        if self.warmup_steps < min(1000, self.max_steps // 20):
+            tips.append(f"lengthen optim.warmup_steps (now {self.warmup_steps})")
+        if self.bf16:
+            tips.append("try trainer.precision=fp32 to rule out bf16 range problems")
+        if nonfinite_loss:
+            tips.append("check the data for broken samples")
+        return "; ".join(tips)
 
-def nonfinite_error(consecutive: int, step: int, cfg, checkpoint) -> TrainingDiverged:
-    return TrainingDiverged(
-        f"the loss or its gradients were non-finite for {consecutive} consecutive steps (up to step {step}, limit "
-        f"trainer.max_consecutive_nonfinite={cfg.trainer.max_consecutive_nonfinite}); those updates were skipped, "
-        f"so the weights saved in {checkpoint} are those of the last applied update. To fix: "
-        f"{divergence_advice(cfg, nonfinite_loss=True)}")
+    def ruined_weights_error(self, step: int, growth: tuple[float, float], last_checkpoint) -> TrainingDiverged:
+        return TrainingDiverged(
+            f"the update of step {step} took the parameter norm from {growth[0]:.4g} to {growth[1]:.4g} (limit: "
+            f"x{self.max_param_norm_growth}, trainer.max_param_norm_growth); the weights are ruined and were not "
+            f"saved. Last good checkpoint: {last_checkpoint or 'none (none was saved yet)'}. To fix: "
+            f"{self.tips(nonfinite_loss=False)}")
+
+    def nonfinite_error(self, consecutive: int, step: int, checkpoint) -> TrainingDiverged:
+        return TrainingDiverged(
+            f"the loss or its gradients were non-finite for {consecutive} consecutive steps (up to step {step}, limit "
+            f"trainer.max_consecutive_nonfinite={self.max_consecutive_nonfinite}); those updates were skipped, "
+            f"so the weights saved in {checkpoint} are those of the last applied update. To fix: "
+            f"{self.tips(nonfinite_loss=True)}")

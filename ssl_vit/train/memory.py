@@ -45,8 +45,9 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
+from timm.layers import GroupNormAct
 
-from ssl_vit.config import ConfigError
+from ssl_vit.schema import ConfigError
 from ssl_vit.vit import ParallelBlock, build_vit
 
 GIB = 1024**3
@@ -97,8 +98,6 @@ class ModelShape:
 def stem_activation_elements(model) -> tuple[int, int]:
     """Activation elements per image a hybrid's ResNet keeps for backward: (without, with per-stage gradient
     checkpointing); (0, 0) for pixel patches. Counted by a forward pass on the meta device."""
-    from timm.layers import GroupNormAct
-
     backbone = getattr(model.patch_embed, "backbone", None)
     if backbone is None:
         return 0, 0
@@ -204,8 +203,9 @@ def plan(shape: ModelShape, strategy: str, gpus: int, *, gpus_per_node: int = 8,
 def deepspeed_estimate(shape: ModelShape, strategy: str, gpus: int, gpus_per_node: int = 8) -> tuple[int, int]:
     """(GPU bytes, CPU bytes) of model states from DeepSpeed's own estimator functions, for the DeepSpeed
     strategies it covers (zero2, zero3 and their offload variants), given counts from the meta device."""
+    # heavy (deepspeed): only for the comparison with DeepSpeed's own estimators
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs  # (the same)
 
     per_node = min(gpus, gpus_per_node)
     nodes = max(1, math.ceil(gpus / per_node))

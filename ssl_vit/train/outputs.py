@@ -21,10 +21,12 @@ import resource
 from contextlib import contextmanager
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from ssl_vit.artifacts import ENCODER_FILE, HEADS_FILE, read_metadata, save_encoder_state, save_heads
+
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
-ENCODER_FILE = "encoder.safetensors"
-HEADS_FILE = "heads.safetensors"  # an objective's heads (DINO: student and teacher), with the encoder's step
 
 
 class OutputError(RuntimeError):
@@ -155,8 +157,6 @@ class RunOutputs:
         `purge_step` so that events a killed run logged past the checkpoint are hidden. Returns rows dropped."""
         if not self.active:
             return 0
-        from omegaconf import OmegaConf
-
         dropped = drop_metrics_after(self.out_dir, step)
         with writing(self.out_dir / "config.yaml", "the config"):
             OmegaConf.save(config, self.out_dir / "config.yaml", resolve=True)
@@ -174,31 +174,26 @@ class RunOutputs:
             self.accelerator.log({f"{tensorboard_prefix}{k}": v for k, v in row.items() if k != "step"},
                                  step=row["step"])
 
-    def save_encoder(self, encoder_state: dict | None, config: dict, step: int, **metadata) -> None:
+    @property
+    def encoder_path(self) -> Path:
+        return self.out_dir / ENCODER_FILE
+
+    def save_encoder(self, encoder_state: dict | None, config: dict, step: int, preprocess=None, **metadata) -> None:
         """encoder.safetensors from the encoder's state dict (the main process holds it; consolidated first when
         the model is sharded), rebuilt by `load_encoder` with `config`."""
         if self.active:
-            from ssl_vit.export import save_encoder_state
-
-            with writing(self.out_dir / ENCODER_FILE, "the encoder"):
-                save_encoder_state(encoder_state, config, self.out_dir / ENCODER_FILE, step=step, **metadata)
+            with writing(self.encoder_path, "the encoder"):
+                save_encoder_state(encoder_state, config, self.encoder_path, preprocess, step=step, **metadata)
 
     def save_heads(self, heads: dict | None, step: int, **metadata) -> None:
-        """heads.safetensors: the objective's heads by their state-dict names (`Objective.saved_heads`)."""
+        """heads.safetensors: the objective's heads by their state-dict names (`Objective.artifacts`)."""
         if self.active:
-            from safetensors.torch import save_file
-
             path = self.out_dir / HEADS_FILE
-            temp = path.with_name(path.name + ".tmp")
             with writing(path, "the heads"):
-                save_file({k: v.contiguous() for k, v in heads.items()}, str(temp),
-                          metadata={"step": str(step), **{k: str(v) for k, v in metadata.items()}})
-                os.replace(temp, path)  # never a half-written file under the final name
+                save_heads(heads, path, step=step, **metadata)
 
     def encoder_step(self) -> int | None:
         """The step recorded in encoder.safetensors (None when there is none or it is unreadable)."""
-        from ssl_vit.export import read_metadata
-
         try:
             return int(read_metadata(self.out_dir / ENCODER_FILE)["step"])
         except Exception:  # missing, or cut by a kill: rewritten by the caller

@@ -20,18 +20,41 @@ import contextlib
 import hashlib
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 
-from ssl_vit.config import ConfigError, Precision
+from ssl_vit.config import Precision
+from ssl_vit.init import fp32_random_init
+from ssl_vit.partition import local_shard
+from ssl_vit.schema import ConfigError
 
 log = logging.getLogger("ssl_vit")
 
 
-def make_accelerator(cfg, out_dir) -> Accelerator:
-    tcfg = cfg.trainer
+@dataclass(frozen=True)
+class StrategySettings:
+    """What the strategy takes from a run's config. `ema_teacher`: the objective updates a teacher shard by shard
+    (its declared need), so ZeRO-3 must keep no parameter whole on every rank."""
+
+    precision: Precision
+    micro_batch: int
+    grad_accum_steps: int = 1
+    grad_clip: float | None = None
+    tensorboard: bool = False
+    ema_teacher: bool = False
+
+    @classmethod
+    def from_config(cls, cfg, ema_teacher: bool = False) -> StrategySettings:
+        return cls(Precision(cfg.trainer.precision), cfg.data.batch_size, cfg.trainer.grad_accum_steps,
+                   cfg.optim.grad_clip, cfg.trainer.tensorboard, ema_teacher)
+
+
+def make_accelerator(settings: StrategySettings, out_dir) -> Accelerator:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
@@ -44,9 +67,9 @@ def make_accelerator(cfg, out_dir) -> Accelerator:
             os.environ.setdefault("ACCELERATE_USE_CPU", "1")  # else accelerate's CPU workers never form one group
     accelerator = Accelerator(
         # Under DeepSpeed both come from its JSON, which `configure_deepspeed` fills from our config.
-        mixed_precision=None if deepspeed else ("bf16" if tcfg.precision == Precision.bf16 else "no"),
-        gradient_accumulation_steps=tcfg.grad_accum_steps,
-        log_with="tensorboard" if tcfg.tensorboard else None,
+        mixed_precision=None if deepspeed else ("bf16" if settings.precision == Precision.bf16 else "no"),
+        gradient_accumulation_steps=settings.grad_accum_steps,
+        log_with="tensorboard" if settings.tensorboard else None,
         project_dir=str(out_dir),
         kwargs_handlers=handlers,
     )
@@ -67,16 +90,13 @@ def make_accelerator(cfg, out_dir) -> Accelerator:
                           "must be DTensors): set fsdp_version: 2 in the accelerate config, as in "
                           "configs/accelerate/fsdp2_cpu2.yaml")
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        configure_deepspeed(accelerator, cfg)
+        configure_deepspeed(accelerator, settings)
     return accelerator
 
 
 def _enable_fsdp_on_cpu(accelerator) -> None:
     """Switch accelerate's state from plain multi-CPU to FSDP, with the plugin the launcher's config describes (the
     state accelerate would have built on GPUs). Both shared states must agree: accelerate re-reads PartialState's."""
-    from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import FullyShardedDataParallelPlugin
-
     plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables `accelerate launch` sets
     if accelerator.mixed_precision != "no":
         plugin.set_mixed_precision(accelerator.mixed_precision)
@@ -94,33 +114,30 @@ def strategy_name(accelerator) -> str:
     return "ddp" if accelerator.num_processes > 1 else "single"
 
 
-def configure_deepspeed(accelerator, cfg) -> None:
+def configure_deepspeed(accelerator, settings: StrategySettings) -> None:
     """Fill the DeepSpeed JSON from our config: micro-batch, accumulation, clipping (optim.grad_clip; DeepSpeed's
     own default would clip at 1.0 silently), precision, and the consolidated ZeRO-3 save."""
     plugin = accelerator.state.deepspeed_plugin
     ds = plugin.deepspeed_config
-    ours = {"train_micro_batch_size_per_gpu": cfg.data.batch_size,
-            "gradient_accumulation_steps": cfg.trainer.grad_accum_steps,
-            "gradient_clipping": float(cfg.optim.grad_clip or 0.0)}
+    ours = {"train_micro_batch_size_per_gpu": settings.micro_batch,
+            "gradient_accumulation_steps": settings.grad_accum_steps,
+            "gradient_clipping": float(settings.grad_clip or 0.0)}
     for key, value in ours.items():
         if ds.get(key, "auto") not in ("auto", value):
             log.warning("DeepSpeed JSON sets %s=%s; the run uses %s from the training config", key, ds[key], value)
         ds[key] = value
-    ds["train_batch_size"] = cfg.data.batch_size * cfg.trainer.grad_accum_steps * accelerator.num_processes
-    bf16 = cfg.trainer.precision == Precision.bf16
+    ds["train_batch_size"] = settings.micro_batch * settings.grad_accum_steps * accelerator.num_processes
+    bf16 = settings.precision == Precision.bf16
     ds["bf16"] = {**ds.get("bf16", {}), "enabled": bf16, "check_grad_overflow": True}
     ds["fp16"] = {"enabled": False}
     zero = ds.setdefault("zero_optimization", {})
     if zero.get("stage") == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True  # encoder.safetensors is the full encoder
-        from objectives import OBJECTIVES
-
-        objective = OBJECTIVES.get(cfg.objective.name) if "objective" in cfg else None
-        if objective is not None and objective.has_ema_teacher:
-            # The EMA updates each rank's partition (ssl_vit.train.ema): a parameter persisted whole on every rank
+        if settings.ema_teacher:
+            # The EMA updates each rank's partition (ssl_vit.ema): a parameter persisted whole on every rank
             # (below the threshold) would keep its stale full copy (measured: 0.18 off at step 2).
             zero["stage3_param_persistence_threshold"] = 0
-    accelerator.gradient_accumulation_steps = cfg.trainer.grad_accum_steps
+    accelerator.gradient_accumulation_steps = settings.grad_accum_steps
 
 
 def construction_context(accelerator):
@@ -133,14 +150,17 @@ def construction_context(accelerator):
     return zero_init(plugin.deepspeed_config)
 
 
+@contextlib.contextmanager
 def zero_init(deepspeed_config: dict):
     """DeepSpeed's zero.Init building parameters in the dtype the config's precision means (bf16.enabled: bf16, else
-    fp32). The dtype comes from the config (`dtype=None`): DeepSpeed 0.19.8 reads an explicit one as
+    fp32), initialised in fp32 either way (`ssl_vit.init.fp32_random_init`: a bf16 run starts from the fp32 run's
+    weights, rounded). The dtype comes from the config (`dtype=None`): DeepSpeed 0.19.8 reads an explicit one as
     `(dtype or fp16) if is_fp16_supported() else (bf16 if is_bf16_supported else fp32)`, the last test a bound
     method and always true, so an explicit fp32 became bf16 on a CPU without fp16 support (and bf16 fp32 on GPUs)."""
     import deepspeed  # heavy: only for ZeRO-3 runs
 
-    return deepspeed.zero.Init(config_dict_or_path=deepspeed_config, dtype=None)
+    with deepspeed.zero.Init(config_dict_or_path=deepspeed_config, dtype=None), fp32_random_init():
+        yield
 
 
 def parameter_dtype(accelerator, precision: Precision) -> torch.dtype:
@@ -161,23 +181,6 @@ def check_dtypes(model: torch.nn.Module, expected: torch.dtype, fp32_buffers=())
     if wrong:
         raise RuntimeError(f"parameters should be {expected} (and {list(fp32_buffers)} fp32) for this precision and "
                            f"strategy, but {len(wrong)} are not: {wrong[:4]}")
-
-
-def local_shard(param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter: ZeRO-3's partition (without the padding that evens the partitions out: it
-    is uninitialised memory, once measured as inf in a norm), an FSDP2 DTensor's local shard, or the whole
-    tensor."""
-    if hasattr(param, "ds_tensor"):
-        import torch.distributed as dist
-
-        shard = param.ds_tensor
-        group = getattr(param, "ds_process_group", None)
-        rank = dist.get_rank(group=group) if dist.is_initialized() else 0
-        valid = max(0, min(shard.numel(), param.ds_numel - rank * shard.numel()))
-        return shard.reshape(-1)[:valid]
-    if hasattr(param, "to_local"):
-        return param.to_local()
-    return param
 
 
 def unshard(tensor: torch.Tensor) -> torch.Tensor:
@@ -220,12 +223,14 @@ def replica_digest(accelerator, module: torch.nn.Module) -> str | None:
     return digest.hexdigest()
 
 
-def full_state_dict(accelerator, model) -> dict[str, torch.Tensor] | None:
+def full_state_dict(accelerator, model, fp32_shards: dict[str, torch.Tensor] | None = None
+                    ) -> dict[str, torch.Tensor] | None:
     """The whole model's state dict on the main process (None elsewhere), in fp32 whatever the training precision;
-    collective when sharded."""
+    collective when sharded. `fp32_shards`: fp32 values of parameters the optimizer holds no master of (this rank's
+    shards by name: `Objective.fp32_shards()`, an EMA teacher's averages)."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED and any(
             p.dtype != torch.float32 for p in model.module.parameters()):
-        return _deepspeed_fp32_state_dict(accelerator, model)
+        return _deepspeed_fp32_state_dict(accelerator, model, fp32_shards or {})
     if not is_sharded(accelerator):
         state = accelerator.unwrap_model(model).state_dict() if accelerator.is_main_process else None
     else:
@@ -233,17 +238,17 @@ def full_state_dict(accelerator, model) -> dict[str, torch.Tensor] | None:
     return state if accelerator.is_main_process else None
 
 
-def _deepspeed_fp32_state_dict(accelerator, engine) -> dict[str, torch.Tensor] | None:
+def _deepspeed_fp32_state_dict(accelerator, engine, fp32_shards: dict) -> dict[str, torch.Tensor] | None:
     """Under DeepSpeed bf16 the module holds bf16 copies and the fp32 master weights live in the optimizer: gather
     those, one parameter at a time (collective under ZeRO-3), onto the main process's CPU. Frozen parameters have no
-    master: an EMA teacher's come from its fp32 averages (ssl_vit.train.ema), others from the module."""
-    import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param
+    master: their fp32 values come from `fp32_shards` when given there, else from the module."""
+    import deepspeed  # heavy: only under DeepSpeed
 
     main = accelerator.is_main_process
     state = {}
     for name, param in engine.module.named_parameters():
-        full = safe_get_full_fp32_param(param) if param.requires_grad else _full_ema_fp32(param)
+        full = (deepspeed.utils.safe_get_full_fp32_param(param) if param.requires_grad else
+                _whole(param, fp32_shards.get(name)))
         if full is None:
             with deepspeed.zero.GatheredParameters([param]) if hasattr(param, "ds_id") else contextlib.nullcontext():
                 full = param.detach().float().clone()
@@ -258,12 +263,11 @@ def _deepspeed_fp32_state_dict(accelerator, engine) -> dict[str, torch.Tensor] |
     return state
 
 
-def _full_ema_fp32(param: torch.Tensor) -> torch.Tensor | None:
-    """The whole fp32 EMA average of a frozen teacher parameter (`ema_fp32`, set by ssl_vit.train.ema), gathered
-    from every rank's partition under ZeRO-3 (collective there); None when it has none."""
-    average = getattr(param, "ema_fp32", None)
-    if average is None or not hasattr(param, "ds_id"):
-        return average
-    parts = [torch.empty_like(average) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(parts, average.contiguous())
+def _whole(param: torch.Tensor, shard: torch.Tensor | None) -> torch.Tensor | None:
+    """The whole tensor of a parameter from this rank's `shard` of it: gathered from every rank's ZeRO-3 partition
+    (collective there, padding included), or the shard itself when parameters are whole; None without a shard."""
+    if shard is None or not hasattr(param, "ds_id"):
+        return shard
+    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, shard.contiguous())
     return torch.cat(parts)[: param.ds_numel].view(param.ds_shape)

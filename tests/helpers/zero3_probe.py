@@ -9,13 +9,13 @@ import sys
 from accelerate.utils import set_seed
 from omegaconf import OmegaConf
 
-from ssl_vit.train.strategy import construction_context, make_accelerator
+from ssl_vit.train.strategy import StrategySettings, construction_context, make_accelerator
 from ssl_vit.vit import build_vit
 
 preset, schemes, out = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
 cfg = OmegaConf.create({"trainer": {"precision": "fp32", "grad_accum_steps": 1, "tensorboard": False},
                         "data": {"batch_size": 2}, "optim": {"grad_clip": 1.0}})
-accelerator = make_accelerator(cfg, out)
+accelerator = make_accelerator(StrategySettings.from_config(cfg), out)
 for weight_init in schemes:
     set_seed(0)
     with construction_context(accelerator):

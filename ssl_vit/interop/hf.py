@@ -32,6 +32,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ssl_vit.artifacts import file_fingerprint
+from ssl_vit.preprocess import Preprocess
+from ssl_vit.vit import VisionTransformer
+
 HF_ARCHS = ("vit", "dinov2", "clip", "siglip")
 HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu"}
 # transformers activation names -> ours (gelu_new is the same tanh formula as gelu_pytorch_tanh)
@@ -117,7 +121,7 @@ def default_arch(config: dict) -> str:
 
 def hf_config(config: dict, arch: str, projection_dim: int | None = None):
     """The transformers config of our encoder as `arch` (ValueError naming everything `arch` cannot hold)."""
-    import transformers
+    import transformers  # heavy: transformers models only
 
     if arch not in HF_ARCHS:
         raise ValueError(f"unknown transformers target {arch!r}; valid choices: {list(HF_ARCHS)}")
@@ -260,8 +264,6 @@ def export_hf(encoder, out_dir: str | Path, arch: str | None = None, projection:
     save_file(hf_state(encoder.state_dict(), config, arch, projection), str(out_dir / "model.safetensors"),
               metadata={"format": "pt"})
     if preprocess is None:  # nothing recorded: our eval transform's defaults at the encoder's size
-        from ssl_vit.preprocess import Preprocess
-
         preprocess = Preprocess(img_size=hf.image_size)
     (out_dir / "preprocessor_config.json").write_text(json.dumps(processor_config(preprocess), indent=2) + "\n")
     return out_dir
@@ -283,7 +285,7 @@ def _arch_of(hf_cfg) -> str:
 def load_hf_vision(path: str | Path):
     """(the vision transformer module, its config, our arch name) of a transformers directory; CLIP / SigLIP
     image-text directories give their vision tower."""
-    import transformers
+    import transformers  # heavy: transformers models only
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -305,8 +307,6 @@ def from_hf(path: str | Path):
     """Our encoder from a transformers ViTModel / Dinov2Model / Dinov2WithRegistersModel / CLIPVisionModel /
     SiglipVisionModel directory (or a CLIP / SigLIP model's vision tower), weights included. Dropped: ViT's pooler
     (dense + tanh on the class token) and SigLIP's attention-pooling head; every token output is exact."""
-    from ssl_vit.vit import VisionTransformer
-
     module, hf_cfg, arch = load_hf_vision(path)
     state = module.state_dict()
     act = FROM_HF_ACTIVATIONS.get(hf_cfg.hidden_act)
@@ -383,3 +383,35 @@ def _our_state(state: dict, arch: str, width: int, depth: int, registers: int) -
         ours["patch_embed.proj.bias"] = state["embeddings.patch_embedding.bias"]
         ours["fc_norm.weight"], ours["fc_norm.bias"] = state["post_layernorm.weight"], state["post_layernorm.bias"]
     return {k: v.detach().float().clone() for k, v in ours.items()}
+
+
+def load_hf_dir(rest: str) -> tuple[VisionTransformer, Preprocess | None, dict]:
+    """(encoder, its preprocessing from preprocessor_config.json, identity) of `hf:<dir>`."""
+    path = Path(rest).expanduser()
+    encoder = from_hf(path)
+    preprocess = hf_preprocess(path, encoder.patch_embed.img_size[0])
+    weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))  # every shard of a sharded model
+    return encoder, preprocess, {"hf": [file_fingerprint(w) for w in weights]}
+
+
+def hf_preprocess(path: Path, img_size: int) -> Preprocess | None:
+    """Our Preprocess from a transformers preprocessor_config.json (resize the shorter side, centre crop, mean, std);
+    None without one."""
+    file = Path(path) / "preprocessor_config.json"
+    if not file.is_file():
+        return None
+    cfg = json.loads(file.read_text())
+    size, crop = cfg.get("size") or {}, cfg.get("crop_size") or {}
+    # older files hold plain numbers (transformers' get_size_dict: size -> shortest edge, crop -> square)
+    size = {"shortest_edge": size} if isinstance(size, (int, float)) else size
+    crop = {"height": crop, "width": crop} if isinstance(crop, (int, float)) else crop
+    resample = {0: "nearest", 2: "bilinear", 3: "bicubic"}.get(cfg.get("resample", 3), "bicubic")
+    mean, std = cfg.get("image_mean", Preprocess(1).mean), cfg.get("image_std", Preprocess(1).std)
+    if "shortest_edge" not in size and not cfg.get("do_center_crop"):  # ViT / SigLIP: both sides resized, no crop
+        return Preprocess(img_size=int(size.get("height", img_size)), mean=mean, std=std, interpolation=resample,
+                          resize_mode="squash")
+    crop_size = crop.get("height", img_size) if cfg.get("do_center_crop") else size.get("height", img_size)
+    shortest = size.get("shortest_edge", size.get("height", crop_size))
+    # our resize is int(img_size / crop_pct): crop_size / (shortest + 0.5) gives exactly `shortest` back
+    crop_pct = 1.0 if shortest <= crop_size else crop_size / (shortest + 0.5)
+    return Preprocess(img_size=int(crop_size), mean=mean, std=std, interpolation=resample, crop_pct=crop_pct)

@@ -9,32 +9,26 @@ the average kept in fp32. The one place that knows how a teacher is updated unde
 
 Nothing is ever gathered. When the teacher's own tensors are 16-bit (DeepSpeed's bf16 mode casts the whole module),
 the average lives in fp32 copies of the local shards and is written into the teacher after each update: a bf16
-EMA at m = 0.996 stalls, because (1 - m)(s - t) is below bf16's resolution of t. Each teacher parameter then
-carries its fp32 average as `ema_fp32`, which the saved encoder is taken from. A resumed run restarts the fp32
-average from the (bf16) teacher in the checkpoint.
+EMA at m = 0.996 stalls, because (1 - m)(s - t) is below bf16's resolution of t. `fp32_shards()` hands those
+averages over by name, for saving the teacher at full precision. A resumed run restarts the fp32 average from the
+(bf16) teacher in the checkpoint.
 """
 
 from __future__ import annotations
 
 import torch
 
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    if hasattr(param, "ds_tensor"):  # ZeRO-3 partition
-        return param.ds_tensor
-    if hasattr(param, "to_local"):  # FSDP2 DTensor
-        return param.to_local()
-    return param.data
+from ssl_vit.partition import local_shard
 
 
 def _student_local_fp32(param: torch.Tensor) -> torch.Tensor:
     """This rank's part of a student parameter at full precision: ZeRO-3's fp32 master partition when the module
     holds 16-bit copies, else the local shard itself."""
-    local = _local(param)
+    local = local_shard(param, padded=True)
     if local.dtype == torch.float32:
         return local
     if hasattr(param, "ds_tensor") and getattr(param, "_z3_optimizer", None) is not None:
-        from deepspeed.utils import safe_get_local_fp32_param
+        from deepspeed.utils import safe_get_local_fp32_param  # heavy: only under ZeRO-3
 
         return safe_get_local_fp32_param(param)
     return local.float()  # ZeRO-1/2 bf16: the module's bf16 copy, averaged into an fp32 EMA
@@ -59,7 +53,7 @@ def _pairs(student, teacher):
 def copy_parameters(teacher, student) -> None:
     """teacher <- student, local shard by local shard (at construction: under zero.Init both are partitioned)."""
     for s, t in _pairs(student, teacher):
-        _local(t).copy_(_local(s))
+        local_shard(t, padded=True).copy_(local_shard(s, padded=True))
 
 
 class EMA:
@@ -74,15 +68,20 @@ class EMA:
     def update(self, momentum: float) -> None:
         pairs = _pairs(self.student, self.teacher)
         students = [_student_local_fp32(s) for s, _ in pairs]
-        teachers = [_local(t) for _, t in pairs]
+        teachers = [local_shard(t, padded=True) for _, t in pairs]
         if all(t.dtype == torch.float32 for t in teachers):
             torch._foreach_lerp_(teachers, students, 1.0 - momentum)
             return
         if self._fp32 is None:  # first update (or after a resume): start from the teacher's current values
             self._fp32 = [t.float().clone() for t in teachers]
-            for (_, param), average in zip(pairs, self._fp32, strict=True):
-                param.ema_fp32 = average  # for saving the teacher at full precision (strategy.full_state_dict)
         torch._foreach_lerp_(self._fp32, [s.to(a.device) for s, a in zip(students, self._fp32, strict=True)],
                              1.0 - momentum)
         for average, t in zip(self._fp32, teachers, strict=True):
             t.copy_(average)
+
+    def fp32_shards(self) -> dict[str, torch.Tensor]:
+        """The teacher's fp32 averages by parameter name (this rank's shards, ZeRO-3's padding included), when its
+        tensors are 16-bit and it has been updated; else {} (its own tensors are the average)."""
+        if self._fp32 is None:
+            return {}
+        return dict(zip(_named(self.student), self._fp32, strict=True))  # the order of _pairs

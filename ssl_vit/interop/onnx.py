@@ -32,7 +32,7 @@ def export_onnx(encoder, out_dir: str | Path, preprocess=None, opset: int = 18,
                 check_batch: int = 3) -> tuple[Path, float]:
     """Write DIR/model.onnx (+ preprocess.json); returns (path, max |onnxruntime - torch|) on a random batch of
     `check_batch` images (a batch size other than the traced one: the batch dimension is dynamic)."""
-    import onnxruntime
+    import onnxruntime  # only when exporting to ONNX
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

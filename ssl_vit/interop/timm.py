@@ -1,10 +1,25 @@
-"""Import a timm VisionTransformer as an ssl_vit encoder (same parameter names, so the weights load as they are)."""
+"""timm both ways. Our parameter names are timm's (the name table is the identity), so weights move as they are:
+`from_timm` rebuilds a timm VisionTransformer (plain, parallel-block, hybrid, distilled) as ours; `load_timm_spec`
+reads the `timm:` import forms (a model name, a checkpoint file through timm's own loader, a timm model
+directory); `export_timm` writes a timm model directory (model.safetensors + hub-style config.json)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import timm
 import torch
+from safetensors.torch import save_file
+from timm.layers import GELU, GELUTanh, HybridEmbed, LayerScale, QuickGELU, StdConv2dSame
+from timm.models.resnetv2 import ResNetV2
+from timm.models.vision_transformer import Block, ParallelScalingBlock
+from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch import nn
 
+from ssl_vit.artifacts import file_fingerprint
+from ssl_vit.preprocess import INTERPOLATIONS, Preprocess
+from ssl_vit.stem import RESNET_CHANNELS
 from ssl_vit.vit import VisionTransformer
 
 # How each family resamples its position embeddings for another grid: (interpolation mode, antialias).
@@ -29,8 +44,6 @@ def layer_scale_init(model: nn.Module) -> float | None:
     else the gammas, when they all hold one value (an untrained model). A trained model that recorded nothing is an
     error: pass `layer_scale=` to `from_timm`.
     """
-    from timm.layers import LayerScale
-
     scales = [m for m in model.modules() if isinstance(m, LayerScale)]
     if not scales:
         return None
@@ -49,9 +62,6 @@ def layer_scale_init(model: nn.Module) -> float | None:
 
 def activation_name(act: nn.Module) -> str:
     """Our `act_layer` name for a timm block's MLP activation (ValueError for one we do not have)."""
-    from timm.layers import QuickGELU
-    from timm.layers.activations import GELU, GELUTanh
-
     if isinstance(act, QuickGELU):
         return "quick_gelu"
     if isinstance(act, GELUTanh) or (isinstance(act, nn.GELU) and act.approximate == "tanh"):
@@ -69,9 +79,6 @@ TIMM_HYBRIDS = {((3, 4, 9), 64): "vit_base_r50_s16_224", ((), 64): "vit_tiny_r_s
 def _timm_stem(patch_embed: nn.Module) -> dict:
     """Our stem keywords for a timm patch embedding: {} for pixel patches; for a `HybridEmbed` over the ResNet-v2
     that timm's hybrid ViTs build (stem 'same', no pre-activation, weight-standardised convs), its stages."""
-    from timm.layers import HybridEmbed, StdConv2dSame
-    from timm.models.resnetv2 import ResNetV2
-
     if not isinstance(patch_embed, HybridEmbed):
         return {}
     backbone = patch_embed.backbone
@@ -95,9 +102,6 @@ def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embe
     resampled as the imported family does (DINOv2: bicubic without antialiasing; other timm models: timm's default,
     bicubic with antialiasing) unless `pos_embed_interp` / `pos_embed_antialias` say otherwise.
     """
-    from timm.models.vision_transformer import Block, ParallelScalingBlock
-    from timm.models.vision_transformer import VisionTransformer as TimmViT
-
     if not isinstance(model, TimmViT):
         raise ValueError(f"only timm VisionTransformer models can be imported, not {type(model).__name__}")
     block = model.blocks[0]
@@ -152,8 +156,6 @@ def timm_architecture(config: dict) -> str:
     if config.get("stem", "patch") == "resnet":
         return _timm_hybrid(config)
     stem = TIMM_NAMES.get((width, depth, heads, mlp_dim))
-    import timm
-
     if config.get("dist_token"):  # DeiT's distilled models (model_args set every size)
         name = f"deit_{(stem or 'vit_tiny').removeprefix('vit_')}_distilled_patch16_224"
         return name if timm.is_model(name) else "deit_tiny_distilled_patch16_224"
@@ -166,8 +168,6 @@ def timm_architecture(config: dict) -> str:
 
 def _timm_hybrid(config: dict) -> str:
     """The timm hybrid whose ResNet part is this encoder's (timm builds it from the name; model_args set the ViT)."""
-    from ssl_vit.stem import RESNET_CHANNELS
-
     layers = tuple(config.get("stem_layers", ()))
     channels = config.get("stem_channels")
     name = TIMM_HYBRIDS.get((layers, config.get("stem_width", 64)))
@@ -217,11 +217,6 @@ def export_timm(encoder, out_dir, preprocess=None):
     (architecture, model_args, pretrained_cfg with the preprocessing). Load with
     `timm.create_model("local-dir:DIR", pretrained=True)` or
     `timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file="DIR/model.safetensors"), **args)`."""
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
     config = encoder.config
     args = timm_model_args(config)
     out_dir = Path(out_dir)
@@ -240,3 +235,42 @@ def export_timm(encoder, out_dir, preprocess=None):
     state = {k: v.detach().float().contiguous().clone() for k, v in encoder.state_dict().items()}
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+def timm_preprocess(model) -> Preprocess:
+    """The eval transform timm declares for a model (pretrained_cfg: mean, std, interpolation, crop_pct)."""
+    pcfg = dict(getattr(model, "pretrained_cfg", None) or {})
+    size = model.patch_embed.img_size
+    interpolation = pcfg.get("interpolation", "bicubic")
+    return Preprocess(img_size=int(size[0]), mean=list(pcfg.get("mean", Preprocess(1).mean)),
+                      std=list(pcfg.get("std", Preprocess(1).std)),
+                      interpolation=interpolation if interpolation in INTERPOLATIONS else "bicubic",
+                      crop_pct=float(pcfg.get("crop_pct", 1.0)),
+                      resize_mode="squash" if pcfg.get("crop_mode") == "squash" else "shortest")
+
+
+def load_timm_spec(rest: str) -> tuple[VisionTransformer, Preprocess, dict]:
+    """(encoder, timm's preprocessing, identity) of `timm:<rest>` (ssl_vit.interop.sources names the forms)."""
+    path = Path(rest).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"timm:{rest}: the directory has no config.json (a timm model directory)")
+        model = timm.create_model(f"local-dir:{path}", pretrained=True, num_classes=0)
+        identity = {"timm": [file_fingerprint(p) for p in (path / "model.safetensors", path / "pytorch_model.bin")
+                             if p.is_file()]}
+    else:
+        name, _, file = rest.partition(":")
+        if not timm.is_model(name):
+            close = timm.list_models(f"*{name.split('_')[0]}*")[:8] if name else []
+            raise ValueError(f"timm:{rest}: {name!r} is not a timm model name (e.g. {close or 'vit_base_patch16_224'})")
+        if file:
+            file_path = Path(file).expanduser()
+            if not file_path.is_file():
+                raise FileNotFoundError(f"timm:{rest}: no checkpoint file {file!r}")
+            overlay = {"file": str(file_path), "custom_load": file_path.suffix == ".npz"}  # big_vision npz: timm's own
+            model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, num_classes=0)
+            identity = file_fingerprint(file_path) | {"timm": name}
+        else:
+            model = timm.create_model(name, pretrained=False, num_classes=0)
+            identity = {"timm": name, "seed": torch.initial_seed()}
+    return from_timm(model.eval()).eval(), timm_preprocess(model), identity

@@ -1,0 +1,61 @@
+"""Encoders from every source a run can start from or evaluate: one spec string, one loader.
+
+    outputs/<run> or .../encoder.safetensors   ours (the recorded preprocessing)
+    timm:<model name>                          timm's architecture, random weights (no model hub here)
+    timm:<model name>:<file>                   + weights from a timm checkpoint (.safetensors / .pth / .bin, or
+                                               the original ViT AugReg .npz) through timm's own loader
+    timm:<dir>                                 a timm model directory (config.json + weights; our --to timm)
+    hf:<dir>                                   transformers ViTModel / Dinov2Model / CLIPVisionModel / SiglipVisionModel
+    open_clip:<dir>                            an open_clip model directory (open_clip_config.json; our --to open_clip)
+    open_clip:<model name>:<file>              an open_clip checkpoint file for a named open_clip architecture
+
+Each import keeps its library's position-embedding resampling for other image sizes (recorded in the encoder's
+config, used by `set_img_size` and on the fly): timm and open_clip resample bicubic with antialiasing, transformers
+and DINOv2 bicubic without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ssl_vit.artifacts import ENCODER_FILE, file_fingerprint, load_encoder, read_preprocess
+from ssl_vit.interop.hf import load_hf_dir
+from ssl_vit.interop.open_clip import load_open_clip_spec
+from ssl_vit.interop.timm import load_timm_spec
+from ssl_vit.preprocess import Preprocess
+from ssl_vit.vit import VisionTransformer
+
+SOURCES = ("<encoder file or run dir>", "timm:<name>[:<file>]", "timm:<dir>", "hf:<dir>", "open_clip:<dir>",
+           "open_clip:<name>:<file>")
+LIBRARIES = {"timm": load_timm_spec, "hf": load_hf_dir, "open_clip": load_open_clip_spec}
+
+
+@dataclass
+class Pretrained:
+    encoder: VisionTransformer
+    preprocess: Preprocess | None  # the source's own preprocessing, when it records one
+    identity: dict  # what makes the weights unique (for the feature cache)
+
+
+def load_pretrained(spec: str) -> Pretrained:
+    """The encoder a spec names (see the module docstring); ValueError / FileNotFoundError naming the problem."""
+    library, _, rest = spec.partition(":")
+    if library in LIBRARIES:
+        return Pretrained(*LIBRARIES[library](rest))
+    return _from_ours(spec)
+
+
+def _from_ours(spec: str) -> Pretrained:
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / ENCODER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{spec!r} is not an encoder file or a run directory with {ENCODER_FILE}; "
+                                f"valid forms: {list(SOURCES)}")
+    try:
+        encoder = load_encoder(path)
+    except Exception as err:  # safetensors' own errors for truncated / foreign files, bad metadata
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{spec!r} is not a readable ssl_vit encoder file ({first})") from err
+    return Pretrained(encoder, read_preprocess(path), file_fingerprint(path))

@@ -1,0 +1,235 @@
+"""The build step: a composed config -> the typed parts of a run (`Run`: the objective with its backbone, the data
+and its views, the optimizer and its per-step schedules, the periodic-evaluation sets). Every bad value becomes one
+`ConfigError` here, before anything trains. What it knows of the objective is its declared `Requirements`; of the
+dataset, its registered `DatasetKind`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from objectives import DataInfo, Objective, Requirements, build_objective, objective_class
+from ssl_vit.config import model_kwargs, peak_lr, warmup_steps
+from ssl_vit.data import DATASETS, DataError, ViewBuilder, build_dataset, dataset_kind
+from ssl_vit.data.augreg import mixes
+from ssl_vit.data.config import augment_kind
+from ssl_vit.data.subset import limit_samples
+from ssl_vit.init import writable
+from ssl_vit.interop.sources import SOURCES, Pretrained, load_pretrained
+from ssl_vit.optim import build_optimizer, schedule, weight_decay_schedule
+from ssl_vit.preprocess import Preprocess, resolve_preprocess
+from ssl_vit.schema import ConfigError
+from ssl_vit.vit import PRESETS, VisionTransformer, build_vit
+
+log = logging.getLogger("ssl_vit")
+
+# Model settings that may differ from an `init_from` source's (training-time regularisation, resampling rule).
+INIT_FROM_ADJUSTABLE = ("drop_path", "attn_drop", "proj_drop", "pos_embed_interp", "pos_embed_antialias",
+                        "weight_init")
+
+
+@dataclass
+class Run:
+    """What the Trainer trains: built by `build_run` from a config."""
+
+    objective: Objective
+    dataset: object
+    views: ViewBuilder
+    preprocess: Preprocess
+    optimizer: torch.optim.Optimizer
+    learning_rates: np.ndarray  # at every step
+    weight_decays: np.ndarray  # at every step
+    global_batch: int
+    grad_clip: float | None  # the global gradient norm clipped at (None / 0: measured only)
+    repeats: int  # repeated augmentation (augreg), else 1
+
+
+def requirements(objective_cfg) -> tuple[type[Objective], Requirements]:
+    """The objective's class and its declared needs for this config."""
+    try:
+        cls = objective_class(objective_cfg.name)
+        return cls, cls.requirements(objective_cfg)
+    except ValueError as err:  # an unknown name, or a bad value the record depends on (LiT's encoder file)
+        raise ConfigError(str(err)) from err
+
+
+def init_source(cfg) -> Pretrained | None:
+    """The pre-trained encoder `model.init_from` names (ssl_vit.interop.sources), or None. Load it before building
+    the model under zero.Init: a timm / transformers source built there would be partitioned."""
+    spec = cfg.model.get("init_from")
+    if not spec:
+        return None
+    try:
+        # building the source model must not move the run's seed, nor be partitioned by transformers' ZeRO-3 hook
+        with torch.random.fork_rng(devices=[]), without_transformers_zero3():
+            return load_pretrained(spec)
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as err:
+        raise ConfigError(f"model.init_from: {err} (valid forms: {list(SOURCES)})") from err
+
+
+@contextlib.contextmanager
+def without_transformers_zero3():
+    """transformers builds models under deepspeed.zero.Init while a ZeRO-3 config is registered with it (accelerate
+    registers one): off inside, for models built whole on one rank."""
+    from transformers.integrations import deepspeed as hf_deepspeed  # heavy: only where a model is built whole
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def build_backbone(cfg, needs: Requirements, source: Pretrained | None):
+    """(backbone, image size, recorded preprocessing or None): the objective's fixed backbone, the `init_from`
+    source's architecture with its weights, or the `model=` preset."""
+    if needs.fixed_backbone is not None and source is not None:
+        raise ConfigError(f"model.init_from={cfg.model.init_from} with objective={cfg.objective.name}: "
+                          f"{needs.init_from}")
+    if needs.fixed_backbone is not None:  # its own pre-trained tower: its architecture, size and normalisation
+        encoder_config, recorded = needs.fixed_backbone.config, needs.fixed_backbone.preprocess
+        img_size = _single_size(encoder_config["img_size"])
+        if cfg.data.img_size not in (None, img_size):
+            raise ConfigError(f"data.img_size={cfg.data.img_size}: the objective's fixed backbone was trained at "
+                              f"{img_size} px (leave data.img_size unset)")
+        return VisionTransformer(**encoder_config), img_size, recorded
+    if source is not None:  # pre-trained weights to start from: the source's architecture at the run's size
+        if needs.init_from is not None:
+            raise ConfigError(f"model.init_from={cfg.model.init_from} with objective={cfg.objective.name}: "
+                              f"{needs.init_from}")
+        recorded = source.preprocess
+        # as evaluation does: data.img_size, else the size the source's preprocessing gives, else its native size
+        img_size = cfg.data.img_size or (recorded.img_size if recorded else
+                                         _single_size(source.encoder.config["img_size"]))
+        differ = {k: (source.encoder.config.get(k), v) for k, v in needs.model_defaults.items()
+                  if source.encoder.config.get(k) != v}
+        if differ:
+            log.warning("model.init_from: objective=%s builds its own models with %s; the source has %s (kept)",
+                        cfg.objective.name, {k: v[1] for k, v in differ.items()}, {k: v[0] for k, v in differ.items()})
+        return _backbone_from(source, cfg, img_size), img_size, recorded
+    img_size = cfg.data.img_size or PRESETS[cfg.model.name].get("img_size", 224)
+    try:
+        return build_vit(cfg.model.name, img_size=img_size, **{**needs.model_defaults, **model_kwargs(cfg.model)}), \
+            img_size, None
+    except ValueError as err:
+        raise ConfigError(f"model={cfg.model.name} at data.img_size={img_size}: {err}") from err
+
+
+def _backbone_from(source: Pretrained, cfg, img_size: int) -> VisionTransformer:
+    """A backbone with the source's architecture at `img_size` (position embeddings resampled as the source library
+    does), its weights, and the run's regularisation settings."""
+    overrides = model_kwargs(cfg.model)
+    conflicts = {k: v for k, v in overrides.items() if k not in INIT_FROM_ADJUSTABLE}
+    if conflicts:
+        raise ConfigError(f"model.init_from={cfg.model.init_from}: the architecture is the source's; remove "
+                          f"{', '.join(f'model.{k}={v}' for k, v in conflicts.items())} (adjustable: "
+                          f"{list(INIT_FROM_ADJUSTABLE)})")
+    encoder = source.encoder
+    for key in ("pos_embed_interp", "pos_embed_antialias"):
+        if key in overrides:
+            setattr(encoder, key, overrides[key])
+            encoder.config[key] = overrides[key]
+    if _single_size(encoder.config["img_size"]) != img_size:
+        try:
+            encoder.set_img_size(img_size)
+        except ValueError as err:
+            raise ConfigError(f"model.init_from={cfg.model.init_from} at data.img_size={img_size}: {err}") from err
+    # The run's init scheme (the preset's unless model.weight_init says otherwise): the objective's heads follow it,
+    # so the same weights from any source start the same run.
+    overrides.setdefault("weight_init", PRESETS[cfg.model.name].get("weight_init", "timm"))
+    backbone = VisionTransformer(**{**encoder.config, **overrides})
+    load_module_by_module(backbone, encoder.state_dict())
+    return backbone
+
+
+def load_module_by_module(module: torch.nn.Module, state: dict) -> None:
+    """`module.load_state_dict(state)` (strict), one submodule's own parameters at a time: under ZeRO-3 only that
+    submodule is gathered, never the whole model."""
+    expected = set(module.state_dict())
+    if expected != set(state):
+        raise ValueError(f"weights do not fit the model: missing {sorted(expected - set(state))[:5]}, unexpected "
+                         f"{sorted(set(state) - expected)[:5]}")
+    for prefix, submodule in module.named_modules():
+        own = dict(submodule.named_parameters(recurse=False))
+        if not own:
+            continue
+        with writable(*own.values()), torch.no_grad():
+            for name, param in own.items():
+                param.copy_(state[f"{prefix}.{name}" if prefix else name])
+
+
+def build_data(cfg, needs: Requirements, img_size: int):
+    """The training set, checked against what the objective reads (labels, captions)."""
+    kind = dataset_kind(cfg.data.name)
+    if kind.stream and cfg.data.max_train_samples is not None:
+        raise ConfigError(f"data.max_train_samples does not apply to data={cfg.data.name} (a stream has no length); "
+                          "give it less data instead (e.g. fewer shards in data.urls)")
+    if "text" in needs.views and not kind.captioned:
+        captioned = [name for name, other in DATASETS.items() if other.captioned]
+        raise ConfigError(f"objective={cfg.objective.name} needs captions but data={cfg.data.name} has none; use "
+                          f"data= one of {captioned} (shards: with a 'txt' per sample)")
+    try:
+        dataset = limit_samples(build_dataset(cfg.data, img_size), cfg.data.max_train_samples, cfg.seed)
+    except (ValueError, FileNotFoundError, DataError) as err:
+        raise ConfigError(f"data={cfg.data.name}: {err}") from err
+    if "label" in needs.views and not dataset.classes:
+        raise ConfigError(f"objective={cfg.objective.name} needs class labels but data={cfg.data.name} declares no "
+                          "classes: set data.num_classes")
+    return dataset
+
+
+def build_components(cfg, source: Pretrained | None = None):
+    """(objective with its backbone, dataset, view builder, preprocessing) of a config; ConfigError on a bad value.
+    `source`: the `init_source(cfg)` already loaded (pretrain loads it outside zero.Init)."""
+    if cfg.model.name not in PRESETS:
+        raise ConfigError(f"unknown model {cfg.model.name!r}; valid choices: {sorted(PRESETS)}")
+    _, needs = requirements(cfg.objective)
+    source = source if source is not None else init_source(cfg)
+    backbone, img_size, recorded = build_backbone(cfg, needs, source)
+    backbone.set_grad_checkpointing(cfg.model.grad_checkpointing)
+    dataset = build_data(cfg, needs, img_size)
+    preprocess = resolve_preprocess(cfg.data, img_size, recorded)
+    info = DataInfo(len(dataset.classes), img_size, preprocess.mean, preprocess.std)
+    try:
+        objective = build_objective(cfg.objective, backbone, info)
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(f"objective={cfg.objective.name}: {err}") from err
+    augment = augment_kind(cfg.data)
+    if augment == "augreg" and mixes(cfg.data.augreg) and cfg.data.batch_size % 2:
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size}: Mixup / CutMix (data.augment=augreg) pair each "
+                          "image with another, so the batch per process must be even")
+    try:
+        views = preprocess.view_builder(needs.views, augment, cfg.data.crop_scale, objective.multicrop_options(),
+                                        objective.text_tokenizer(), augreg=cfg.data.augreg,
+                                        num_classes=len(dataset.classes) or None)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    return objective, dataset, views, preprocess
+
+
+def build_run(cfg, objective: Objective, dataset, views: ViewBuilder, preprocess: Preprocess, world: int) -> Run:
+    """The run around built components: the optimizer and the per-step schedules for `world` processes."""
+    optimizer = build_optimizer(objective, cfg.optim, num_layers=len(objective.encoder.blocks))
+    global_batch = cfg.data.batch_size * world * cfg.trainer.grad_accum_steps
+    peak = peak_lr(cfg.optim, global_batch)
+    if cfg.optim.min_lr > peak:
+        log.warning("optim.min_lr=%g is above the peak lr %g (optim.lr scaled to global batch %d): the schedule "
+                    "stays at the peak instead of rising", cfg.optim.min_lr, peak, global_batch)
+    steps = cfg.trainer.max_steps
+    learning_rates = schedule(peak, min(cfg.optim.min_lr, peak), steps, warmup_steps(cfg.optim, steps),
+                              cfg.optim.schedule)
+    repeats = cfg.data.augreg.repeats if augment_kind(cfg.data) == "augreg" else 1
+    return Run(objective, dataset, views, preprocess, optimizer, learning_rates,
+               weight_decay_schedule(cfg.optim, steps), global_batch, cfg.optim.grad_clip, repeats)
+
+
+def _single_size(size) -> int:
+    return int(size if isinstance(size, int) else size[0])

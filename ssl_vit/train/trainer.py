@@ -1,0 +1,407 @@
+"""The Trainer: one invocation of pre-training (a new run, or a resumed one), as methods over two contracts only:
+the objective's (objectives/base.py) and the strategy's verbs (ssl_vit/train/strategy.py). accelerate owns devices,
+processes, mixed precision and gradient accumulation.
+
+`pretrain(cfg)`: validate the config, make the accelerator the launch config describes, build the run's parts
+(ssl_vit/train/build.py), then train: every step applies the precomputed lr / weight decay, lets the objective drive
+its micro-steps, checks the update, logs, checkpoints and evaluates on schedule; at the end (or on a failure) a
+summary. Outputs in the run directory (ssl_vit/train/outputs.py): `metrics.jsonl`, TensorBoard events under `tb/`,
+`checkpoints/step_*` (exact resume), `encoder.safetensors` + `heads.safetensors` (ssl_vit.artifacts) and
+`summary.json`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object, set_seed
+from tqdm.auto import tqdm
+
+from ssl_vit.data import make_loader
+from ssl_vit.init import rng_devices
+from ssl_vit.optim import apply_schedule
+from ssl_vit.schema import to_container, validate_config
+from ssl_vit.train.build import Run, build_components, build_run, init_source, requirements, without_transformers_zero3
+from ssl_vit.train.checkpoint import (
+    list_checkpoints,
+    load_checkpoint,
+    remove_stale_temps,
+    resolve_resume,
+    save_checkpoint,
+)
+from ssl_vit.train.evaluation import PeriodicEvaluation
+from ssl_vit.train.faults import fault_point, poisoned
+from ssl_vit.train.guard import DivergenceAdvice, UpdateGuard
+from ssl_vit.train.outputs import OutputError, RunOutputs, check_writable
+from ssl_vit.train.strategy import (
+    StrategySettings,
+    check_dtypes,
+    construction_context,
+    full_state_dict,
+    is_sharded,
+    make_accelerator,
+    parameter_dtype,
+    parameter_norm,
+    replica_digest,
+    step_was_applied,
+    strategy_name,
+    unshard,
+)
+from ssl_vit.vit import VisionTransformer, count_parameters
+
+log = logging.getLogger("ssl_vit")
+
+
+def pretrain(cfg) -> dict:
+    """Run (or resume) pre-training as `cfg` says; returns the run summary (also written to summary.json)."""
+    validate_config(cfg)
+    _, needs = requirements(cfg.objective)
+    out_dir = Path(cfg.output_dir)
+    accelerator = make_accelerator(StrategySettings.from_config(cfg, ema_teacher=needs.ema_teacher), out_dir)
+    if accelerator.is_main_process:
+        check_writable(out_dir)
+    threads = configure_threads(cfg.trainer.cpu_threads, accelerator)
+    set_seed(cfg.seed)  # identical initialisation on every rank
+    source = init_source(cfg)
+    with construction_context(accelerator):
+        components = build_components(cfg, source)
+    run = build_run(cfg, *components, world=accelerator.num_processes)
+    evaluation = PeriodicEvaluation.from_config(cfg, needs, run.preprocess) if cfg.trainer.eval_every > 0 else None
+    trainer = Trainer(run, accelerator, cfg.trainer, out_dir, DivergenceAdvice.from_config(cfg), evaluation)
+    trainer.start(config=to_container(cfg), seed=cfg.seed, data=cfg.data,
+                  describe=f"{cfg.objective.name} on {cfg.data.name}: {cfg.model.name}", threads=threads)
+    return trainer.train()
+
+
+def configure_threads(requested: int | None, accelerator: Accelerator) -> int:
+    """`accelerate launch` sets OMP_NUM_THREADS=1 for CPU runs; give each local process its share of the cores."""
+    if requested is None and accelerator.device.type != "cpu":
+        return torch.get_num_threads()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    threads = requested or max(1, len(os.sched_getaffinity(0)) // max(local, 1))
+    torch.set_num_threads(threads)
+    return threads
+
+
+@dataclass
+class TrainState:
+    """The loop's own counters; saved and restored with every checkpoint."""
+
+    step: int = 0
+    nonfinite_steps: int = 0
+    consecutive_nonfinite: int = 0
+    skipped_samples: int = 0  # bad samples the data stream skipped (corrupt images, missing keys)
+    last_record: dict = field(default_factory=dict)  # the newest metrics row, for the summary of a resumed run
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+class Meter:
+    """Sums detached scalars between log steps without synchronising; `summary` reduces across processes."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, values: dict[str, torch.Tensor]) -> None:
+        for key, value in values.items():
+            value = value.detach().float()
+            self.sums[key] = self.sums[key] + value if key in self.sums else value
+            self.counts[key] = self.counts.get(key, 0) + 1
+
+    def summary(self, accelerator: Accelerator) -> dict[str, float]:
+        if not self.sums:
+            return {}
+        keys = sorted(self.sums)
+        means = torch.stack([self.sums[k] / self.counts[k] for k in keys])
+        if accelerator.num_processes > 1:
+            means = accelerator.reduce(means, reduction="mean")
+        self.sums, self.counts = {}, {}
+        return dict(zip(keys, means.tolist(), strict=True))
+
+
+class MicroSteps:
+    """One optimizer step's micro-steps as the objective drives them (`Objective.micro_steps`, the `Engine` of
+    objectives/base.py): `forward` through the distributed model, `step` = forward, backward and, on the micro-step
+    that syncs, the global gradient norm (clipped at `grad_clip`; it decides whether the update is usable) and the
+    optimizer step. Under DeepSpeed the engine has already stepped (or skipped) inside backward."""
+
+    def __init__(self, accelerator: Accelerator, model, optimizer, grad_clip: float | None, step: int, meter: Meter):
+        self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
+        self.grad_clip, self.step_number, self.meter = grad_clip, step, meter
+        self.applied = False
+        self.loss_finite = torch.ones((), dtype=torch.bool, device=accelerator.device)  # on this rank
+
+    def forward(self, batch: dict) -> dict:
+        return self.model(batch)
+
+    def step(self, batch: dict, loss_scale: float = 1.0) -> dict:
+        accelerator = self.accelerator
+        with accelerator.accumulate(self.model):
+            outputs = self.model(batch)
+            outputs["loss"] = poisoned(outputs["loss"], self.step_number)
+            self.loss_finite &= torch.isfinite(outputs["loss"].detach())
+            accelerator.backward(outputs["loss"] if loss_scale == 1 else outputs["loss"] * loss_scale)
+            if accelerator.sync_gradients:
+                norm = accelerator.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
+                if norm is not None:
+                    outputs["grad_norm"] = torch.as_tensor(unshard(norm), dtype=torch.float32)
+                self.applied = step_was_applied(accelerator, self.model, outputs.get("grad_norm"))
+                if self.applied:
+                    self.optimizer.step()  # a no-op under DeepSpeed
+                self.optimizer.zero_grad(set_to_none=True)
+        self.meter.add(outputs)
+        return outputs
+
+
+class Trainer:
+    """Trains a `Run` under an accelerator: `start` (resume or begin, open the outputs, the data stream), `train`
+    (the step loop), and inside it `step`, `log`, `save`, `evaluate`; `finish` writes the summary."""
+
+    def __init__(self, run: Run, accelerator: Accelerator, settings, out_dir: Path, advice: DivergenceAdvice,
+                 evaluation: PeriodicEvaluation | None = None):
+        """settings: the trainer config (trainer.*); advice: what to say if the run diverges; evaluation: the
+        periodic evaluation (trainer.eval_every), or None."""
+        self.run, self.accelerator, self.settings, self.out_dir = run, accelerator, settings, out_dir
+        self.evaluation, self.advice = evaluation, advice
+        self.model, self.optimizer = accelerator.prepare(run.objective, run.optimizer)
+        self.objective = accelerator.unwrap_model(self.model)
+        check_dtypes(self.objective, parameter_dtype(accelerator, settings.precision), self.objective.fp32_buffers)
+        self.state = TrainState()
+        accelerator.register_for_checkpointing(self.state)
+        self.outputs = RunOutputs(accelerator, out_dir, settings.tensorboard)
+        self.end_step = min(settings.max_steps, settings.stop_at_step or settings.max_steps)
+        self.meter = Meter()
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def start(self, config: dict, seed: int, data, describe: str, threads: int) -> None:
+        """Resume from trainer.resume (or start), open the outputs, and start the data stream at the step."""
+        accelerator, settings = self.accelerator, self.settings
+        resume_dir = resolve_resume(settings.resume, self.out_dir)
+        if resume_dir is not None:
+            load_checkpoint(accelerator, resume_dir, self.model, settings.allow_inexact_resume)
+        else:
+            set_seed(seed + accelerator.process_index)  # from here on, ranks draw different masks / dropout
+        removed = remove_stale_temps(self.out_dir) if self.is_main else []
+        dropped = self.outputs.open(self.state.step, config, _flat_hparams(config))
+        world = accelerator.num_processes
+        self.threads, self.start_step = threads, self.state.step
+        if self.is_main:
+            log.info("%s, %d encoder parameters, %d process(es) x %d thread(s), global batch %d; %s%s", describe,
+                     count_parameters(self.objective.encoder), world, threads, self.run.global_batch,
+                     f"resumed from {resume_dir} at step {self.state.step}" if resume_dir else "new run",
+                     f" ({dropped} metrics rows past it, {len(removed)} unfinished checkpoint(s) removed)"
+                     if dropped or removed else "")
+        self.batches = iter(make_loader(
+            self.run.dataset, self.run.views, data.batch_size, rank=accelerator.process_index, world_size=world,
+            seed=seed, start=self.state.step * settings.grad_accum_steps, num_workers=data.num_workers,
+            pin_memory=accelerator.device.type == "cuda", repeats=self.run.repeats))
+        self.guard = UpdateGuard(self.model.parameters(), settings.max_param_norm_growth,
+                                 partial(parameter_norm, accelerator))
+
+    def train(self) -> dict:
+        """Step to the end (or trainer.stop_at_step); the summary, also on a failure (then re-raised)."""
+        progress = tqdm(total=self.end_step, initial=self.state.step, disable=not (self.is_main and
+                        self.settings.progress), desc="pretrain", dynamic_ncols=True)
+        self.run_start = self.interval_start = time.perf_counter()
+        self.interval_step, error = self.state.step, None
+        try:
+            while self.state.step < self.end_step:
+                self.step()
+                progress.update(1)
+                progress.set_postfix(self.log_line)
+            # A run resumed from its final checkpoint skips the loop: its encoder file may predate that checkpoint.
+            if gather_object([self.outputs.encoder_step() != self.state.step])[0]:  # the main process's answer
+                self.save_artifacts(self.state.step)
+        except BaseException as err:
+            error = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            raise
+        finally:
+            progress.close()
+            if hasattr(self.batches, "_shutdown_workers"):  # now, not at garbage collection (10 s after a data error)
+                self.batches._shutdown_workers()
+            summary = self.finish(error)
+        return summary
+
+    def step(self) -> None:
+        """One optimizer step, then its checks, log line, checkpoint and evaluation when due."""
+        state, settings = self.state, self.settings
+        run = self.run
+        apply_schedule(self.optimizer, float(run.learning_rates[state.step]), float(run.weight_decays[state.step]),
+                       state.step)
+        self.objective.begin_step(state.step, settings.max_steps)
+        micro = MicroSteps(self.accelerator, self.model, self.optimizer, self.run.grad_clip, state.step + 1,
+                           self.meter)
+        self.objective.micro_steps(self._micro_batches(), micro)
+        state.step += 1
+        self._check(micro)
+        diverged = state.consecutive_nonfinite >= settings.max_consecutive_nonfinite
+        if state.step % settings.log_every == 0 or state.step == self.end_step or diverged:
+            self.log()
+        fault_point("step_done", state.step)
+        if diverged:
+            raise self.advice.nonfinite_error(state.consecutive_nonfinite, state.step, self.save(state.step))
+        if self.evaluation is not None and (state.step % settings.eval_every == 0 or state.step == self.end_step):
+            self.evaluate()
+        if state.step % settings.checkpoint_every == 0 or state.step == self.end_step:
+            self.save(state.step)
+
+    def _micro_batches(self) -> list[dict]:
+        batches = []
+        for _ in range(self.settings.grad_accum_steps):
+            batch = next(self.batches)
+            if "skipped" in batch:
+                self.state.skipped_samples += int(batch.pop("skipped").sum())
+            batches.append(_to_device(batch, self.accelerator.device))
+        return batches
+
+    def _check(self, micro: MicroSteps) -> None:
+        """Count a skipped update; stop on one that ruined the weights; after an applied one, the objective's
+        updates outside the gradient (EMA teachers)."""
+        state = self.state
+        if micro.applied:
+            state.consecutive_nonfinite = 0
+            growth = self.guard.check_update()
+            if growth is not None:
+                raise self.advice.ruined_weights_error(state.step, growth,
+                                                       (list_checkpoints(self.out_dir) or [None])[-1])
+            self.objective.after_optimizer_step(state.step, self.settings.max_steps)
+            return
+        state.nonfinite_steps += 1
+        state.consecutive_nonfinite += 1
+        if self.is_main:
+            log.warning("non-finite %s at step %d: update skipped (%d in a row, %d in all)",
+                        "gradients" if bool(micro.loss_finite) else "loss", state.step, state.consecutive_nonfinite,
+                        state.nonfinite_steps)
+
+    def log(self) -> None:
+        """The metrics row of the steps since the last one (means over them and over the processes)."""
+        state, run, now = self.state, self.run, time.perf_counter()
+        state.last_record = {
+            "step": state.step, **self.meter.summary(self.accelerator),
+            "lr": float(run.learning_rates[state.step - 1]), "wd": float(run.weight_decays[state.step - 1]),
+            "images_per_s": run.global_batch * (state.step - self.interval_step) / max(now - self.interval_start, 1e-9),
+            "nonfinite_steps": state.nonfinite_steps, "skipped_samples": state.skipped_samples}
+        self.interval_start, self.interval_step = now, state.step
+        self.outputs.log(state.last_record, tensorboard_prefix="train/")
+
+    @property
+    def log_line(self) -> dict:
+        record = self.state.last_record
+        return {"loss": f"{record.get('loss', math.nan):.4f}", "lr": f"{record.get('lr', math.nan):.2e}",
+                "img_s": f"{record.get('images_per_s', math.nan):.1f}"}
+
+    def save(self, step: int) -> Path:
+        """Checkpoint (collective), then the artifacts; returns the checkpoint directory."""
+        checkpoint = save_checkpoint(self.accelerator, self.out_dir, step, self.settings.keep_checkpoints)
+        self.save_artifacts(step)
+        return checkpoint
+
+    def save_artifacts(self, step: int) -> None:
+        """encoder.safetensors and heads.safetensors from the gathered weights (collective when sharded)."""
+        state = full_state_dict(self.accelerator, self.model, self.objective.fp32_shards())
+        if state is None:  # not the main process
+            return
+        artifacts = self.objective.artifacts(state)
+        self.outputs.save_encoder(artifacts.encoder, self.objective.encoder.config, step, self.run.preprocess,
+                                  objective=artifacts.metadata["objective"])
+        if artifacts.heads:
+            self.outputs.save_heads(artifacts.heads, step, **artifacts.metadata)
+
+    def evaluate(self) -> None:
+        """Periodic evaluation on the main process, of the live encoder, or of a gathered copy when the parameters
+        are sharded (a forward pass there is collective)."""
+        encoder, model = self._evaluated()
+        if self.is_main:
+            scores = self.evaluation(encoder, model)
+            self.outputs.log({"step": self.state.step, **scores})
+            log.info("step %d: %s", self.state.step, ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
+        self.accelerator.wait_for_everyone()
+
+    def _evaluated(self) -> tuple[VisionTransformer | None, torch.nn.Module | None]:
+        """The main process's (encoder, objective for zeroshot / retrieval or None); collective when sharded."""
+        objective, needs_model = self.objective, self.evaluation.needs_model
+        if not is_sharded(self.accelerator):
+            return (objective.encoder, objective if needs_model else None) if self.is_main else (None, None)
+        state = full_state_dict(self.accelerator, self.model)  # collective: every rank gathers
+        if not self.is_main:
+            return None, None
+        # Building draws initial weights: leave every training RNG as it was, and build outside transformers'
+        # ZeRO-3 hook (a transformers text tower would build itself under zero.Init, a collective, on this rank).
+        with torch.random.fork_rng(devices=rng_devices()), without_transformers_zero3():
+            if needs_model:
+                copy = objective.evaluation_copy(state).to(self.accelerator.device)
+                return copy.encoder, copy
+            encoder = VisionTransformer(**objective.encoder.config)
+        encoder.load_state_dict(objective.artifacts(state).encoder)
+        return encoder.to(self.accelerator.device), None
+
+    def finish(self, error: str | None) -> dict:
+        """summary.json for this invocation (also after a failure), and the closing log line."""
+        accelerator, state, settings = self.accelerator, self.state, self.settings
+        elapsed = time.perf_counter() - self.run_start
+        # Collective: only when every rank got here normally.
+        digests = gather_object([replica_digest(accelerator, self.objective)]) if error is None else []
+        checkpoints = list_checkpoints(self.out_dir)
+        steps = state.step - self.start_step
+        summary = {
+            "step": state.step, "max_steps": settings.max_steps, "finished": state.step >= settings.max_steps,
+            "error": error, "world_size": accelerator.num_processes, "threads_per_process": self.threads,
+            "global_batch": self.run.global_batch, "steps_this_run": steps, "wall_s": elapsed,
+            "images_per_s": self.run.global_batch * steps / elapsed if steps > 0 else None,
+            "nonfinite_steps": state.nonfinite_steps, "skipped_samples": state.skipped_samples,
+            "strategy": strategy_name(accelerator), "last": state.last_record, "param_digests": digests,
+            "replicas_in_sync": None if is_sharded(accelerator) else len(set(digests)) <= 1,
+            "checkpoint": str(checkpoints[-1]) if checkpoints else None, "encoder": str(self.outputs.encoder_path),
+            "preprocess": asdict(self.run.preprocess),
+        }
+        try:
+            self.outputs.summary(summary)
+        except OutputError as write_error:
+            log.error("%s", write_error)
+        accelerator.end_training()
+        if self.is_main:
+            if summary["replicas_in_sync"] is False:
+                log.error("model replicas differ across processes after training: %s", digests)
+            if summary["finished"]:
+                log.info("done: %d steps, %.1f images/s; encoder at %s", state.step, summary["images_per_s"] or 0,
+                         summary["encoder"])
+            elif error is None:
+                log.info("stopped at step %d of %d; continue with trainer.resume=auto hydra.run.dir=%s", state.step,
+                         settings.max_steps, self.out_dir)
+        return summary
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    def move(value):
+        if isinstance(value, torch.Tensor):
+            return value.to(device, non_blocking=True)
+        return [move(v) for v in value] if isinstance(value, list) else value
+
+    return {k: move(v) for k, v in batch.items()}
+
+
+def _flat_hparams(config: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flat_hparams(value, f"{prefix}{key}/"))
+        else:
+            flat[f"{prefix}{key}"] = value if isinstance(value, int | float | str | bool) else str(value)
+    return flat

@@ -1,0 +1,109 @@
+"""The shape of the house, checked: no import circles (traced as Python imports each module alone), no imports
+inside functions to dodge one, and an engine (ssl_vit/train/) that names no objective, no objective config key and
+no dataset."""
+
+import ast
+import json
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from conftest import ROOT
+
+from objectives import OBJECTIVES, ObjectiveConfig
+from ssl_vit.config import EvalConfig, ModelConfig, OptimConfig, PretrainConfig, TrainerConfig
+from ssl_vit.data import DATASETS
+from ssl_vit.data.config import AugRegConfig
+
+TRACE = ROOT / "tests" / "helpers" / "import_trace.py"
+PACKAGES = ("ssl_vit", "objectives")
+
+
+def _trace(root: Path, packages) -> dict:
+    proc = subprocess.run([sys.executable, str(TRACE), str(root), ",".join(packages)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_no_module_imports_another_while_that_one_is_still_being_imported(tmp_path):
+    """Every module imported alone, from nothing, with each import checked against the modules still executing;
+    the tracer itself is shown to see a circle in a package made with one."""
+    package = tmp_path / "loop"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from loop.b import B\nA = 1\n")
+    (package / "b.py").write_text("import loop.a\nB = 2\n")
+    # each module alone: a's import of b meets a still executing, and b's of a meets b
+    assert _trace(tmp_path, ["loop"])["circles"] == [["loop.a", "loop.b"], ["loop.b", "loop.a"]]
+    report = _trace(ROOT, PACKAGES)
+    assert len(report["modules"]) > 50 and "ssl_vit.train.trainer" in report["modules"]
+    assert report["errors"] == {} and report["circles"] == []
+
+
+def _functions_imports(path: Path):
+    """(line, modules, whether a comment is on it or the two lines above) of each import inside a function."""
+    lines = path.read_text().splitlines()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Import | ast.ImportFrom):
+                    names = [inner.module or ""] if isinstance(inner, ast.ImportFrom) else [a.name for a in
+                                                                                            inner.names]
+                    commented = any("#" in line for line in lines[max(inner.lineno - 3, 0):inner.lineno])
+                    yield inner.lineno, names, commented or getattr(inner, "level", 0) > 0
+
+
+def test_imports_inside_functions_are_only_of_heavy_optional_libraries_and_say_so():
+    """No project module is imported inside a function (that only hides a circle); a third-party one may be, for
+    import time, with a comment saying why."""
+    found = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for line, names, commented in _functions_imports(path):
+                where = f"{path.relative_to(ROOT)}:{line} {names}"
+                if any(name.split(".")[0] in PACKAGES for name in names):
+                    found.append(f"{where}: a project module")
+                elif not commented:
+                    found.append(f"{where}: no comment saying why it is imported here")
+    assert found == []
+
+
+def _code_words(path: Path) -> tuple[set[str], set[str]]:
+    """(identifiers, attribute names, keyword names and whole string constants; the words inside string constants)
+    of a module's code, docstrings left out."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    names, words = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.keyword) and node.arg:
+            names.add(node.arg)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            names.add(node.value)
+            words.update("".join(c if c.isalnum() or c == "_" else " " for c in node.value).split())
+    return names, words
+
+
+def test_the_engine_names_no_objective_no_objective_config_key_and_no_dataset():
+    """ssl_vit/train/ speaks the objective contract and the dataset registry only: no name of an objective (or of
+    its config options, e.g. dino_tiny), no key of an objective's config that the engine's own schemas lack, no
+    dataset name (a dataset name may be an English word inside a message: "needs captions")."""
+    engine_keys = {f.name for schema in (ObjectiveConfig, ModelConfig, OptimConfig, TrainerConfig, EvalConfig,
+                                         PretrainConfig, AugRegConfig, *(kind.config for kind in DATASETS.values()))
+                   for f in fields(schema)}
+    objective_keys = {f.name for cls in OBJECTIVES.values() for f in fields(cls.config_class)} - engine_keys
+    names = set(OBJECTIVES) | {path.stem for path in (ROOT / "configs" / "objective").glob("*.yaml")} | {"lit"}
+    found = {}
+    for path in sorted((ROOT / "ssl_vit" / "train").glob("*.py")):
+        code_names, message_words = _code_words(path)
+        found[str(path.relative_to(ROOT))] = sorted((code_names & (names | objective_keys | set(DATASETS)))
+                                                    | (message_words & (names | objective_keys)))
+    assert len(found) >= 8 and "mask_ratio" in objective_keys and "lock_image" in objective_keys
+    assert {path: words for path, words in found.items() if words} == {}
