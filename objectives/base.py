@@ -5,11 +5,13 @@ The engine meets it at these points, and only these:
 
     needs = Objective.requirements(cfg)      # declared as data: views, EMA teacher, image-text, fixed backbone, ...
     objective = Objective(backbone, cfg, data)   # built under the strategy's construction context (zero.Init)
+    data               text_tokenizer(), multicrop_options() (for the `text` and `crops` views)
     optimizer groups   no_weight_decay(), frozen_parameters()
     every step         begin_step(step, total); micro_steps(batches, engine); after_optimizer_step(step, total)
     saving             artifacts(full_state) -> encoder / heads / metadata; fp32_shards() (16-bit runs)
     evaluation         encoder (what is evaluated and exported); evaluation_copy(full_state)
     reloading          rebuild_config(cfg), state_from_artifacts(encoder, heads) (objectives.load_trained)
+    strategies         fp32_buffers (kept fp32 under 16-bit training), _no_split_modules (FSDP2's units)
 
 `forward(batch) -> {"loss": scalar, **scalar metrics}` is the one method an objective must write. The smallest
 complete objective, a linear classifier on the pooled embedding:
