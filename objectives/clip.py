@@ -290,17 +290,19 @@ class CLIP(Objective):
         return self._loss
 
     def encode_image(self, images: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+        """Image embeddings; normalised ones in fp32 (the logits and the loss are computed in fp32)."""
         features = self.image_proj(self.backbone.pool(self.backbone.forward_features(images)))
-        return F.normalize(features, dim=-1) if normalize else features
+        return F.normalize(features.float(), dim=-1) if normalize else features
 
     def encode_text(self, tokens: torch.Tensor, normalize: bool = False) -> torch.Tensor:
         features = self.text(tokens)
-        return F.normalize(features, dim=-1) if normalize else features
+        return F.normalize(features.float(), dim=-1) if normalize else features
 
     def scale_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """exp(clamp(s, max=max_logit_scale)) (clamped here, not in the parameter: see the module docstring) and the
-        bias (SigLIP) or None."""
-        return self.logit_scale.clamp(max=self.cfg.max_logit_scale).exp(), self.logit_bias
+        bias (SigLIP) or None, in fp32."""
+        bias = self.logit_bias.float() if self.logit_bias is not None else None
+        return self.logit_scale.float().clamp(max=self.cfg.max_logit_scale).exp(), bias
 
     def micro_steps(self, micro_batches: list[dict], engine) -> None:
         """Accumulation with the feature cache (see the module docstring): each micro-step's loss is the whole
@@ -335,10 +337,9 @@ class CLIP(Objective):
             image = torch.cat([image if j == index else c["image"] for j, c in enumerate(cached)])
             text = torch.cat([text if j == index else c["text"] for j, c in enumerate(cached)])
             scale, bias = share_gradient(scale, len(cached)), share_gradient(bias, len(cached))
-        if self.loss_name == "siglip":
-            loss = self.loss_fn(image, text, scale, bias)
-        else:
-            loss = self.loss_fn(image, text, scale)
+        with torch.autocast(image.device.type, enabled=False):  # fp32 logits and loss, also under bf16 autocast
+            loss = self.loss_fn(image, text, scale, bias) if self.loss_name == "siglip" else \
+                self.loss_fn(image, text, scale)
         with torch.no_grad():
             logits = image @ text.T
             targets = torch.arange(len(image), device=image.device)

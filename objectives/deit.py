@@ -81,11 +81,16 @@ class DeiT(Objective):
         object.__setattr__(self, "teacher", teacher)
 
     def _teacher_logits(self, images: torch.Tensor) -> torch.Tensor:
+        """The teacher's logits in fp32, computed in the student's precision: the teacher is fp32 and outside the
+        trained model, so where the student's weights are 16-bit (DeepSpeed's bf16 mode: no autocast) it runs
+        under bf16 autocast, as under DDP's and FSDP2's (accelerate's autocast covers the whole forward)."""
         first = next(self.teacher.parameters(), None)
         if first is not None and first.device != images.device:
             self.teacher.to(images.device)
         self.teacher.eval()
-        with torch.no_grad():
+        student_dtype = self.backbone.patch_embed.proj.weight.dtype
+        with torch.no_grad(), torch.autocast(images.device.type, dtype=student_dtype,
+                                             enabled=student_dtype != torch.float32):
             return self.teacher(images.float()).float()
 
     def head_logits(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -104,6 +104,7 @@ class TrainerConfig:
     max_steps: int = checked(300, ge=1)
     grad_accum_steps: int = checked(1, ge=1)
     precision: Precision = Precision.fp32
+    tf32: bool = True  # fp32 matmuls in TF32 on CUDA (false: full fp32, e.g. for parity checks)
     log_every: int = checked(10, ge=1)
     checkpoint_every: int = checked(100, ge=1)  # also at the end of the run
     keep_checkpoints: int = checked(2, ge=0)  # 0: keep all

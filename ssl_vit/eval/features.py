@@ -70,14 +70,18 @@ def features_from_tokens(encoder, images: torch.Tensor, kind: str, last_k: int =
 
 @torch.no_grad()
 def extract_features(encoder, dataset, views, kind: str = "cls", last_k: int = 4, batch_size: int = 256,
-                     num_workers: int = 0, device: str | torch.device = "cpu", progress: bool = True,
+                     num_workers: int = 0, device: str | torch.device | None = None, progress: bool = True,
                      desc: str = "features") -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, F) float32 features and (N,) labels of a map-style dataset, in dataset order, encoder in eval mode.
+    """(N, F) float32 features and (N,) labels of a map-style dataset, in dataset order, encoder in eval mode, on
+    `device` (None: where the encoder is, which is not moved: during training it is the live model on its device).
 
     Samples that cannot be read (BadSampleError: a corrupt or empty image file) are left out with their labels, so
     N can be smaller than len(dataset); the first few are logged by name and the total at the end."""
     was_training = encoder.training
-    encoder.eval().to(device)
+    encoder.eval()
+    if device is not None:
+        encoder.to(device)
+    device = next(encoder.parameters()).device
     loader = DataLoader(_Views(dataset, views), batch_size=batch_size, shuffle=False, num_workers=num_workers,
                         collate_fn=_collate_readable)
     features, labels, dropped = [], [], 0

@@ -47,11 +47,12 @@ class StrategySettings:
     grad_clip: float | None = None
     tensorboard: bool = False
     ema_teacher: bool = False
+    tf32: bool = True
 
     @classmethod
     def from_config(cls, cfg, ema_teacher: bool = False) -> StrategySettings:
         return cls(Precision(cfg.trainer.precision), cfg.data.batch_size, cfg.trainer.grad_accum_steps,
-                   cfg.optim.grad_clip, cfg.trainer.tensorboard, ema_teacher)
+                   cfg.optim.grad_clip, cfg.trainer.tensorboard, ema_teacher, cfg.trainer.get("tf32", True))
 
 
 def make_accelerator(settings: StrategySettings, out_dir) -> Accelerator:
@@ -89,9 +90,28 @@ def make_accelerator(settings: StrategySettings, out_dir) -> Accelerator:
         raise ConfigError(f"fsdp_version={accelerator.state.fsdp_plugin.fsdp_version} is not supported (parameters "
                           "must be DTensors): set fsdp_version: 2 in the accelerate config, as in "
                           "configs/accelerate/fsdp2_cpu2.yaml")
+    if accelerator.distributed_type == DistributedType.FSDP and settings.precision == Precision.bf16:
+        accelerator.state.fsdp_plugin.mixed_precision_policy = fsdp2_mixed_precision()
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         configure_deepspeed(accelerator, settings)
+    if settings.tf32:
+        enable_tf32(accelerator.device)
     return accelerator
+
+
+def fsdp2_mixed_precision():
+    """FSDP2's policy for bf16 training: bf16 compute copies of the fp32 parameters, gradients reduced in fp32, and
+    no cast of the output (the loss dict: accelerate's default policy reduces in bf16 and rounds the loss to bf16)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # only under FSDP2 (imports the FSDP package)
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=None)
+
+
+def enable_tf32(device: torch.device) -> None:
+    """fp32 matmuls on CUDA in TF32 (PyTorch's default is full fp32, several times slower on tensor-core GPUs;
+    trainer.tf32=false keeps it); nothing changes on other devices."""
+    if torch.device(device).type == "cuda":
+        torch.set_float32_matmul_precision("high")
 
 
 def _enable_fsdp_on_cpu(accelerator) -> None:
@@ -99,7 +119,7 @@ def _enable_fsdp_on_cpu(accelerator) -> None:
     state accelerate would have built on GPUs). Both shared states must agree: accelerate re-reads PartialState's."""
     plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables `accelerate launch` sets
     if accelerator.mixed_precision != "no":
-        plugin.set_mixed_precision(accelerator.mixed_precision)
+        plugin.set_mixed_precision(accelerator.mixed_precision)  # make_accelerator then sets ours
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     AcceleratorState._shared_state["distributed_type"] = DistributedType.FSDP
     AcceleratorState._shared_state["fsdp_plugin"] = plugin
@@ -130,6 +150,8 @@ def configure_deepspeed(accelerator, settings: StrategySettings) -> None:
     bf16 = settings.precision == Precision.bf16
     ds["bf16"] = {**ds.get("bf16", {}), "enabled": bf16, "check_grad_overflow": True}
     ds["fp16"] = {"enabled": False}
+    if bf16:  # DeepSpeed accumulates gradients in the model's dtype unless told (a JSON setting is kept)
+        ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
     zero = ds.setdefault("zero_optimization", {})
     if zero.get("stage") == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True  # encoder.safetensors is the full encoder

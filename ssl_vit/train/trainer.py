@@ -157,8 +157,9 @@ class MicroSteps:
             accelerator.backward(outputs["loss"] if loss_scale == 1 else outputs["loss"] * loss_scale)
             if accelerator.sync_gradients:
                 norm = accelerator.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
-                if norm is not None:
-                    outputs["grad_norm"] = torch.as_tensor(unshard(norm), dtype=torch.float32)
+                if norm is not None:  # DeepSpeed reports a Python float: on the device, beside the losses
+                    outputs["grad_norm"] = torch.as_tensor(unshard(norm), dtype=torch.float32,
+                                                           device=accelerator.device)
                 self.applied = step_was_applied(accelerator, self.model, outputs.get("grad_norm"))
                 if self.applied:
                     self.optimizer.step()  # a no-op under DeepSpeed
