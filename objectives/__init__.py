@@ -73,9 +73,10 @@ def build_objective(cfg, backbone, data: DataInfo) -> Objective:
     return cls(backbone, cfg, data)
 
 
-def load_trained(run) -> Objective:
+def load_trained(run, image_text: bool = False) -> Objective:
     """The objective a run trained, rebuilt from its encoder.safetensors and heads.safetensors (which record the
-    objective's name and config), in eval mode; ValueError naming what is missing."""
+    objective's name and config), in eval mode; ValueError naming what is missing. `image_text`: refuse, before
+    building anything, a run whose objective is not an image-text model (zero-shot, retrieval, open_clip)."""
     encoder_path, heads_path = run_files(run)
     if not (encoder_path.is_file() and heads_path.is_file()):
         raise ValueError(f"{str(run)!r} is not a run directory with encoder.safetensors and heads.safetensors")
@@ -84,6 +85,9 @@ def load_trained(run) -> Objective:
         raise ValueError(f"{heads_path} records no objective config (written before it was recorded); train again")
     cls = objective_class(meta.get("objective", ""))
     cfg = cls.rebuild_config(typed_config(cls, json.loads(meta["objective_config"])))
+    if image_text and not cls.requirements(cfg).image_text:
+        raise ValueError(f"{str(run)!r} was trained with objective={cfg.name}; this needs an image-text model "
+                         f"(one of {sorted(n for n, c in OBJECTIVES.items() if c.needs.image_text)})")
     backbone, preprocess = load_encoder(encoder_path), read_preprocess(encoder_path)
     if "data_info" in meta:
         data = DataInfo(**json.loads(meta["data_info"]))

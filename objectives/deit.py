@@ -15,6 +15,7 @@ no optimizer, checkpoint or exported encoder. Logs `loss`, `acc` (averaged heads
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from enum import Enum
 
@@ -89,8 +90,10 @@ class DeiT(Objective):
             self.teacher.to(images.device)
         self.teacher.eval()
         student_dtype = self.backbone.patch_embed.proj.weight.dtype
-        with torch.no_grad(), torch.autocast(images.device.type, dtype=student_dtype,
-                                             enabled=student_dtype != torch.float32):
+        # (an autocast with enabled=False would switch off DDP's / FSDP2's own: enter one only for 16-bit weights)
+        precision = torch.autocast(images.device.type, dtype=student_dtype) if student_dtype != torch.float32 \
+            else contextlib.nullcontext()
+        with torch.no_grad(), precision:
             return self.teacher(images.float()).float()
 
     def head_logits(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

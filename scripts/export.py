@@ -52,7 +52,7 @@ def export(source: str, to: str, out: str, hf_arch: str | None = None) -> str:
     """Write the export; returns the line telling how to load it."""
     if to == "open_clip":
         encoder_file, _ = run_files(source)
-        path = export_open_clip(load_trained(source), out, read_preprocess(encoder_file))
+        path = export_open_clip(load_trained(source, image_text=True), out, read_preprocess(encoder_file))
         return f"wrote {path}: open_clip.create_model_and_transforms('local-dir:{path}')"
     pretrained = load_pretrained(source)
     encoder, preprocess = pretrained.encoder, pretrained.preprocess

@@ -36,6 +36,7 @@ from ssl_vit.data.errors import DataError
 from ssl_vit.schema import ConfigError
 from ssl_vit.train.guard import TrainingDiverged
 from ssl_vit.train.outputs import OutputError, check_writable
+from ssl_vit.train.strategy import MainProcessFailed
 from ssl_vit.vit import PRESETS
 
 EXIT_STOPPED, EXIT_CONFIG = 1, 2
@@ -77,7 +78,7 @@ def run_reporting_errors(function, *args):
         return function(*args)
     except ConfigError as err:
         fail(user_message(err), EXIT_CONFIG)
-    except (TrainingDiverged, OutputError, DataError) as err:
+    except (TrainingDiverged, OutputError, DataError, MainProcessFailed) as err:
         fail(user_message(err), EXIT_STOPPED)
 
 

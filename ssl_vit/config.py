@@ -116,6 +116,8 @@ class TrainerConfig:
     max_consecutive_nonfinite: int = checked(5, ge=1)
     # Stop when one update multiplies the parameter norm by more than this (the weights are then ruined).
     max_param_norm_growth: float = checked(2.0, gt=1)
+    # How long a process waits in a collective (gradient reduction, barrier) before the run stops with an error.
+    collective_timeout_s: int = checked(1800, ge=1)
     cpu_threads: int | None = checked(None, ge=1)  # None: the machine's cores divided among the local processes
     eval_every: int = checked(0, ge=0)  # > 0: frozen-feature evaluation every N steps (main process), logged
     eval_evaluators: list[str] = field(default_factory=lambda: ["knn"])

@@ -108,3 +108,13 @@ def test_its_config_is_typed_and_checked_like_a_registered_one(plugin):
         objective_class("linear_head_objective:Nothing")
     with pytest.raises(ValueError, match="unknown objective 'linear_heads'; valid choices"):
         objective_class("linear_heads")
+
+
+def test_image_text_uses_of_its_run_are_refused_by_name(runs, tmp_path):
+    """Zero-shot, retrieval and the open_clip export need an image-text model: said before anything is built."""
+    from conftest import export_script
+
+    with pytest.raises(ValueError, match="trained with objective=linear_head_objective:LinearHead; this needs an "
+                                         "image-text model \\(one of \\['clip', 'siglip'\\]\\)"):
+        load_trained(runs / "ddp_cpu2", image_text=True)
+    assert export_script().main([str(runs / "ddp_cpu2"), "--to", "open_clip", "--out", str(tmp_path)]) == 2

@@ -88,3 +88,17 @@ def test_killed_again_and_again_then_resumed_matches_the_uninterrupted_run(tmp_p
     check_ok(launch(*args, "trainer.resume=auto"))
     summary = _assert_matches_reference(tmp_path, reference_run)
     assert summary["steps_this_run"] == 0 and summary["images_per_s"] is None
+
+
+def test_a_failure_of_the_main_process_alone_stops_every_rank_at_once(tmp_path):
+    """Rank 0's periodic evaluation raises (SSL_VIT_FAULT=eval_error@2): rank 1, which does not evaluate, is told
+    and stops too, in one line, instead of waiting in its next collective until the timeout."""
+    start = time.perf_counter()
+    proc = launch("model=vit_test", "data.num_samples=32", "data.batch_size=8", "trainer.max_steps=4",
+                  "trainer.eval_every=2", "trainer.eval_max_samples=16", "trainer.collective_timeout_s=600",
+                  f"hydra.run.dir={tmp_path}", config="ddp_cpu2", env={"SSL_VIT_FAULT": "eval_error@2"}, timeout=240)
+    assert proc.returncode != 0 and time.perf_counter() - start < 120, proc.stderr[-3000:]
+    assert "RuntimeError: injected failure (SSL_VIT_FAULT=eval_error@2)" in proc.stderr  # rank 0's own traceback
+    assert "ssl-vit: error: [rank 1] the main process stopped (RuntimeError: injected failure" in proc.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["step"] == 2 and summary["error"].startswith("injected failure")

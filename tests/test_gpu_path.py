@@ -95,7 +95,7 @@ def test_image_text_logits_and_loss_are_fp32_under_bf16_weights_and_autocast(kin
 
 def test_the_deit_teacher_runs_in_the_students_precision(tmp_path):
     """The teacher is fp32 and outside the trained model: where the student's weights are bf16 (DeepSpeed, no
-    autocast) it runs under bf16 autocast; with fp32 weights it runs in fp32."""
+    autocast) it runs under bf16 autocast, under DDP's autocast in it, and with fp32 weights alone in fp32."""
     path = tmp_path / "resnet10t.safetensors"
     save_file(timm.create_model("resnet10t", num_classes=8).state_dict(), str(path))
     objective, batch = _objective("objective=deit", f"objective.teacher=timm:resnet10t:{path}")
@@ -103,9 +103,11 @@ def test_the_deit_teacher_runs_in_the_students_precision(tmp_path):
     objective.teacher.register_forward_hook(lambda module, args, out: seen.append(
         (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))
     objective._teacher_logits(batch["image"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # DDP / FSDP2: accelerate's autocast around the forward
+        objective._teacher_logits(batch["image"])
     objective.backbone.bfloat16()
     logits = objective._teacher_logits(batch["image"])
-    assert seen[0][0] is False and seen[1] == (True, torch.bfloat16) and logits.dtype == torch.float32
+    assert seen[0][0] is False and seen[1] == seen[2] == (True, torch.bfloat16) and logits.dtype == torch.float32
 
 
 def test_fsdp2_reduces_gradients_in_fp32_and_leaves_the_loss_uncast():

@@ -135,13 +135,9 @@ def run_evaluators(encoder, train_set, test_set, ecfg, preprocess: Preprocess, c
 def load_image_text_model(checkpoint: str, evaluators):
     """The image-text objective of a run directory, for zeroshot / retrieval; ConfigError naming why not."""
     try:
-        model = load_trained(checkpoint)
+        return load_trained(checkpoint, image_text=True)
     except ValueError as err:
         raise ConfigError(f"eval={'+'.join(evaluators)}: {err}") from err
-    if not type(model).requirements(model.cfg).image_text:
-        raise ConfigError(f"eval={'+'.join(evaluators)}: {checkpoint!r} was trained with objective={model.cfg.name}; "
-                          "zero-shot and retrieval need an image-text model (objective=clip or siglip)")
-    return model
 
 
 def zeroshot_eval(model, test_set, preprocess: Preprocess, ecfg, data_name: str, progress: bool = False) -> dict:

@@ -166,7 +166,10 @@ def load_module_by_module(module: torch.nn.Module, state: dict) -> None:
 
 def build_data(cfg, needs: Requirements, img_size: int):
     """The training set, checked against what the objective reads (labels, captions)."""
-    kind = dataset_kind(cfg.data.name)
+    try:
+        kind = dataset_kind(cfg.data.name)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     if kind.stream and cfg.data.max_train_samples is not None:
         raise ConfigError(f"data.max_train_samples does not apply to data={cfg.data.name} (a stream has no length); "
                           "give it less data instead (e.g. fewer shards in data.urls)")

@@ -4,7 +4,8 @@ process SIGKILLs itself when it reaches that point at that step, exactly as a no
 Points: `step_done` (after the optimizer step and its log line, before any checkpoint), `checkpoint_written` (the
 checkpoint is complete in its temp directory, not yet renamed into place), `checkpoint_saved` (renamed into place,
 before encoder.safetensors is written). And one that is not a kill: `nan_loss@<step>` makes that step's loss NaN
-on rank 0, to test that the update is skipped under every strategy.
+on rank 0, to test that the update is skipped under every strategy; and `eval_error@<step>` makes the main
+process's evaluation at that step raise, to test that every rank stops.
 """
 
 from __future__ import annotations
@@ -26,3 +27,9 @@ def poisoned(loss, step: int):
     if _FAULT is not None and _FAULT == f"nan_loss@{step}" and os.environ.get("RANK", "0") == "0":
         return loss * float("nan")
     return loss
+
+
+def injected_error(name: str, step: int) -> None:
+    """Raise at the point SSL_VIT_FAULT=<name>@<step> names (a failure of this process alone)."""
+    if _FAULT is not None and _FAULT == f"{name}@{step}":
+        raise RuntimeError(f"injected failure ({FAULT_ENV}={_FAULT})")

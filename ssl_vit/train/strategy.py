@@ -21,12 +21,18 @@ import hashlib
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+from accelerate.utils import (
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    InitProcessGroupKwargs,
+    broadcast_object_list,
+)
 
 from ssl_vit.config import Precision
 from ssl_vit.init import fp32_random_init
@@ -48,22 +54,24 @@ class StrategySettings:
     tensorboard: bool = False
     ema_teacher: bool = False
     tf32: bool = True
+    collective_timeout_s: int = 1800
 
     @classmethod
     def from_config(cls, cfg, ema_teacher: bool = False) -> StrategySettings:
         return cls(Precision(cfg.trainer.precision), cfg.data.batch_size, cfg.trainer.grad_accum_steps,
-                   cfg.optim.grad_clip, cfg.trainer.tensorboard, ema_teacher, cfg.trainer.get("tf32", True))
+                   cfg.optim.grad_clip, cfg.trainer.tensorboard, ema_teacher, cfg.trainer.get("tf32", True),
+                   cfg.trainer.get("collective_timeout_s", 1800))
 
 
 def make_accelerator(settings: StrategySettings, out_dir) -> Accelerator:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    handlers = []
+    backend = None
     if distributed and not torch.cuda.is_available():
         if deepspeed:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-            handlers.append(InitProcessGroupKwargs(backend="gloo"))  # else accelerate miscounts the processes
+            backend = "gloo"  # else accelerate miscounts the processes
         else:  # DDP, and FSDP before `_enable_fsdp_on_cpu`
             os.environ.setdefault("ACCELERATE_USE_CPU", "1")  # else accelerate's CPU workers never form one group
     accelerator = Accelerator(
@@ -72,7 +80,8 @@ def make_accelerator(settings: StrategySettings, out_dir) -> Accelerator:
         gradient_accumulation_steps=settings.grad_accum_steps,
         log_with="tensorboard" if settings.tensorboard else None,
         project_dir=str(out_dir),
-        kwargs_handlers=handlers,
+        kwargs_handlers=[InitProcessGroupKwargs(backend=backend,
+                                                timeout=timedelta(seconds=settings.collective_timeout_s))],
     )
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != accelerator.num_processes:
@@ -293,3 +302,26 @@ def _whole(param: torch.Tensor, shard: torch.Tensor | None) -> torch.Tensor | No
     parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, shard.contiguous())
     return torch.cat(parts)[: param.ds_numel].view(param.ds_shape)
+
+
+class MainProcessFailed(RuntimeError):
+    """Raised on the other ranks when work that only the main process does (evaluation, writing outputs) failed."""
+
+
+def on_main_process(accelerator, work, *args):
+    """`work(*args)` on the main process only; a failure there is raised on every rank, which would otherwise wait
+    in their next collective until the timeout (collective with several processes). Returns the main process's
+    result (None elsewhere)."""
+    result, failure = None, None
+    if accelerator.is_main_process:
+        try:
+            result = work(*args)
+        except Exception as err:  # every kind: the other ranks must hear of it
+            failure = err
+    if accelerator.num_processes > 1:
+        said = broadcast_object_list([f"{type(failure).__name__}: {failure}" if failure else None], from_process=0)
+        if said[0] is not None and failure is None:
+            raise MainProcessFailed(f"the main process stopped ({said[0]})")
+    if failure is not None:
+        raise failure
+    return result

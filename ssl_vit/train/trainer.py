@@ -38,7 +38,7 @@ from ssl_vit.train.checkpoint import (
     save_checkpoint,
 )
 from ssl_vit.train.evaluation import PeriodicEvaluation
-from ssl_vit.train.faults import fault_point, poisoned
+from ssl_vit.train.faults import fault_point, injected_error, poisoned
 from ssl_vit.train.guard import DivergenceAdvice, UpdateGuard
 from ssl_vit.train.outputs import OutputError, RunOutputs, check_writable
 from ssl_vit.train.strategy import (
@@ -48,6 +48,7 @@ from ssl_vit.train.strategy import (
     full_state_dict,
     is_sharded,
     make_accelerator,
+    on_main_process,
     parameter_dtype,
     parameter_norm,
     replica_digest,
@@ -224,9 +225,10 @@ class Trainer:
         self.interval_step, error = self.state.step, None
         try:
             while self.state.step < self.end_step:
-                self.step()
+                logged = self.step()
                 progress.update(1)
-                progress.set_postfix(self.log_line)
+                if logged:
+                    progress.set_postfix(self.log_line)
             # A run resumed from its final checkpoint skips the loop: its encoder file may predate that checkpoint.
             if gather_object([self.outputs.encoder_step() != self.state.step])[0]:  # the main process's answer
                 self.save_artifacts(self.state.step)
@@ -240,8 +242,8 @@ class Trainer:
             summary = self.finish(error)
         return summary
 
-    def step(self) -> None:
-        """One optimizer step, then its checks, log line, checkpoint and evaluation when due."""
+    def step(self) -> bool:
+        """One optimizer step, then its checks, log line, checkpoint and evaluation when due; whether it logged."""
         state, settings = self.state, self.settings
         run = self.run
         apply_schedule(self.optimizer, float(run.learning_rates[state.step]), float(run.weight_decays[state.step]),
@@ -253,7 +255,8 @@ class Trainer:
         state.step += 1
         self._check(micro)
         diverged = state.consecutive_nonfinite >= settings.max_consecutive_nonfinite
-        if state.step % settings.log_every == 0 or state.step == self.end_step or diverged:
+        logged = state.step % settings.log_every == 0 or state.step == self.end_step or diverged
+        if logged:
             self.log()
         fault_point("step_done", state.step)
         if diverged:
@@ -262,6 +265,7 @@ class Trainer:
             self.evaluate()
         if state.step % settings.checkpoint_every == 0 or state.step == self.end_step:
             self.save(state.step)
+        return logged
 
     def _micro_batches(self) -> list[dict]:
         batches = []
@@ -300,7 +304,7 @@ class Trainer:
             "images_per_s": run.global_batch * (state.step - self.interval_step) / max(now - self.interval_start, 1e-9),
             "nonfinite_steps": state.nonfinite_steps, "skipped_samples": state.skipped_samples}
         self.interval_start, self.interval_step = now, state.step
-        self.outputs.log(state.last_record, tensorboard_prefix="train/")
+        on_main_process(self.accelerator, self.outputs.log, state.last_record, "train/")
 
     @property
     def log_line(self) -> dict:
@@ -316,9 +320,10 @@ class Trainer:
 
     def save_artifacts(self, step: int) -> None:
         """encoder.safetensors and heads.safetensors from the gathered weights (collective when sharded)."""
-        state = full_state_dict(self.accelerator, self.model, self.objective.fp32_shards())
-        if state is None:  # not the main process
-            return
+        state = full_state_dict(self.accelerator, self.model, self.objective.fp32_shards())  # None off the main
+        on_main_process(self.accelerator, self._write_artifacts, state, step)
+
+    def _write_artifacts(self, state: dict, step: int) -> None:
         artifacts = self.objective.artifacts(state)
         self.outputs.save_encoder(artifacts.encoder, self.objective.encoder.config, step, self.run.preprocess,
                                   objective=artifacts.metadata["objective"])
@@ -328,12 +333,13 @@ class Trainer:
     def evaluate(self) -> None:
         """Periodic evaluation on the main process, of the live encoder, or of a gathered copy when the parameters
         are sharded (a forward pass there is collective)."""
-        encoder, model = self._evaluated()
-        if self.is_main:
-            scores = self.evaluation(encoder, model)
-            self.outputs.log({"step": self.state.step, **scores})
-            log.info("step %d: %s", self.state.step, ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
-        self.accelerator.wait_for_everyone()
+        on_main_process(self.accelerator, self._score, *self._evaluated())
+
+    def _score(self, encoder, model) -> None:
+        injected_error("eval_error", self.state.step)
+        scores = self.evaluation(encoder, model)
+        self.outputs.log({"step": self.state.step, **scores})
+        log.info("step %d: %s", self.state.step, ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
 
     def _evaluated(self) -> tuple[VisionTransformer | None, torch.nn.Module | None]:
         """The main process's (encoder, objective for zeroshot / retrieval or None); collective when sharded."""
@@ -380,7 +386,7 @@ class Trainer:
         if self.is_main:
             if summary["replicas_in_sync"] is False:
                 log.error("model replicas differ across processes after training: %s", digests)
-            if summary["finished"]:
+            if summary["finished"] and error is None:
                 log.info("done: %d steps, %.1f images/s; encoder at %s", state.step, summary["images_per_s"] or 0,
                          summary["encoder"])
             elif error is None:
