@@ -2,6 +2,7 @@
 count that fits. Nothing is allocated: the model is counted on the meta device.
 
     python scripts/plan_memory.py model=vit_22b strategy=zero3 gpus=64 batch_per_gpu=4 grad_checkpointing=true
+    python scripts/plan_memory.py model=vit_g14 grad_checkpointing=true model.checkpoint_policy=selective
     python scripts/plan_memory.py model=vit_l16 strategy=ddp gpus=8 batch_per_gpu=64 precision=bf16
 """
 
@@ -10,7 +11,16 @@ import hydra
 from ssl_vit.cli import register_configs, run_reporting_errors
 from ssl_vit.config import model_kwargs
 from ssl_vit.schema import validate_config
-from ssl_vit.train.memory import GIB, STRATEGIES, ModelShape, deepspeed_estimate, plan, smallest_gpu_count
+from ssl_vit.train.memory import (
+    GIB,
+    STRATEGIES,
+    ModelShape,
+    check_choice,
+    deepspeed_estimate,
+    plan,
+    smallest_gpu_count,
+)
+from ssl_vit.vit import CHECKPOINTING
 
 register_configs()
 COLUMNS = ("params", "grads", "optimizer", "buffers", "comm_buffers", "gathered", "activations", "total")
@@ -20,12 +30,14 @@ def report(cfg) -> None:
     validate_config(cfg)
     overrides = model_kwargs(cfg.model) | ({"img_size": cfg.img_size} if cfg.img_size else {})
     shape = ModelShape.of(cfg.model.name, **overrides)
+    checkpointing = cfg.model.checkpoint_policy if cfg.grad_checkpointing or cfg.model.grad_checkpointing else False
+    check_choice("model.checkpoint_policy", cfg.model.checkpoint_policy, CHECKPOINTING)
     options = dict(gpus_per_node=cfg.gpus_per_node, batch_per_gpu=cfg.batch_per_gpu,
-                   precision=cfg.precision.value, grad_checkpointing=cfg.grad_checkpointing)
+                   precision=cfg.precision.value, grad_checkpointing=checkpointing)
     chosen = plan(shape, cfg.strategy, cfg.gpus, **options)
     print(f"{shape.name}: {shape.params:,} parameters, largest layer {shape.largest_layer:,}, {shape.depth} blocks, "
           f"{shape.tokens} tokens; batch {cfg.batch_per_gpu}/GPU, {cfg.precision.value}, "
-          f"grad checkpointing {'on' if cfg.grad_checkpointing else 'off'}, AdamW")
+          f"grad checkpointing {checkpointing or 'off'}, AdamW")
     print(f"\n{cfg.strategy} on {cfg.gpus} GPUs ({cfg.gpus_per_node} per node), GiB per GPU:")
     print("".join(f"{c:>13}" for c in COLUMNS))
     print("".join(f"{getattr(chosen, c) / GIB:>13.2f}" for c in COLUMNS))

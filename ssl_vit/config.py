@@ -36,7 +36,10 @@ class ModelConfig:
     """A preset from `ssl_vit.vit.PRESETS`; any other field, when set, overrides the preset's value."""
 
     name: str = MISSING
-    grad_checkpointing: bool = False
+    grad_checkpointing: bool = False  # activation checkpointing per transformer block
+    # What a checkpointed block keeps: "full" its input only (recompute all), "selective" also its matmul and
+    # attention outputs (recompute the element-wise ops; ssl_vit.vit.CHECKPOINTING)
+    checkpoint_policy: str = "full"
     global_pool: str | None = None
     class_token: bool | None = None
     dist_token: bool | None = None  # DeiT's distillation token (objective=deit turns it on)
@@ -75,7 +78,7 @@ class ModelConfig:
 
 
 MODEL_OVERRIDE_FIELDS = tuple(f.name for f in fields(ModelConfig)
-                              if f.name not in ("name", "grad_checkpointing", "init_from"))
+                              if f.name not in ("name", "grad_checkpointing", "checkpoint_policy", "init_from"))
 
 
 @dataclass
@@ -105,6 +108,11 @@ class TrainerConfig:
     grad_accum_steps: int = checked(1, ge=1)
     precision: Precision = Precision.fp32
     tf32: bool = True  # fp32 matmuls in TF32 on CUDA (false: full fp32, e.g. for parity checks)
+    # torch.compile each transformer block (ssl_vit.train.strategy.compile_blocks): single process, DDP, FSDP2
+    compile: bool = False
+    compile_mode: str | None = None  # torch.compile's mode (COMPILE_MODES); None: its default
+    compile_dynamic: bool | None = None  # None: torch decides (a second input shape recompiles with dynamic sizes)
+    compile_cache_dir: str | None = None  # inductor's cache (TORCHINDUCTOR_CACHE_DIR); None: <run>/compile_cache
     log_every: int = checked(10, ge=1)
     checkpoint_every: int = checked(100, ge=1)  # also at the end of the run
     keep_checkpoints: int = checked(2, ge=0)  # 0: keep all

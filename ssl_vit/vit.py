@@ -19,12 +19,18 @@ replacement); `keep` (B, K) indices keeps only those patches after them (MAE's v
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from timm.layers import DropPath, QuickGELU
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 from ssl_vit.geometry import check_divisible, pair
 from ssl_vit.init import LayerScale, Linear, PatchProjection, check_scheme, init_embeddings
@@ -216,11 +222,60 @@ class Mlp(nn.Module):
         return self.drop(self.fc2(self.act(self.fc1(x))))
 
 
+# Activation checkpointing of a block: "full" keeps only its input and recomputes the whole block in backward;
+# "selective" also keeps the outputs of its matmuls and attention and recomputes only the cheap element-wise ops
+# (norms, GELU, residual adds, DINOv3's and torchtitan's op-level policy): less memory saved than none, less compute
+# than full.
+CHECKPOINTING = ("full", "selective")
+_AT = torch.ops.aten
+SAVED_BY_SELECTIVE = {_AT.mm.default, _AT.addmm.default, _AT.bmm.default,
+                      _AT._scaled_dot_product_flash_attention.default,
+                      _AT._scaled_dot_product_efficient_attention.default,
+                      _AT._scaled_dot_product_cudnn_attention.default,
+                      _AT._scaled_dot_product_flash_attention_for_cpu.default}
+
+
+def _save_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_CHECKPOINT_CONTEXTS = {"full": noop_context_fn,
+                        "selective": partial(create_selective_checkpoint_contexts, _save_matmuls_and_attention)}
+
+
+def check_checkpointing(policy) -> str | None:
+    """None / False (off), True or "full", or "selective"; anything else fails naming the choices."""
+    if policy in (None, False):
+        return None
+    if policy is True:
+        return "full"
+    if policy not in CHECKPOINTING:
+        raise ValueError(f"activation checkpointing {policy!r} is not one of {[False, True, *CHECKPOINTING]}")
+    return policy
+
+
+class TransformerBlock(nn.Module):
+    """What both block kinds share: `forward` runs `residual`, activation-checkpointed when `checkpointing` is set
+    (inside the block's forward, so that a block compiled on its own, torch.compile per block, holds the
+    checkpoint in its graph: the order DINOv3 and torchtitan apply them in)."""
+
+    checkpointing: str | None = None  # None, "full" or "selective" (CHECKPOINTING)
+
+    def forward(self, x: torch.Tensor, return_attention: bool = False):
+        if self.checkpointing and torch.is_grad_enabled() and not return_attention:
+            return checkpoint(self.residual, x, use_reentrant=False,
+                              context_fn=_CHECKPOINT_CONTEXTS[self.checkpointing])
+        return self.residual(x, return_attention)
+
+    def residual(self, x: torch.Tensor, return_attention: bool = False):
+        raise NotImplementedError
+
+
 def _layer_scale(dim, init_value):
     return LayerScale(dim, init_value) if init_value is not None else nn.Identity()
 
 
-class Block(nn.Module):
+class Block(TransformerBlock):
     """Pre-norm block of the paper: z = z + MSA(LN(z)); z = z + MLP(LN(z))."""
 
     def __init__(self, dim, num_heads, mlp_dim, qkv_bias=True, qk_norm=False, norm_layer=nn.LayerNorm,
@@ -235,7 +290,7 @@ class Block(nn.Module):
         self.ls2 = _layer_scale(dim, layer_scale)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor, return_attention: bool = False):
+    def residual(self, x: torch.Tensor, return_attention: bool = False):
         attn = self.attn(self.norm1(x), return_attention)
         attn, weights = attn if return_attention else (attn, None)
         x = x + self.drop_path1(self.ls1(attn))
@@ -243,7 +298,7 @@ class Block(nn.Module):
         return (x, weights) if return_attention else x
 
 
-class ParallelBlock(nn.Module):
+class ParallelBlock(TransformerBlock):
     """ViT-22B block: z = z + MLP(LN(z)) + MSA(LN(z)), with QKV and fc1 fused into one input projection.
 
     Parameter names and the [mlp, q, k, v] split follow timm's `ParallelScalingBlock`, so weights load there as is.
@@ -282,7 +337,7 @@ class ParallelBlock(nn.Module):
             else:
                 nn.init.zeros_(self.mlp_bias)
 
-    def forward(self, x: torch.Tensor, return_attention: bool = False):
+    def residual(self, x: torch.Tensor, return_attention: bool = False):
         B, N, C = x.shape
         hidden, q, k, v = torch.split(self.in_proj(self.in_norm(x)), self.in_split, dim=-1)
         if self.mlp_bias is not None:
@@ -356,7 +411,6 @@ class VisionTransformer(nn.Module):
         self.global_pool = global_pool
         self.num_prefix_tokens = int(class_token) + int(dist_token) + num_registers
         self.num_pos_prefix = 0 if no_embed_class else self.num_prefix_tokens
-        self.grad_checkpointing = False
         # How position embeddings are resampled for another grid (set_img_size and on the fly): timm's default is
         # bicubic + antialias; DINOv2 / HF transformers weights expect bicubic without antialiasing.
         self.pos_embed_interp, self.pos_embed_antialias = pos_embed_interp, bool(pos_embed_antialias)
@@ -403,10 +457,13 @@ class VisionTransformer(nn.Module):
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed", "cls_token", "dist_token", "reg_token"}
 
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
-        if hasattr(self.patch_embed, "set_grad_checkpointing"):  # a hybrid's ResNet: per stage (timm's)
-            self.patch_embed.set_grad_checkpointing(enable)
+    def set_grad_checkpointing(self, enable: bool | str = True) -> None:
+        """Activation checkpointing per block: True / "full", "selective" (see CHECKPOINTING), or False."""
+        policy = check_checkpointing(enable)
+        for block in self.blocks:
+            block.checkpointing = policy
+        if hasattr(self.patch_embed, "set_grad_checkpointing"):  # a hybrid's ResNet: per stage (timm's), full
+            self.patch_embed.set_grad_checkpointing(policy is not None)
 
     @property
     def grid_size(self) -> tuple[int, int]:
@@ -448,14 +505,8 @@ class VisionTransformer(nn.Module):
         return torch.cat([prefix.expand(tokens.shape[0], -1, -1), tokens], dim=1)
 
     def run_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Pre-norm, all blocks (activation-checkpointed per block when enabled), then the final norm."""
-        x = self.norm_pre(tokens)
-        for block in self.blocks:
-            if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        return self.norm(x)
+        """Pre-norm, all blocks (each activation-checkpointed when set), then the final norm."""
+        return self.norm(self.blocks(self.norm_pre(tokens)))
 
     def embed_patches(self, patches: torch.Tensor, grid: Sequence[int], mask: torch.Tensor | None = None,
                       mask_token: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,7 +6,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import ROOT
+from helpers.kept_for_backward import kept_for_backward
 
 from ssl_vit.schema import ConfigError
 from ssl_vit.train.memory import (
@@ -14,6 +16,7 @@ from ssl_vit.train.memory import (
     GIB,
     ZERO3_MAX_LIVE,
     ModelShape,
+    activation_terms,
     deepspeed_estimate,
     plan,
     smallest_gpu_count,
@@ -47,9 +50,33 @@ def test_the_issue_reference_figures_for_vit_22b_under_zero3():
 def test_activations_follow_the_stated_formula_and_checkpointing_keeps_block_inputs():
     shape = ModelShape.of("vit_b16")  # 197 tokens, width 768, MLP 3072, 12 heads, 12 blocks
     per_block = (8 * 768 + 2 * 3072) * 197 * 2 * 2 + 12 * 197 * 2 * 4  # batch 2, bf16
-    assert plan(shape, "ddp", 1, batch_per_gpu=2).activations == 12 * per_block
+    final_norm = 768 * 197 * 2 * 2  # its input
+    assert plan(shape, "ddp", 1, batch_per_gpu=2).activations == 12 * per_block + final_norm
     checkpointed = plan(shape, "ddp", 1, batch_per_gpu=2, grad_checkpointing=True).activations
-    assert checkpointed == 12 * 768 * 197 * 2 * 2 + per_block
+    assert checkpointed == 12 * 768 * 197 * 2 * 2 + final_norm + per_block
+    selective = plan(shape, "ddp", 1, batch_per_gpu=2, grad_checkpointing="selective").activations
+    kept = (7 * 768 + 3072) * 197 * 2 * 2 + 12 * 197 * 2 * 4  # input, matmul and attention outputs
+    assert selective == 12 * kept + final_norm + (per_block - kept)
+
+
+@pytest.mark.parametrize("checkpointing", [False, "full", "selective"])
+@pytest.mark.parametrize("name", ["vit_test", "vit_test_22b"])
+def test_kept_activations_are_what_the_forward_leaves_alive_for_backward(name, checkpointing):
+    """The planner's kept activations against the storages a real fp32 forward leaves alive for its backward
+    (autograd's saved tensors, a checkpoint's block inputs, a selective checkpoint's cached matmul and attention
+    outputs), for the plain and the parallel block: within 10%, and selective between none and full."""
+    size = dict(img_size=32, embed_dim=64, depth=3, num_heads=4)  # 65 tokens (64 for the 22B-style: no class token)
+    model = build_vit(name, **size)
+    model.set_grad_checkpointing(checkpointing)
+    images = torch.randn(4, 3, 32, 32)
+    kept, loss = kept_for_backward(lambda: model.forward_features(images).sum(), model)
+    planned, _ = activation_terms(ModelShape.of(name, **size), 4, "fp32", checkpointing)
+    assert kept == pytest.approx(planned, rel=0.05), (kept, planned)
+    loss.backward()  # the kept tensors were the ones backward needs
+    if checkpointing == "selective":
+        none, _ = activation_terms(ModelShape.of(name, **size), 4, "fp32", False)
+        full, _ = activation_terms(ModelShape.of(name, **size), 4, "fp32", "full")
+        assert full < kept < none
 
 
 def test_smallest_gpu_count_is_the_first_that_fits():

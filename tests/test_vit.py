@@ -133,16 +133,23 @@ def test_attention_maps_come_from_every_block():
     assert len(maps) == 2 and maps[0].shape == (2, 2, 17, 17)
 
 
-def test_gradient_checkpointing_gives_the_same_gradients():
-    model = build_vit("vit_test", drop_path=0.0)
+@pytest.mark.parametrize("name", ["vit_test", "vit_test_22b"])
+@pytest.mark.parametrize("policy", [True, "selective"])
+def test_gradient_checkpointing_gives_the_same_gradients(name, policy):
+    model = build_vit(name, drop_path=0.0)
     images = torch.randn(2, 3, 16, 16)
     model(images).sum().backward()
     expected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    model.set_grad_checkpointing(True)
+    model.set_grad_checkpointing(policy)
     model(images).sum().backward()
     for grad, ref in zip((p.grad for p in model.parameters()), expected, strict=True):
         torch.testing.assert_close(grad, ref, atol=1e-6, rtol=0)
+
+
+def test_an_unknown_checkpointing_policy_names_the_choices():
+    with pytest.raises(ValueError, match=r"'sometimes' is not one of \[False, True, 'full', 'selective'\]"):
+        build_vit("vit_test").set_grad_checkpointing("sometimes")
 
 
 def test_drop_path_is_linear_in_depth_and_off_in_eval():

@@ -24,7 +24,7 @@ from ssl_vit.interop.sources import SOURCES, Pretrained, load_pretrained
 from ssl_vit.optim import build_optimizer, schedule, weight_decay_schedule
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
 from ssl_vit.schema import ConfigError
-from ssl_vit.vit import PRESETS, VisionTransformer, build_vit
+from ssl_vit.vit import CHECKPOINTING, PRESETS, VisionTransformer, build_vit
 
 log = logging.getLogger("ssl_vit")
 
@@ -195,7 +195,10 @@ def build_components(cfg, source: Pretrained | None = None):
     _, needs = requirements(cfg.objective)
     source = source if source is not None else init_source(cfg)
     backbone, img_size, recorded = build_backbone(cfg, needs, source)
-    backbone.set_grad_checkpointing(cfg.model.grad_checkpointing)
+    if cfg.model.checkpoint_policy not in CHECKPOINTING:
+        raise ConfigError(f"model.checkpoint_policy={cfg.model.checkpoint_policy!r} is not one of "
+                          f"{list(CHECKPOINTING)}")
+    backbone.set_grad_checkpointing(cfg.model.checkpoint_policy if cfg.model.grad_checkpointing else False)
     dataset = build_data(cfg, needs, img_size)
     preprocess = resolve_preprocess(cfg.data, img_size, recorded)
     info = DataInfo(len(dataset.classes), img_size, preprocess.mean, preprocess.std)
@@ -218,9 +221,12 @@ def build_components(cfg, source: Pretrained | None = None):
     return objective, dataset, views, preprocess
 
 
-def build_run(cfg, objective: Objective, dataset, views: ViewBuilder, preprocess: Preprocess, world: int) -> Run:
-    """The run around built components: the optimizer and the per-step schedules for `world` processes."""
-    optimizer = build_optimizer(objective, cfg.optim, num_layers=len(objective.encoder.blocks))
+def build_run(cfg, objective: Objective, dataset, views: ViewBuilder, preprocess: Preprocess, world: int,
+              device: torch.device | None = None) -> Run:
+    """The run around built components: the optimizer (fused AdamW on CUDA) and the per-step schedules for `world`
+    processes."""
+    optimizer = build_optimizer(objective, cfg.optim, num_layers=len(objective.encoder.blocks),
+                                fused=device is not None and torch.device(device).type == "cuda")
     global_batch = cfg.data.batch_size * world * cfg.trainer.grad_accum_steps
     peak = peak_lr(cfg.optim, global_batch)
     if cfg.optim.min_lr > peak:

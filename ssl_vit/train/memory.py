@@ -29,8 +29,16 @@ activation element (2 bf16, 4 fp32); fused attention (PyTorch SDPA flash / memor
 s x s matrix:
     (8h + 2m) * s * b * c      LayerNorm inputs and outputs (4h), q, k, v (3h), attention output (h), MLP hidden
                                before and after GELU (2m); the parallel block (ViT-22B) shares one LayerNorm (6h + 2m)
+    + 3h * s * b * c           with QK-norm (q and k copied contiguous and normalised per head)
+    + m * s * b * c            the parallel block's separate MLP bias (no QKV bias): the biased hidden is a new tensor
     + a * s * b * 4            the attention kernel's log-sum-exp
-With gradient checkpointing each block keeps only its input (h * s * b * c) and one block is recomputed at a time.
+(ViT-22B, both: 9h + 3m; the planner had 6h + 2m for it before these terms were measured), and once per model the
+final norm's input (h * s * b * c).
+With gradient checkpointing (model.checkpoint_policy=full) each block keeps only its input (h * s * b * c) and one
+block is recomputed at a time. The selective policy keeps, per block, its input and the outputs of its matmuls and
+attention: (7h + m) * s * b * c + a * s * b * 4 (input h, q k v 3h, attention output h, its projection h, MLP fc1 m
+and fc2 h; the parallel block's fused input projection m + 3h and two output projections 2h: the same sum), and
+recomputes the norms and GELU; one block's other activations are live while it is recomputed.
 A hybrid's ResNet (model.stem=resnet) keeps the output of every convolution, GroupNorm(+ReLU) and pooling, counted
 by a forward pass on the meta device; with gradient checkpointing (per stage, timm's) the stem's outputs, every
 stage's input and one stage's outputs; plus, once per step, a standardised copy of every kernel (weight
@@ -71,6 +79,9 @@ class ModelShape:
     heads: int
     tokens: int
     parallel_block: bool
+    qk_norm: bool = False  # q and k normalised per head (ViT-22B)
+    mlp_bias: bool = False  # the parallel block's separate fc1 bias (no QKV bias: ViT-22B)
+    final_norm: bool = True  # a norm after the last block (token pooling), whose input is kept
     stem_elements: int = 0  # per image, kept by a hybrid's ResNet for backward
     stem_checkpointed: int = 0  # the same with per-stage gradient checkpointing
     stem_weights: int = 0  # per step: the standardised copy of every kernel (weight standardisation) it keeps
@@ -90,6 +101,9 @@ class ModelShape:
             mlp_width=block.in_split[0] if parallel else block.mlp.fc1.out_features,
             heads=block.num_heads if parallel else block.attn.num_heads,
             tokens=model.patch_embed.num_patches + model.num_prefix_tokens, parallel_block=parallel,
+            qk_norm=not isinstance(block.q_norm if parallel else block.attn.q_norm, torch.nn.Identity),
+            mlp_bias=parallel and block.mlp_bias is not None,
+            final_norm=not isinstance(model.norm, torch.nn.Identity),
             **dict(zip(("stem_elements", "stem_checkpointed"), stem_activation_elements(model), strict=True)),
             stem_weights=sum(p.numel() for p in getattr(model.patch_embed, "backbone", torch.nn.Module()).parameters()
                              if p.ndim == 4))
@@ -156,20 +170,34 @@ def check_choice(name: str, value, choices) -> None:
         raise ConfigError(f"{name}={value!r} is invalid; valid choices: {list(choices)}")
 
 
-def activation_bytes(shape: ModelShape, batch: int, precision: str, grad_checkpointing: bool) -> int:
-    """Activations kept for backward on one GPU (formula in the module docstring)."""
+def activation_terms(shape: ModelShape, batch: int, precision: str, grad_checkpointing: bool | str
+                     ) -> tuple[int, int]:
+    """(bytes kept from forward to backward, bytes live only while a checkpointed block is recomputed) on one GPU
+    (formulas in the module docstring); `grad_checkpointing`: False, True / "full", or "selective"."""
     c = 2 if precision == "bf16" else 4
     tokens = shape.tokens * batch
-    per_element = (6 if shape.parallel_block else 8) * shape.width + 2 * shape.mlp_width
-    block = per_element * tokens * c + shape.heads * tokens * 4
+    h, m = shape.width, shape.mlp_width
+    per_element = (6 * h if shape.parallel_block else 8 * h) + 2 * m + 3 * h * shape.qk_norm + m * shape.mlp_bias
+    attention_stats = shape.heads * tokens * 4
+    block = per_element * tokens * c + attention_stats
+    final_norm = h * tokens * c * shape.final_norm
+    if grad_checkpointing == "selective":
+        kept = (7 * h + m) * tokens * c + attention_stats
+        stem = (shape.stem_checkpointed * batch + shape.stem_weights) * c
+        return shape.depth * kept + final_norm + stem, block - kept
     if grad_checkpointing:
-        return (shape.depth * shape.width * tokens * c + block
-                + (shape.stem_checkpointed * batch + shape.stem_weights) * c)
-    return shape.depth * block + (shape.stem_elements * batch + shape.stem_weights) * c
+        stem = (shape.stem_checkpointed * batch + shape.stem_weights) * c
+        return shape.depth * h * tokens * c + final_norm + stem, block
+    return shape.depth * block + final_norm + (shape.stem_elements * batch + shape.stem_weights) * c, 0
+
+
+def activation_bytes(shape: ModelShape, batch: int, precision: str, grad_checkpointing: bool | str) -> int:
+    """Activations for backward on one GPU at their peak: kept ones plus one block's recomputation."""
+    return sum(activation_terms(shape, batch, precision, grad_checkpointing))
 
 
 def plan(shape: ModelShape, strategy: str, gpus: int, *, gpus_per_node: int = 8, batch_per_gpu: int = 1,
-         precision: str = "bf16", grad_checkpointing: bool = False) -> MemoryPlan:
+         precision: str = "bf16", grad_checkpointing: bool | str = False) -> MemoryPlan:
     """Memory per GPU for `shape` trained with AdamW under `strategy` on `gpus` GPUs (the module docstring)."""
     check_choice("strategy", strategy, STRATEGIES)
     check_choice("precision", precision, PRECISIONS)

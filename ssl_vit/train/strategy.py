@@ -38,6 +38,7 @@ from ssl_vit.config import Precision
 from ssl_vit.init import fp32_random_init
 from ssl_vit.partition import local_shard
 from ssl_vit.schema import ConfigError
+from ssl_vit.vit import TransformerBlock
 
 log = logging.getLogger("ssl_vit")
 
@@ -169,6 +170,50 @@ def configure_deepspeed(accelerator, settings: StrategySettings) -> None:
             # (below the threshold) would keep its stale full copy (measured: 0.18 off at step 2).
             zero["stage3_param_persistence_threshold"] = 0
     accelerator.gradient_accumulation_steps = settings.grad_accum_steps
+
+
+# torch.compile's modes, and the strategies per-block compilation works under (DeepSpeed's ZeRO-3 gathers and
+# releases parameters in hooks around every module's forward, and its engine has its own compile path).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_STRATEGIES = ("single", "ddp", "fsdp2")
+
+
+def check_compile(accelerator, mode: str | None) -> None:
+    """ConfigError unless the strategy (when an accelerator is given) and the mode take per-block compilation."""
+    name = strategy_name(accelerator) if accelerator is not None else "single"
+    if name not in COMPILE_STRATEGIES:
+        raise ConfigError(f"trainer.compile=true is not supported under {name} (DeepSpeed); it works under "
+                          f"{list(COMPILE_STRATEGIES)}: launch with configs/accelerate/ddp_*.yaml or fsdp2_*.yaml, "
+                          "or set trainer.compile=false")
+    if mode is not None and mode not in COMPILE_MODES:
+        raise ConfigError(f"trainer.compile_mode={mode!r} is not one of {list(COMPILE_MODES)} (or null: the default)")
+
+
+def compile_blocks(model: torch.nn.Module, accelerator=None, mode: str | None = None, dynamic: bool | None = None,
+                   cache_dir: str | os.PathLike | None = None) -> int:
+    """torch.compile every transformer block of `model` in place (`nn.Module.compile`: names, state dicts and
+    hooks are unchanged), returning how many. The order is the anchors' (DINOv3's ac_compile_parallelize,
+    torchtitan): activation checkpointing is already set inside each block, the blocks are compiled here, then
+    `accelerator.prepare` shards them (FSDP2) or wraps the model (DDP). A block is one graph reused by every block
+    of its shape; a second input shape (DINO's local crops, evaluation's last batch) recompiles once with dynamic
+    sizes unless `dynamic` says otherwise. `cache_dir`: inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR; kept
+    when the environment sets it and `cache_dir` is None), so that a resumed run loads its kernels instead of
+    compiling them again. `accelerator`: the strategy to check (None: a model outside training, e.g. a benchmark)."""
+    check_compile(accelerator, mode)
+    if cache_dir is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)  # read when inductor first needs its cache
+    blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
+    for block in blocks:
+        block.compile(mode=mode, dynamic=dynamic)
+    return len(blocks)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling so far (dynamo + inductor, forward and backward graphs)."""
+    from torch._dynamo.utils import compilation_time_metrics  # dynamo's own timers (imported once compiling)
+
+    return sum(sum(compilation_time_metrics.get(name, ())) for name in
+               ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler"))
 
 
 def construction_context(accelerator):

@@ -44,6 +44,8 @@ from ssl_vit.train.outputs import OutputError, RunOutputs, check_writable
 from ssl_vit.train.strategy import (
     StrategySettings,
     check_dtypes,
+    compile_blocks,
+    compile_seconds,
     construction_context,
     full_state_dict,
     is_sharded,
@@ -74,7 +76,7 @@ def pretrain(cfg) -> dict:
     source = init_source(cfg)
     with construction_context(accelerator):
         components = build_components(cfg, source)
-    run = build_run(cfg, *components, world=accelerator.num_processes)
+    run = build_run(cfg, *components, world=accelerator.num_processes, device=accelerator.device)
     evaluation = PeriodicEvaluation.from_config(cfg, needs, run.preprocess) if cfg.trainer.eval_every > 0 else None
     trainer = Trainer(run, accelerator, cfg.trainer, out_dir, DivergenceAdvice.from_config(cfg), evaluation)
     trainer.start(config=to_container(cfg), seed=cfg.seed, data=cfg.data,
@@ -179,6 +181,10 @@ class Trainer:
         periodic evaluation (trainer.eval_every), or None."""
         self.run, self.accelerator, self.settings, self.out_dir = run, accelerator, settings, out_dir
         self.evaluation, self.advice = evaluation, advice
+        self.compiled_blocks = compile_blocks(
+            run.objective, accelerator, settings.compile_mode, settings.compile_dynamic,
+            settings.compile_cache_dir or (None if "TORCHINDUCTOR_CACHE_DIR" in os.environ
+                                           else out_dir / "compile_cache")) if settings.compile else 0
         self.model, self.optimizer = accelerator.prepare(run.objective, run.optimizer)
         self.objective = accelerator.unwrap_model(self.model)
         check_dtypes(self.objective, parameter_dtype(accelerator, settings.precision), self.objective.fp32_buffers)
@@ -253,6 +259,9 @@ class Trainer:
                            self.meter)
         self.objective.micro_steps(self._micro_batches(), micro)
         state.step += 1
+        if self.compiled_blocks and state.step == self.start_step + 1 and self.is_main:
+            log.info("compiled %d transformer blocks: %.1f s compiling in the first step", self.compiled_blocks,
+                     compile_seconds())
         self._check(micro)
         diverged = state.consecutive_nonfinite >= settings.max_consecutive_nonfinite
         logged = state.step % settings.log_every == 0 or state.step == self.end_step or diverged
@@ -377,6 +386,10 @@ class Trainer:
             "replicas_in_sync": None if is_sharded(accelerator) else len(set(digests)) <= 1,
             "checkpoint": str(checkpoints[-1]) if checkpoints else None, "encoder": str(self.outputs.encoder_path),
             "preprocess": asdict(self.run.preprocess),
+            "cuda_peak_memory_gib": (torch.cuda.max_memory_allocated(accelerator.device) / 2**30
+                                     if accelerator.device.type == "cuda" else None),  # this process
+            "compiled_blocks": self.compiled_blocks,
+            "compile_s": compile_seconds() if self.compiled_blocks else None,  # this process, recompiles included
         }
         try:
             self.outputs.summary(summary)

@@ -1,0 +1,403 @@
+"""The GPU suite: one script, about 8 minutes on one H200, that measures what a user trains with, writes JSON and
+prints a table. Run it whenever a GPU is at hand; `--device cpu --tiny` runs every section with test-sized models
+(tests/test_gpu_suite.py keeps it from rotting).
+
+    python benchmarks/gpu_suite.py                             # CUDA, bf16, ViT-B/16 (and ViT-L/16) at 224 px
+    python benchmarks/gpu_suite.py --device cpu --tiny         # every section, test-sized, fp32 (~2 minutes here)
+    python benchmarks/gpu_suite.py --sections speed,loader     # a subset
+
+Sections:
+- peak: the device's measured matmul throughput (bf16 8192^3 on CUDA, fp32 4096^3 on CPU), and the datasheet's
+  dense bf16 peak for the GPUs in DATASHEET_TFLOPS.
+- speed: every objective's training step through the trainer's own step (accelerate's autocast, the objective's
+  micro-steps, clipping, fused AdamW on CUDA, EMA teachers), eager and with trainer.compile's per-block compile:
+  images/s, model FLOPs per image, utilisation of the measured and the datasheet peak, peak memory; ViT-B/16 for
+  every objective, ViT-L/16 for supervised and MAE; timm's ViT-B/16 supervised step (eager, and compiled whole as
+  timm's train.py --torchcompile does) as the reference in the same run. Batches are drawn once by the real data
+  path (synthetic shapes, the objective's views) and reused, so the rows measure the model, not the loader.
+  FLOPs per image are counted, not estimated: torch.utils.flop_counter over one training step (forward and
+  backward of every matmul, convolution and attention; an EMA update and the optimizer are not counted), / batch.
+- loader: DINO's multi-crop loader (2 x 224 + 6 x 96 crops; --tiny: the test sizes) in images/s with every core as a
+  worker, to set against the DINO rows' consumption.
+- quality: masked_patch, MAE, DINO and DINOv2 pre-train ViT-Ti/4 on Fashion-MNIST at 32 px (the real pretrain
+  path) for a fixed budget of seconds each (steps set from a measured rate), then linear probe and k-NN on the
+  frozen encoder, next to the random encoder and raw pixels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import timm
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from hydra import compose, initialize_config_dir
+from safetensors.torch import save_file
+from torch.utils.flop_counter import FlopCounterMode
+
+from ssl_vit.artifacts import load_encoder
+from ssl_vit.cli import register_configs
+from ssl_vit.config import EvalConfig
+from ssl_vit.data import FashionMNIST, make_loader
+from ssl_vit.data.subset import SubsetDataset, limit_samples
+from ssl_vit.eval.linear import linear_probe
+from ssl_vit.eval.run import run_evaluators
+from ssl_vit.optim import build_optimizer
+from ssl_vit.train import build_components, pretrain
+from ssl_vit.train.strategy import compile_blocks, compile_seconds, enable_tf32
+from ssl_vit.train.trainer import Meter, MicroSteps, _to_device
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SECTIONS = ("peak", "speed", "loader", "quality")
+# Dense bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s, SXM parts), matched on the device name.
+DATASHEET_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.05, "A10G": 70.0}
+TEACHER = "regnety_160"  # DeiT's teacher (its paper's RegNetY-16GF), random weights: the cost is what is measured
+TINY_TEACHER = "resnet10t"
+
+# Per objective: Hydra overrides at full size and at test size (the test sizes are tests/test_strategies.py's).
+OBJECTIVES = {
+    "supervised": (["objective=supervised"], ["objective=supervised"]),
+    "masked_patch": (["objective=masked_patch"], ["objective=masked_patch"]),
+    "mae": (["objective=mae"], ["objective=mae", "objective.decoder_dim=32", "objective.decoder_depth=1",
+                                "objective.decoder_heads=2"]),
+    "dino": (["objective=dino"], ["objective=dino_tiny", "objective.out_dim=64", "objective.hidden_dim=32",
+                                  "objective.bottleneck_dim=16", "objective.local_crops=2"]),
+    "dinov2": (["objective=dinov2"], ["objective=dinov2_tiny", "objective.out_dim=64", "objective.ibot_out_dim=64",
+                                      "objective.hidden_dim=32", "objective.bottleneck_dim=16",
+                                      "objective.local_crops=2"]),
+    "clip": (["objective=clip"], ["objective=clip_tiny", "objective.embed_dim=16", "objective.text_width=16",
+                                  "objective.text_heads=2", "objective.text_layers=1",
+                                  "objective.context_length=16"]),
+    "siglip": (["objective=siglip"], ["objective=siglip_tiny", "objective.embed_dim=16", "objective.text_width=16",
+                                      "objective.text_heads=2", "objective.text_layers=1",
+                                      "objective.context_length=16"]),
+    "deit": (["objective=deit", "objective.teacher=timm:{teacher}:{teacher_file}"],
+             ["objective=deit", "objective.teacher=timm:{teacher}:{teacher_file}"]),
+}
+MULTI_CROP = {"dino", "dinov2"}
+LARGE = ("supervised", "mae")  # also at ViT-L/16
+QUALITY = {  # objective -> overrides, as benchmarks/fashion_mnist_eval.py trains them
+    "masked_patch": ["objective=masked_patch"],
+    "mae": ["objective=mae", "objective.decoder_dim=128", "objective.decoder_depth=2", "objective.decoder_heads=4"],
+    "dino": ["objective=dino_tiny", "optim.lr=5e-4", "optim.weight_decay=0.04", "optim.weight_decay_end=0.4"],
+    "dinov2": ["objective=dinov2_tiny", "optim.lr=5e-4", "optim.weight_decay=0.04", "optim.weight_decay_end=0.4"],
+}
+
+
+def compose_config(*overrides):
+    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+        return compose("pretrain", overrides=list(overrides))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, size: int, repeats: int = 10) -> float:
+    """Best TFLOP/s of one size^3 matmul on the device."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e12
+
+
+def datasheet_peak(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops for key, tflops in DATASHEET_TFLOPS.items() if key in name), None)
+
+
+class StepRunner:
+    """An objective's training step exactly as the Trainer takes it (ssl_vit/train/trainer.py: begin_step, the
+    objective's micro-steps through MicroSteps, the EMA update after an applied step), on one process."""
+
+    def __init__(self, accelerator: Accelerator, cfg, compiled: bool):
+        objective, dataset, views, _ = build_components(cfg)
+        if compiled:
+            compile_blocks(objective, accelerator)
+        optimizer = build_optimizer(objective, cfg.optim, num_layers=len(objective.encoder.blocks),
+                                    fused=accelerator.device.type == "cuda")
+        self.model, self.optimizer = accelerator.prepare(objective, optimizer)
+        self.objective, self.accelerator = accelerator.unwrap_model(self.model), accelerator
+        loader = iter(make_loader(dataset, views, cfg.data.batch_size, num_workers=min(8, os.cpu_count() or 1),
+                                  pin_memory=accelerator.device.type == "cuda"))
+        self.batches = [_to_device(next(loader), accelerator.device) for _ in range(2)]
+        self.batch_size, self.grad_clip, self.step_number = cfg.data.batch_size, cfg.optim.grad_clip, 0
+
+    def step(self) -> None:
+        self.step_number += 1
+        self.objective.begin_step(self.step_number, 10_000)
+        batch = dict(self.batches[self.step_number % len(self.batches)])
+        micro = MicroSteps(self.accelerator, self.model, self.optimizer, self.grad_clip, self.step_number, Meter())
+        self.objective.micro_steps([batch], micro)
+        if micro.applied:
+            self.objective.after_optimizer_step(self.step_number, 10_000)
+
+    def flops_per_image(self) -> float:
+        with FlopCounterMode(display=False) as counter:
+            outputs = self.model(dict(self.batches[0]))
+            outputs["loss"].backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        return counter.get_total_flops() / self.batch_size
+
+
+class TimmStep:
+    """timm's ViT-B/16 (or the test size) supervised step: cross-entropy, backward, AdamW, under the same autocast."""
+
+    def __init__(self, accelerator: Accelerator, arch: dict, batch: int, compiled: bool):
+        model = timm.models.vision_transformer.VisionTransformer(**arch, num_classes=1000)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=accelerator.device.type == "cuda" or None)
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        self.forward = torch.compile(self.model) if compiled else self.model
+        self.accelerator, self.batch_size = accelerator, batch
+        device = accelerator.device
+        self.images = torch.randn(batch, 3, arch["img_size"], arch["img_size"], device=device)
+        self.labels = torch.randint(0, 1000, (batch,), device=device)
+
+    def step(self) -> None:
+        with self.accelerator.autocast():
+            loss = torch.nn.functional.cross_entropy(self.forward(self.images), self.labels)
+        self.accelerator.backward(loss)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def flops_per_image(self) -> float:
+        with FlopCounterMode(display=False) as counter:
+            torch.nn.functional.cross_entropy(self.model(self.images), self.labels).backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        return counter.get_total_flops() / self.batch_size
+
+
+def time_steps(runner, device: torch.device, steps: int) -> dict:
+    """Warm-up (compiles), then `steps` timed steps; median step, peak memory, compile seconds."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    before, start = compile_seconds(), time.perf_counter()
+    for _ in range(2):
+        runner.step()
+    synchronize(device)
+    warmup_s, compile_s = time.perf_counter() - start, compile_seconds() - before
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        runner.step()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    step = statistics.median(times)
+    return {"step_s": step, "images_per_s": runner.batch_size / step, "warmup_s": warmup_s, "compile_s": compile_s,
+            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+
+
+def speed_section(args, device: torch.device, peak: dict, work: Path) -> list[dict]:
+    bf16 = device.type == "cuda"
+    accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no", cpu=device.type == "cpu")
+    enable_tf32(accelerator.device)
+    teacher_name = TINY_TEACHER if args.tiny else TEACHER
+    teacher_file = work / f"{teacher_name}.safetensors"
+    save_file(timm.create_model(teacher_name, num_classes=1000 if not args.tiny else 8).state_dict(), str(teacher_file))
+    models = [("vit_test", 16, 8)] if args.tiny else [("vit_b16", 224, args.batch)]
+    rows = []
+    for model, img_size, batch in models + ([] if args.tiny else [("vit_l16", 224, args.batch // 2)]):
+        names = [n for n in args.objectives if model != "vit_l16" or n in LARGE]
+        for name in names:
+            full, tiny = OBJECTIVES[name]
+            overrides = [o.format(teacher=teacher_name, teacher_file=teacher_file)
+                         for o in (tiny if args.tiny else full)]
+            per_step = batch // 2 if name in MULTI_CROP else batch  # 8 crops per image
+            cfg = compose_config(f"model={model}", "data=synthetic", f"data.img_size={img_size}",
+                                 f"data.batch_size={per_step}", f"output_dir={work / name}", *overrides)
+            for compiled in args.compiled_modes:
+                torch.manual_seed(0)
+                runner = StepRunner(accelerator, cfg, compiled)
+                flops = runner.flops_per_image()
+                row = {"objective": name, "model": model, "img_size": img_size, "batch": per_step,
+                       "compiled": compiled, "flops_per_image": flops, **time_steps(runner, device, args.steps)}
+                rows.append(with_utilisation(row, peak))
+                print_row(row)
+                del runner
+                accelerator.free_memory()
+    for compiled in args.compiled_modes:  # the reference: timm's supervised ViT-B/16 (or the test size) step
+        model, img_size, batch = models[0]
+        arch = (dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2) if args.tiny else
+                dict(img_size=224, patch_size=16, embed_dim=768, depth=12, num_heads=12))
+        runner = TimmStep(accelerator, arch, batch, compiled)
+        row = {"objective": "timm supervised", "model": model, "img_size": img_size, "batch": batch,
+               "compiled": compiled, "flops_per_image": runner.flops_per_image(),
+               **time_steps(runner, device, args.steps)}
+        rows.append(with_utilisation(row, peak))
+        print_row(row)
+        del runner
+        accelerator.free_memory()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return rows
+
+
+def with_utilisation(row: dict, peak: dict) -> dict:
+    achieved = row["flops_per_image"] * row["images_per_s"] / 1e12
+    row["achieved_tflop_s"] = achieved
+    row["utilisation_measured_peak"] = achieved / peak["measured_tflop_s"]
+    row["utilisation_datasheet_peak"] = achieved / peak["datasheet_tflop_s"] if peak["datasheet_tflop_s"] else None
+    return row
+
+
+def print_row(row: dict) -> None:
+    memory = f"{row['peak_memory_gib']:.1f}" if row["peak_memory_gib"] is not None else "-"
+    datasheet = row["utilisation_datasheet_peak"]
+    print(f"{row['objective']:<16}{row['model']:<9}{'compiled' if row['compiled'] else 'eager':<9}"
+          f"{row['batch']:>6}{row['images_per_s']:>10.1f}{row['flops_per_image'] / 1e9:>10.2f}"
+          f"{row['achieved_tflop_s']:>9.2f}{row['utilisation_measured_peak']:>8.1%}"
+          f"{(f'{datasheet:.1%}' if datasheet is not None else '-'):>8}{memory:>8}{row['compile_s']:>9.1f}", flush=True)
+
+
+def loader_section(args, work: Path) -> dict:
+    """DINO's multi-crop loader alone, every core a worker: images/s."""
+    workers = os.cpu_count() or 1
+    name = "dino"
+    overrides = OBJECTIVES[name][1] if args.tiny else OBJECTIVES[name][0]
+    img_size, batch = (16, 8) if args.tiny else (224, 64)
+    cfg = compose_config("model=vit_test" if args.tiny else "model=vit_b16", "data=synthetic",
+                         f"data.img_size={img_size}", f"data.batch_size={batch}", f"output_dir={work / 'loader'}",
+                         *overrides)
+    _, dataset, views, _ = build_components(cfg)
+    batches = 3 if args.tiny else 40
+    loader = iter(make_loader(dataset, views, batch, num_workers=workers))
+    next(loader)  # workers started
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(loader)
+    elapsed = time.perf_counter() - start
+    images_per_s = batches * batch / elapsed
+    result = {"objective": name, "img_size": img_size, "workers": workers, "crops_per_image": len(views.views),
+              "images_per_s": images_per_s, "images_per_s_per_worker": images_per_s / workers}
+    print(f"\nDINO multi-crop loader: {images_per_s:.1f} images/s with {workers} workers "
+          f"({result['images_per_s_per_worker']:.1f} per worker)", flush=True)
+    return result
+
+
+def quality_section(args, device: torch.device, work: Path) -> dict:
+    """Each self-supervised objective pre-trains ViT-Ti/4 (test size with --tiny) on Fashion-MNIST for a fixed
+    budget; linear probe and k-NN of the frozen encoder, against the random encoder and raw pixels."""
+    model = (["model=vit_test", "data.img_size=16"] if args.tiny else
+             ["model=vit_ti16", "model.patch_size=4", "data.img_size=32"])
+    base = [*model, "data=fashion_mnist", "data.batch_size=64", "trainer.progress=false", "trainer.log_every=50",
+            "trainer.tensorboard=false", "trainer.checkpoint_every=1000000",
+            f"data.num_workers={min(8, os.cpu_count() or 1)}"]
+    if args.tiny:
+        base += ["data.num_samples=512"]
+    max_samples = 1000 if args.tiny else None
+    train_set = limit_samples(FashionMNIST(split="train"), max_samples)
+    test_set = limit_samples(FashionMNIST(split="test"), max_samples // 2 if max_samples else None)
+    ecfg = EvalConfig(evaluators=["linear", "knn"], features="cls_avg")
+    rows, pretraining = {}, {}
+
+    def score(encoder, preprocess):
+        results, _, _ = run_evaluators(encoder.to(device), train_set, test_set, ecfg, preprocess, progress=False)
+        return {"linear": results["linear"]["accuracy"], "knn": results["knn"]["accuracy"]}
+
+    objective, _, _, preprocess = build_components(compose_config(*base, "objective=masked_patch",
+                                                                  f"output_dir={work / 'random'}"))
+    rows["random init"] = score(objective.encoder, preprocess)
+    for name in args.quality_objectives:
+        overrides = [*base, *QUALITY[name]]
+        AcceleratorState._reset_state(reset_partial_state=True)
+        probe = pretrain(compose_config(*overrides, "trainer.max_steps=12", f"output_dir={work / (name + '-rate')}"))
+        steps = max(20, int(args.quality_seconds * probe["images_per_s"] / 64))
+        AcceleratorState._reset_state(reset_partial_state=True)
+        summary = pretrain(compose_config(*overrides, f"trainer.max_steps={steps}",
+                                          f"optim.warmup_steps={max(10, steps // 20)}", f"output_dir={work / name}"))
+        pretraining[name] = {"steps": steps, "wall_s": summary["wall_s"], "images_per_s": summary["images_per_s"]}
+        rows[name] = score(load_encoder(work / name / "encoder.safetensors"), preprocess)
+    pixels = {split: raw_pixels(dataset) for split, dataset in (("train", train_set), ("test", test_set))}
+    rows["raw pixels"] = {"linear": linear_probe(*pixels["train"], *pixels["test"])["accuracy"], "knn": None}
+    print(f"\nFashion-MNIST quality after {args.quality_seconds:g} s of pre-training each:")
+    print(f"{'encoder':<16}{'linear':>8}{'k-NN':>8}{'steps':>7}")
+    for name, row in rows.items():
+        knn = f"{100 * row['knn']:.2f}" if row["knn"] is not None else "-"
+        steps = pretraining.get(name, {}).get("steps", "")
+        print(f"{name:<16}{100 * row['linear']:>8.2f}{knn:>8}{steps:>7}")
+    return {"budget_s": args.quality_seconds, "pretraining": pretraining, "results": rows}
+
+
+def raw_pixels(dataset) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, 784) pixels in [0, 1] and labels of Fashion-MNIST or a subset of it."""
+    base, indices = ((dataset.dataset, dataset.indices) if isinstance(dataset, SubsetDataset)
+                     else (dataset, list(range(len(dataset)))))
+    images = torch.as_tensor(base.images[indices].reshape(len(indices), -1)).float() / 255
+    return images, torch.as_tensor(base.labels[indices]).long()
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="test-sized models and data (for CPU checks)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {list(SECTIONS)}")
+    parser.add_argument("--objectives", default=",".join(OBJECTIVES), help=f"speed rows, of {list(OBJECTIVES)}")
+    parser.add_argument("--quality-objectives", default=",".join(QUALITY), help=f"of {list(QUALITY)}")
+    parser.add_argument("--modes", default="eager,compiled", help="speed rows: eager, compiled (trainer.compile)")
+    parser.add_argument("--batch", type=int, default=128, help="ViT-B/16 images per step (ViT-L/16: half)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per speed row (after two warm-up steps)")
+    parser.add_argument("--quality-seconds", type=float, default=60.0, help="pre-training budget per objective")
+    parser.add_argument("--work-dir", default=None, help="run directories (default: a temporary directory)")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu_suite_<device>.json)")
+    args = parser.parse_args(argv)
+    sections = args.sections.split(",")
+    args.objectives, args.quality_objectives = args.objectives.split(","), args.quality_objectives.split(",")
+    modes = args.modes.split(",")
+    for given, valid, option in ((sections, SECTIONS, "--sections"), (args.objectives, OBJECTIVES, "--objectives"),
+                                 (args.quality_objectives, QUALITY, "--quality-objectives"),
+                                 (modes, ("eager", "compiled"), "--modes")):
+        unknown = [s for s in given if s not in valid]
+        if unknown:
+            parser.error(f"unknown {option} {unknown}; valid choices: {list(valid)}")
+    args.compiled_modes = [mode == "compiled" for mode in modes]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible here; use --device cpu --tiny for the CPU check")
+    device = torch.device(args.device)
+    register_configs()
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="gpu_suite_"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(work / "inductor"))
+    start = time.perf_counter()
+    dtype, size = (torch.bfloat16, 8192) if device.type == "cuda" else (torch.float32, 1024 if args.tiny else 4096)
+    peak = {"dtype": str(dtype).removeprefix("torch."), "measured_tflop_s": matmul_peak(device, dtype, size),
+            "datasheet_tflop_s": datasheet_peak(device)}
+    report = {"benchmark": "gpu_suite", "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+              else platform.processor() or platform.machine(), "cores": os.cpu_count(), "tiny": args.tiny,
+              "torch": torch.__version__, "timm": timm.__version__, "peak": peak}
+    print(f"{report['device']}: measured {peak['dtype']} matmul peak {peak['measured_tflop_s']:.1f} TFLOP/s"
+          + (f", datasheet {peak['datasheet_tflop_s']:g}" if peak["datasheet_tflop_s"] else ""), flush=True)
+    if "speed" in sections:
+        print(f"\n{'objective':<16}{'model':<9}{'mode':<9}{'batch':>6}{'img/s':>10}{'GFLOP/im':>10}{'TFLOP/s':>9}"
+              f"{'of peak':>8}{'of sheet':>8}{'GiB':>8}{'compile':>9}")
+        report["speed"] = speed_section(args, device, peak, work)
+    if "loader" in sections:
+        report["loader"] = loader_section(args, work)
+    if "quality" in sections:
+        report["quality"] = quality_section(args, device, work)
+    report["wall_s"] = time.perf_counter() - start
+    out = Path(args.out or f"benchmarks/results/gpu_suite_{device.type}{'_tiny' if args.tiny else ''}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"\n{report['wall_s']:.0f} s in all -> {out}")
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,29 @@
+"""benchmarks/gpu_suite.py on the CPU with test-sized models: every section runs and writes its JSON (the suite is
+run for real on a GPU whenever one is lent; this keeps it from rotting in between)."""
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_the_gpu_suite_runs_every_section_on_the_cpu_and_writes_its_json(tmp_path):
+    out = tmp_path / "suite.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/gpu_suite.py"), "--device", "cpu", "--tiny", "--steps", "1",
+           "--quality-seconds", "1", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["peak"]["measured_tflop_s"] > 0 and report["peak"]["datasheet_tflop_s"] is None
+    rows = {(row["objective"], row["compiled"]): row for row in report["speed"]}
+    objectives = ["supervised", "masked_patch", "mae", "dino", "dinov2", "clip", "siglip", "deit", "timm supervised"]
+    assert set(rows) == {(name, compiled) for name in objectives for compiled in (False, True)}
+    for row in rows.values():
+        assert row["images_per_s"] > 0 and row["flops_per_image"] > 0 and 0 < row["utilisation_measured_peak"]
+    assert rows["supervised", True]["compile_s"] > 0 and rows["supervised", False]["compile_s"] == 0
+    assert report["loader"]["images_per_s"] > 0 and report["loader"]["crops_per_image"] == 4  # 2 global, 2 local
+    quality = report["quality"]["results"]
+    assert set(quality) == {"random init", "masked_patch", "mae", "dino", "dinov2", "raw pixels"}
+    assert all(0.1 < row["linear"] <= 1 for row in quality.values())  # 10 classes: above chance
+    assert "DINO multi-crop loader" in proc.stdout and "Fashion-MNIST quality" in proc.stdout
