@@ -20,8 +20,8 @@ Sections:
 - loader: DINO's multi-crop loader (2 x 224 + 6 x 96 crops; --tiny: the test sizes) in images/s with every core as a
   worker, to set against the DINO rows' consumption.
 - quality: masked_patch, MAE, DINO and DINOv2 pre-train ViT-Ti/4 on Fashion-MNIST at 32 px (the real pretrain
-  path) for a fixed budget of seconds each (steps set from a measured rate), then linear probe and k-NN on the
-  frozen encoder, next to the random encoder and raw pixels.
+  path) for a fixed budget of seconds each (steps set from a measured rate; --tiny: 20 steps), then linear probe and
+  k-NN on the frozen encoder, next to the random encoder and raw pixels.
 """
 
 from __future__ import annotations
@@ -129,10 +129,10 @@ class StepRunner:
     """An objective's training step exactly as the Trainer takes it (ssl_vit/train/trainer.py: begin_step, the
     objective's micro-steps through MicroSteps, the EMA update after an applied step), on one process."""
 
-    def __init__(self, accelerator: Accelerator, cfg, compiled: bool):
+    def __init__(self, accelerator: Accelerator, cfg, compiled: bool, backend: str = "inductor"):
         objective, dataset, views, _ = build_components(cfg)
         if compiled:
-            compile_blocks(objective, accelerator)
+            compile_blocks(objective, accelerator, backend=backend)
         optimizer = build_optimizer(objective, cfg.optim, num_layers=len(objective.encoder.blocks),
                                     fused=accelerator.device.type == "cuda")
         self.model, self.optimizer = accelerator.prepare(objective, optimizer)
@@ -162,11 +162,11 @@ class StepRunner:
 class TimmStep:
     """timm's ViT-B/16 (or the test size) supervised step: cross-entropy, backward, AdamW, under the same autocast."""
 
-    def __init__(self, accelerator: Accelerator, arch: dict, batch: int, compiled: bool):
+    def __init__(self, accelerator: Accelerator, arch: dict, batch: int, compiled: bool, backend: str = "inductor"):
         model = timm.models.vision_transformer.VisionTransformer(**arch, num_classes=1000)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=accelerator.device.type == "cuda" or None)
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
-        self.forward = torch.compile(self.model) if compiled else self.model
+        self.forward = torch.compile(self.model, backend=backend) if compiled else self.model
         self.accelerator, self.batch_size = accelerator, batch
         device = accelerator.device
         self.images = torch.randn(batch, 3, arch["img_size"], arch["img_size"], device=device)
@@ -226,7 +226,7 @@ def speed_section(args, device: torch.device, peak: dict, work: Path) -> list[di
                                  f"data.batch_size={per_step}", f"output_dir={work / name}", *overrides)
             for compiled in args.compiled_modes:
                 torch.manual_seed(0)
-                runner = StepRunner(accelerator, cfg, compiled)
+                runner = StepRunner(accelerator, cfg, compiled, args.compile_backend)
                 flops = runner.flops_per_image()
                 row = {"objective": name, "model": model, "img_size": img_size, "batch": per_step,
                        "compiled": compiled, "flops_per_image": flops, **time_steps(runner, device, args.steps)}
@@ -238,7 +238,7 @@ def speed_section(args, device: torch.device, peak: dict, work: Path) -> list[di
         model, img_size, batch = models[0]
         arch = (dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2) if args.tiny else
                 dict(img_size=224, patch_size=16, embed_dim=768, depth=12, num_heads=12))
-        runner = TimmStep(accelerator, arch, batch, compiled)
+        runner = TimmStep(accelerator, arch, batch, compiled, args.compile_backend)
         row = {"objective": "timm supervised", "model": model, "img_size": img_size, "batch": batch,
                "compiled": compiled, "flops_per_image": runner.flops_per_image(),
                **time_steps(runner, device, args.steps)}
@@ -263,13 +263,13 @@ def print_row(row: dict) -> None:
     datasheet = row["utilisation_datasheet_peak"]
     print(f"{row['objective']:<16}{row['model']:<9}{'compiled' if row['compiled'] else 'eager':<9}"
           f"{row['batch']:>6}{row['images_per_s']:>10.1f}{row['flops_per_image'] / 1e9:>10.2f}"
-          f"{row['achieved_tflop_s']:>9.2f}{row['utilisation_measured_peak']:>8.1%}"
-          f"{(f'{datasheet:.1%}' if datasheet is not None else '-'):>8}{memory:>8}{row['compile_s']:>9.1f}", flush=True)
+          f"{row['achieved_tflop_s']:>9.2f}{row['utilisation_measured_peak']:>9.1%}"
+          f"{(f'{datasheet:.1%}' if datasheet is not None else '-'):>9}{memory:>8}{row['compile_s']:>9.1f}", flush=True)
 
 
 def loader_section(args, work: Path) -> dict:
     """DINO's multi-crop loader alone, every core a worker: images/s."""
-    workers = os.cpu_count() or 1
+    workers = args.loader_workers or os.cpu_count() or 1
     name = "dino"
     overrides = OBJECTIVES[name][1] if args.tiny else OBJECTIVES[name][0]
     img_size, batch = (16, 8) if args.tiny else (224, 64)
@@ -285,9 +285,11 @@ def loader_section(args, work: Path) -> dict:
         next(loader)
     elapsed = time.perf_counter() - start
     images_per_s = batches * batch / elapsed
-    result = {"objective": name, "img_size": img_size, "workers": workers, "crops_per_image": len(views.views),
-              "images_per_s": images_per_s, "images_per_s_per_worker": images_per_s / workers}
-    print(f"\nDINO multi-crop loader: {images_per_s:.1f} images/s with {workers} workers "
+    result = {"objective": name, "img_size": img_size, "workers": workers, "crop_sizes": views.multicrop.sizes,
+              "crops_per_image": len(views.multicrop.sizes), "images_per_s": images_per_s,
+              "images_per_s_per_worker": images_per_s / workers}
+    print(f"\nDINO multi-crop loader ({'+'.join(map(str, views.multicrop.sizes))} px crops): {images_per_s:.1f} "
+          f"images/s with {workers} workers "
           f"({result['images_per_s_per_worker']:.1f} per worker)", flush=True)
     return result
 
@@ -300,8 +302,6 @@ def quality_section(args, device: torch.device, work: Path) -> dict:
     base = [*model, "data=fashion_mnist", "data.batch_size=64", "trainer.progress=false", "trainer.log_every=50",
             "trainer.tensorboard=false", "trainer.checkpoint_every=1000000",
             f"data.num_workers={min(8, os.cpu_count() or 1)}"]
-    if args.tiny:
-        base += ["data.num_samples=512"]
     max_samples = 1000 if args.tiny else None
     train_set = limit_samples(FashionMNIST(split="train"), max_samples)
     test_set = limit_samples(FashionMNIST(split="test"), max_samples // 2 if max_samples else None)
@@ -317,9 +317,12 @@ def quality_section(args, device: torch.device, work: Path) -> dict:
     rows["random init"] = score(objective.encoder, preprocess)
     for name in args.quality_objectives:
         overrides = [*base, *QUALITY[name]]
-        AcceleratorState._reset_state(reset_partial_state=True)
-        probe = pretrain(compose_config(*overrides, "trainer.max_steps=12", f"output_dir={work / (name + '-rate')}"))
-        steps = max(20, int(args.quality_seconds * probe["images_per_s"] / 64))
+        steps = 20
+        if not args.tiny:  # steps from a measured rate
+            AcceleratorState._reset_state(reset_partial_state=True)
+            probe = pretrain(compose_config(*overrides, "trainer.max_steps=12",
+                                            f"output_dir={work / (name + '-rate')}"))
+            steps = max(20, int(args.quality_seconds * probe["images_per_s"] / 64))
         AcceleratorState._reset_state(reset_partial_state=True)
         summary = pretrain(compose_config(*overrides, f"trainer.max_steps={steps}",
                                           f"optim.warmup_steps={max(10, steps // 20)}", f"output_dir={work / name}"))
@@ -352,6 +355,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--objectives", default=",".join(OBJECTIVES), help=f"speed rows, of {list(OBJECTIVES)}")
     parser.add_argument("--quality-objectives", default=",".join(QUALITY), help=f"of {list(QUALITY)}")
     parser.add_argument("--modes", default="eager,compiled", help="speed rows: eager, compiled (trainer.compile)")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend of the compiled rows (aot_eager: the same graphs, no kernels "
+                             "generated; a quick check on CPU, where inductor's cold compile takes ~30 s per graph)")
+    parser.add_argument("--loader-workers", type=int, default=None, help="loader section (default: every core)")
     parser.add_argument("--batch", type=int, default=128, help="ViT-B/16 images per step (ViT-L/16: half)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per speed row (after two warm-up steps)")
     parser.add_argument("--quality-seconds", type=float, default=60.0, help="pre-training budget per objective")
@@ -373,6 +380,7 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     register_configs()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="gpu_suite_"))
+    work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(work / "inductor"))
     start = time.perf_counter()
     dtype, size = (torch.bfloat16, 8192) if device.type == "cuda" else (torch.float32, 1024 if args.tiny else 4096)
@@ -385,7 +393,7 @@ def main(argv=None) -> dict:
           + (f", datasheet {peak['datasheet_tflop_s']:g}" if peak["datasheet_tflop_s"] else ""), flush=True)
     if "speed" in sections:
         print(f"\n{'objective':<16}{'model':<9}{'mode':<9}{'batch':>6}{'img/s':>10}{'GFLOP/im':>10}{'TFLOP/s':>9}"
-              f"{'of peak':>8}{'of sheet':>8}{'GiB':>8}{'compile':>9}")
+              f"{'of peak':>9}{'of sheet':>9}{'GiB':>8}{'compile':>9}")
         report["speed"] = speed_section(args, device, peak, work)
     if "loader" in sections:
         report["loader"] = loader_section(args, work)

@@ -11,7 +11,8 @@ from conftest import ROOT
 def test_the_gpu_suite_runs_every_section_on_the_cpu_and_writes_its_json(tmp_path):
     out = tmp_path / "suite.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/gpu_suite.py"), "--device", "cpu", "--tiny", "--steps", "1",
-           "--quality-seconds", "1", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
+           "--quality-seconds", "1", "--compile-backend", "aot_eager", "--work-dir", str(tmp_path / "work"),
+           "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -22,6 +23,7 @@ def test_the_gpu_suite_runs_every_section_on_the_cpu_and_writes_its_json(tmp_pat
     for row in rows.values():
         assert row["images_per_s"] > 0 and row["flops_per_image"] > 0 and 0 < row["utilisation_measured_peak"]
     assert rows["supervised", True]["compile_s"] > 0 and rows["supervised", False]["compile_s"] == 0
+    assert rows["dino", False]["batch"] == 4  # half the images per step: 4 crops each
     assert report["loader"]["images_per_s"] > 0 and report["loader"]["crops_per_image"] == 4  # 2 global, 2 local
     quality = report["quality"]["results"]
     assert set(quality) == {"random init", "masked_patch", "mae", "dino", "dinov2", "raw pixels"}

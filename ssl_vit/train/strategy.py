@@ -190,7 +190,7 @@ def check_compile(accelerator, mode: str | None) -> None:
 
 
 def compile_blocks(model: torch.nn.Module, accelerator=None, mode: str | None = None, dynamic: bool | None = None,
-                   cache_dir: str | os.PathLike | None = None) -> int:
+                   cache_dir: str | os.PathLike | None = None, backend: str = "inductor") -> int:
     """torch.compile every transformer block of `model` in place (`nn.Module.compile`: names, state dicts and
     hooks are unchanged), returning how many. The order is the anchors' (DINOv3's ac_compile_parallelize,
     torchtitan): activation checkpointing is already set inside each block, the blocks are compiled here, then
@@ -198,13 +198,14 @@ def compile_blocks(model: torch.nn.Module, accelerator=None, mode: str | None = 
     of its shape; a second input shape (DINO's local crops, evaluation's last batch) recompiles once with dynamic
     sizes unless `dynamic` says otherwise. `cache_dir`: inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR; kept
     when the environment sets it and `cache_dir` is None), so that a resumed run loads its kernels instead of
-    compiling them again. `accelerator`: the strategy to check (None: a model outside training, e.g. a benchmark)."""
+    compiling them again. `accelerator`: the strategy to check (None: a model outside training, e.g. a benchmark);
+    `backend`: torch.compile's (inductor; "aot_eager" traces the same graphs without generating kernels)."""
     check_compile(accelerator, mode)
     if cache_dir is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)  # read when inductor first needs its cache
     blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
     for block in blocks:
-        block.compile(mode=mode, dynamic=dynamic)
+        block.compile(backend=backend, mode=mode, dynamic=dynamic)
     return len(blocks)
 
 
