@@ -3,6 +3,7 @@ evaluation moves, the dtypes of losses and teachers under 16-bit weights or bf16
 policy, TF32."""
 
 import contextlib
+from pathlib import Path
 
 import pytest
 import timm
@@ -15,7 +16,8 @@ from test_deit import _objective
 from ssl_vit.data import SyntheticShapes
 from ssl_vit.eval.features import extract_features
 from ssl_vit.preprocess import Preprocess
-from ssl_vit.train.strategy import enable_tf32, fsdp2_mixed_precision
+from ssl_vit.train import strategy
+from ssl_vit.train.strategy import compile_cache_dir, enable_tf32, fsdp2_mixed_precision, fused_optimizer
 from ssl_vit.train.trainer import Meter, MicroSteps
 from ssl_vit.vit import build_vit
 
@@ -144,3 +146,24 @@ def test_deepspeed_bf16_accumulates_gradients_in_fp32_unless_its_json_says_other
     assert "data_types" not in configured({"zero_optimization": {"stage": 2}}, Precision.fp32)
     kept = configured({"data_types": {"grad_accum_dtype": "bf16"}}, Precision.bf16)
     assert kept["data_types"] == {"grad_accum_dtype": "bf16"}
+
+
+def test_fused_adamw_is_chosen_on_cuda_outside_deepspeed():
+    def accelerator(device, kind):
+        return type("Accelerator", (), {"device": torch.device(device), "distributed_type": kind})()
+
+    assert fused_optimizer(accelerator("cuda", DistributedType.MULTI_GPU))
+    assert fused_optimizer(accelerator("cuda", DistributedType.FSDP))
+    assert not fused_optimizer(accelerator("cuda", DistributedType.DEEPSPEED))  # its engine steps its partitions
+    assert not fused_optimizer(accelerator("cpu", DistributedType.MULTI_CPU))
+
+
+def test_the_compile_cache_is_the_configured_one_else_the_users_else_under_the_run(monkeypatch, tmp_path):
+    """A default that inductor wrote into the environment during an earlier run in this process is not a user's
+    choice: the next run still caches under its own directory."""
+    monkeypatch.setitem(strategy._USER_CACHES, "TORCHINDUCTOR_CACHE_DIR", None)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_default")
+    assert compile_cache_dir(None, tmp_path) == tmp_path / "compile_cache"
+    assert compile_cache_dir(str(tmp_path / "mine"), tmp_path) == tmp_path / "mine"
+    monkeypatch.setitem(strategy._USER_CACHES, "TORCHINDUCTOR_CACHE_DIR", "/scratch/inductor")
+    assert compile_cache_dir(None, tmp_path) == Path("/scratch/inductor")

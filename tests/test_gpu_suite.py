@@ -17,6 +17,9 @@ def test_the_gpu_suite_runs_every_section_on_the_cpu_and_writes_its_json(tmp_pat
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["peak"]["measured_tflop_s"] > 0 and report["peak"]["datasheet_tflop_s"] is None
+    # the fused CPU kernel, forward and backward, not the math fallback
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in report["peak"]["attention_kernels"]
+    assert not any("math" in name for name in report["peak"]["attention_kernels"])
     rows = {(row["objective"], row["compiled"]): row for row in report["speed"]}
     objectives = ["supervised", "masked_patch", "mae", "dino", "dinov2", "clip", "siglip", "deit", "timm supervised"]
     assert set(rows) == {(name, compiled) for name in objectives for compiled in (False, True)}

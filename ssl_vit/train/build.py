@@ -222,11 +222,10 @@ def build_components(cfg, source: Pretrained | None = None):
 
 
 def build_run(cfg, objective: Objective, dataset, views: ViewBuilder, preprocess: Preprocess, world: int,
-              device: torch.device | None = None) -> Run:
-    """The run around built components: the optimizer (fused AdamW on CUDA) and the per-step schedules for `world`
-    processes."""
-    optimizer = build_optimizer(objective, cfg.optim, num_layers=len(objective.encoder.blocks),
-                                fused=device is not None and torch.device(device).type == "cuda")
+              fused: bool = False) -> Run:
+    """The run around built components: the optimizer (`fused`: fused AdamW) and the per-step schedules for
+    `world` processes."""
+    optimizer = build_optimizer(objective, cfg.optim, num_layers=len(objective.encoder.blocks), fused=fused)
     global_batch = cfg.data.batch_size * world * cfg.trainer.grad_accum_steps
     peak = peak_lr(cfg.optim, global_batch)
     if cfg.optim.min_lr > peak:

@@ -22,6 +22,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -176,6 +177,13 @@ def configure_deepspeed(accelerator, settings: StrategySettings) -> None:
 # releases parameters in hooks around every module's forward, and its engine has its own compile path).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_STRATEGIES = ("single", "ddp", "fsdp2")
+# The user's own inductor / triton caches, as the process started (inductor writes its default into the
+# environment when it first compiles, which must not read as a user's choice for the next run in this process).
+_USER_CACHES = {name: os.environ.get(name) for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+# Compiled blocks share one code object (Module._call_impl), so every variant (grad / no-grad, train / eval, each
+# shape kind, a teacher, a decoder) takes an entry of torch's recompile limit (8), past which blocks silently run
+# eager: raised to this.
+RECOMPILE_LIMIT = 64
 
 
 def check_compile(accelerator, mode: str | None) -> None:
@@ -201,20 +209,37 @@ def compile_blocks(model: torch.nn.Module, accelerator=None, mode: str | None = 
     compiling them again. `accelerator`: the strategy to check (None: a model outside training, e.g. a benchmark);
     `backend`: torch.compile's (inductor; "aot_eager" traces the same graphs without generating kernels)."""
     check_compile(accelerator, mode)
-    if cache_dir is not None:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)  # read when inductor first needs its cache
+    if cache_dir is not None:  # read when inductor next needs its cache
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+        os.environ["TRITON_CACHE_DIR"] = _USER_CACHES["TRITON_CACHE_DIR"] or str(Path(cache_dir) / "triton")
+    import torch._dynamo  # the compiler: only when compiling
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
     for block in blocks:
         block.compile(backend=backend, mode=mode, dynamic=dynamic)
     return len(blocks)
 
 
+def compile_cache_dir(configured: str | None, out_dir) -> Path:
+    """Where inductor caches a run's kernels: trainer.compile_cache_dir, else the user's TORCHINDUCTOR_CACHE_DIR,
+    else <run>/compile_cache."""
+    return Path(configured or _USER_CACHES["TORCHINDUCTOR_CACHE_DIR"] or Path(out_dir) / "compile_cache")
+
+
 def compile_seconds() -> float:
-    """Seconds this process has spent compiling so far (dynamo + inductor, forward and backward graphs)."""
+    """Seconds this process has spent compiling so far (dynamo + inductor: every forward graph with whatever
+    backward it compiled at once, and the backward graphs compiled on their first call); take differences."""
     from torch._dynamo.utils import compilation_time_metrics  # dynamo's own timers (imported once compiling)
 
     return sum(sum(compilation_time_metrics.get(name, ())) for name in
-               ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler"))
+               ("_compile.compile_inner", "backward._backward_impl"))
+
+
+def fused_optimizer(accelerator) -> bool:
+    """Fused AdamW where it is the fastest and ours steps: on CUDA, outside DeepSpeed (whose engine steps its own
+    flat partitions, with CPU offload on the host)."""
+    return accelerator.device.type == "cuda" and accelerator.distributed_type != DistributedType.DEEPSPEED
 
 
 def construction_context(accelerator):

@@ -43,11 +43,14 @@ from ssl_vit.train.guard import DivergenceAdvice, UpdateGuard
 from ssl_vit.train.outputs import OutputError, RunOutputs, check_writable
 from ssl_vit.train.strategy import (
     StrategySettings,
+    check_compile,
     check_dtypes,
     compile_blocks,
+    compile_cache_dir,
     compile_seconds,
     construction_context,
     full_state_dict,
+    fused_optimizer,
     is_sharded,
     make_accelerator,
     on_main_process,
@@ -69,6 +72,8 @@ def pretrain(cfg) -> dict:
     _, needs = requirements(cfg.objective)
     out_dir = Path(cfg.output_dir)
     accelerator = make_accelerator(StrategySettings.from_config(cfg, ema_teacher=needs.ema_teacher), out_dir)
+    if cfg.trainer.compile:  # before building: a refused strategy says so at once
+        check_compile(accelerator, cfg.trainer.compile_mode)
     if accelerator.is_main_process:
         check_writable(out_dir)
     threads = configure_threads(cfg.trainer.cpu_threads, accelerator)
@@ -76,7 +81,7 @@ def pretrain(cfg) -> dict:
     source = init_source(cfg)
     with construction_context(accelerator):
         components = build_components(cfg, source)
-    run = build_run(cfg, *components, world=accelerator.num_processes, device=accelerator.device)
+    run = build_run(cfg, *components, world=accelerator.num_processes, fused=fused_optimizer(accelerator))
     evaluation = PeriodicEvaluation.from_config(cfg, needs, run.preprocess) if cfg.trainer.eval_every > 0 else None
     trainer = Trainer(run, accelerator, cfg.trainer, out_dir, DivergenceAdvice.from_config(cfg), evaluation)
     trainer.start(config=to_container(cfg), seed=cfg.seed, data=cfg.data,
@@ -181,11 +186,13 @@ class Trainer:
         periodic evaluation (trainer.eval_every), or None."""
         self.run, self.accelerator, self.settings, self.out_dir = run, accelerator, settings, out_dir
         self.evaluation, self.advice = evaluation, advice
+        self.compile_start = compile_seconds()
         self.compiled_blocks = compile_blocks(
             run.objective, accelerator, settings.compile_mode, settings.compile_dynamic,
-            settings.compile_cache_dir or (None if "TORCHINDUCTOR_CACHE_DIR" in os.environ
-                                           else out_dir / "compile_cache")) if settings.compile else 0
+            compile_cache_dir(settings.compile_cache_dir, out_dir)) if settings.compile else 0
         self.model, self.optimizer = accelerator.prepare(run.objective, run.optimizer)
+        if accelerator.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(accelerator.device)  # this run's peak in summary.json
         self.objective = accelerator.unwrap_model(self.model)
         check_dtypes(self.objective, parameter_dtype(accelerator, settings.precision), self.objective.fp32_buffers)
         self.state = TrainState()
@@ -203,7 +210,10 @@ class Trainer:
         accelerator, settings = self.accelerator, self.settings
         resume_dir = resolve_resume(settings.resume, self.out_dir)
         if resume_dir is not None:
+            fused = [group.get("fused") for group in self.optimizer.param_groups]
             load_checkpoint(accelerator, resume_dir, self.model, settings.allow_inexact_resume)
+            for group, value in zip(self.optimizer.param_groups, fused, strict=True):  # this device's choice,
+                group["fused"] = value  # not the one saved with the checkpoint (load_state_dict restores it)
         else:
             set_seed(seed + accelerator.process_index)  # from here on, ranks draw different masks / dropout
         removed = remove_stale_temps(self.out_dir) if self.is_main else []
@@ -261,7 +271,7 @@ class Trainer:
         state.step += 1
         if self.compiled_blocks and state.step == self.start_step + 1 and self.is_main:
             log.info("compiled %d transformer blocks: %.1f s compiling in the first step", self.compiled_blocks,
-                     compile_seconds())
+                     compile_seconds() - self.compile_start)
         self._check(micro)
         diverged = state.consecutive_nonfinite >= settings.max_consecutive_nonfinite
         logged = state.step % settings.log_every == 0 or state.step == self.end_step or diverged
@@ -389,7 +399,8 @@ class Trainer:
             "cuda_peak_memory_gib": (torch.cuda.max_memory_allocated(accelerator.device) / 2**30
                                      if accelerator.device.type == "cuda" else None),  # this process
             "compiled_blocks": self.compiled_blocks,
-            "compile_s": compile_seconds() if self.compiled_blocks else None,  # this process, recompiles included
+            # this process, recompiles included
+            "compile_s": compile_seconds() - self.compile_start if self.compiled_blocks else None,
         }
         try:
             self.outputs.summary(summary)
