@@ -149,6 +149,7 @@ class DINO(Objective):
         self._momentum: torch.Tensor | None = None
         self._recent: deque = deque(maxlen=cfg.collapse_window)
         self._last_monitor: torch.Tensor | None = None
+        self._unread: list[torch.Tensor] = []  # monitors on the device, read once per window
         self._warned = False
 
     # ----- the data and schedule hooks -----
@@ -266,10 +267,19 @@ class DINO(Objective):
         return outputs
 
     def _watch_collapse(self) -> None:
-        """Warn (main process) when the teacher has sat at a collapsed state for `collapse_window` steps."""
+        """Warn (main process) when the teacher has sat at a collapsed state for `collapse_window` steps. The
+        per-step monitors stay on the device and are read together once per window (one host-device sync per
+        window, not per step); each step's state is then judged in order, as if read at once."""
         if self._last_monitor is None:
             return
-        loss, entropy = self._last_monitor.tolist()
+        self._unread.append(self._last_monitor)
+        if len(self._unread) < self._recent.maxlen:
+            return
+        monitors, self._unread = torch.stack(self._unread).tolist(), []
+        for loss, entropy in monitors:
+            self._judge(loss, entropy)
+
+    def _judge(self, loss: float, entropy: float) -> None:
         log_k = math.log(self.cfg.out_dim)
         state = ("uniform" if entropy > 0.98 * log_k or abs(loss - log_k) < 0.01 * log_k else
                  "one-hot" if entropy < 0.05 else None)

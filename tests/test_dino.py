@@ -184,6 +184,17 @@ def test_collapse_is_warned_about_after_a_window(caplog):
             healthy._last_monitor = torch.tensor([3.0, 2.0])
             healthy._watch_collapse()
     assert not caplog.records
+    # Read once per window (steps 3 and 6), judged step by step: steps 2-4 collapsed, across the two reads, are
+    # found when step 6 is read.
+    late = _objective(collapse_window=3)
+    with caplog.at_level(logging.WARNING, logger="ssl_vit"):
+        caplog.clear()
+        for step, (loss, entropy) in enumerate([(3.0, 2.0)] + [(math.log(64), math.log(64))] * 3
+                                               + [(3.0, 2.0)] * 2, start=1):
+            late._last_monitor = torch.tensor([loss, entropy])
+            late._watch_collapse()
+            assert bool(caplog.records) == (step == 6)
+            caplog.clear()
 
 
 def _folder(root: Path) -> Path:
