@@ -4,6 +4,8 @@ same setting, in the same run.
     python benchmarks/scale.py                                       # vit_b16 and vit_l16, 2 CPU processes, fp32
     python benchmarks/scale.py --models vit_b16 --strategies ddp,zero3 --batch 2
     python benchmarks/scale.py --device cuda --precision bf16 --gpus 8 --models vit_l16,vit_h14 --batch 16
+    python benchmarks/scale.py --models vit_22b --depth 2 --strategies fsdp2,zero3 --batch 1 --steps 2 \
+        --out benchmarks/results/scale_vit_22b_depth2.json   # ViT-22B's real width (0.9B parameters), ~20 GB here
 
 Each (model, strategy) is one `accelerate launch` of benchmarks/scale_worker.py with the strategy's shipped config
 (configs/accelerate/<strategy>_cpu2.yaml, or <strategy>_gpu8.yaml with --num_processes on GPUs): the supervised
@@ -38,19 +40,21 @@ def measure(model: str, strategy: str, args) -> dict:
                *(["--num_processes", str(args.gpus)] if args.device == "cuda" else []),
                str(ROOT / "benchmarks/scale_worker.py"), "--model", model, "--batch", str(args.batch),
                "--img-size", str(args.img_size), "--steps", str(args.steps), "--precision", args.precision,
-               "--out", out]
+               *(["--depth", str(args.depth)] if args.depth else []), "--out", out]
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{model} under {strategy} failed:\n{proc.stderr[-3000:]}")
         ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
     world = ranks[0]["world_size"]
-    predicted = plan(ModelShape.of(model, img_size=args.img_size), strategy, world, gpus_per_node=world,
+    shape = ModelShape.of(model, img_size=args.img_size, **({"depth": args.depth} if args.depth else {}))
+    predicted = plan(shape, strategy, world, gpus_per_node=world,
                      batch_per_gpu=args.batch, precision=args.precision)
     states = max(r["model_states_mib"] for r in ranks)
     peak = max((r["peak_allocated_mib"] or r["peak_rss_mib"]) for r in ranks)
     expected_states = (predicted.model_states + predicted.comm_buffers) / MIB
-    return {"model": model, "strategy": strategy, "world_size": world, "ranks": ranks,
+    return {"model": model, "depth": shape.depth, "params": shape.params, "strategy": strategy, "world_size": world,
+            "ranks": ranks,
             "model_states_mib": states, "peak_mib": peak, "step_s": max(r["step_s"] for r in ranks),
             "predicted": {k: v / MIB if isinstance(v, int) and k not in ("gpus",) else v
                           for k, v in predicted.as_dict().items()},
@@ -65,6 +69,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--img-size", type=int, default=224)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--depth", type=int, default=None, help="blocks, overriding the presets' (the real width of "
+                                                                  "a large preset at a depth that fits here)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--gpus", type=int, default=8, help="processes on --device cuda (CPU: 2, as the configs)")

@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--img-size", type=int, default=224)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--depth", type=int, default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     cfg = OmegaConf.create({"trainer": {"precision": args.precision, "grad_accum_steps": 1, "tensorboard": False},
@@ -54,7 +55,7 @@ def main() -> None:
     set_seed(0)
     baseline = rss()
     with construction_context(accelerator):
-        backbone = build_vit(args.model, img_size=args.img_size)
+        backbone = build_vit(args.model, img_size=args.img_size, **({"depth": args.depth} if args.depth else {}))
         objective = build_objective(OmegaConf.structured(SupervisedConfig()), backbone,
                                     DataInfo(1000, args.img_size, [0.5] * 3, [0.5] * 3))
     optim_cfg = OmegaConf.structured(OptimConfig(lr=1e-4))
