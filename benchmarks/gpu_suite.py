@@ -24,7 +24,7 @@ Sections:
 - loader: DINO's multi-crop loader (2 x 224 + 6 x 96 crops; --tiny: the test sizes) in images/s with every core as a
   worker, to set against the DINO rows' consumption.
 - quality: masked_patch, MAE, DINO and DINOv2 pre-train ViT-Ti/4 on Fashion-MNIST at 32 px (the real pretrain
-  path) for a fixed budget of seconds each (steps set from a measured rate; --tiny: 20 steps), then linear probe and
+  path) for a fixed budget of seconds each (steps set from a measured rate; --tiny: 10 steps), then linear probe and
   k-NN on the frozen encoder, next to the random encoder and raw pixels.
 """
 
@@ -149,7 +149,7 @@ class StepRunner:
     """An objective's training step exactly as the Trainer takes it (ssl_vit/train/trainer.py: begin_step, the
     objective's micro-steps through MicroSteps, the EMA update after an applied step), on one process."""
 
-    def __init__(self, accelerator: Accelerator, cfg, compiled: bool, backend: str = "inductor"):
+    def __init__(self, accelerator: Accelerator, cfg, compiled: bool, backend: str = "inductor", workers: int = 0):
         objective, dataset, views, _ = build_components(cfg)
         if compiled:
             compile_blocks(objective, accelerator, backend=backend)
@@ -157,7 +157,7 @@ class StepRunner:
                                     fused=accelerator.device.type == "cuda")
         self.model, self.optimizer = accelerator.prepare(objective, optimizer)
         self.objective, self.accelerator = accelerator.unwrap_model(self.model), accelerator
-        loader = iter(make_loader(dataset, views, cfg.data.batch_size, num_workers=min(8, os.cpu_count() or 1),
+        loader = iter(make_loader(dataset, views, cfg.data.batch_size, num_workers=workers,
                                   pin_memory=accelerator.device.type == "cuda"))
         self.batches = [_to_device(next(loader), accelerator.device) for _ in range(2)]
         self.batch_size, self.grad_clip, self.step_number = cfg.data.batch_size, cfg.optim.grad_clip, 0
@@ -247,7 +247,8 @@ def speed_section(args, device: torch.device, peak: dict, work: Path) -> list[di
                                  f"data.batch_size={per_step}", f"output_dir={work / name}", *overrides)
             for compiled in args.compiled_modes:
                 torch.manual_seed(0)
-                runner = StepRunner(accelerator, cfg, compiled, args.compile_backend)
+                runner = StepRunner(accelerator, cfg, compiled, args.compile_backend,
+                                    workers=0 if args.tiny else min(8, os.cpu_count() or 1))
                 flops = runner.flops_per_image()
                 row = {"objective": name, "model": model, "img_size": img_size, "batch": per_step,
                        "compiled": compiled, "flops_per_image": flops, **time_steps(runner, device, args.steps)}
@@ -322,8 +323,8 @@ def quality_section(args, device: torch.device, work: Path) -> dict:
              ["model=vit_ti16", "model.patch_size=4", "data.img_size=32"])
     base = [*model, "data=fashion_mnist", "data.batch_size=64", "trainer.progress=false", "trainer.log_every=50",
             "trainer.tensorboard=false", "trainer.checkpoint_every=1000000",
-            f"data.num_workers={min(8, os.cpu_count() or 1)}"]
-    max_samples = 1000 if args.tiny else None
+            f"data.num_workers={0 if args.tiny else min(8, os.cpu_count() or 1)}"]
+    max_samples = 400 if args.tiny else None
     train_set = limit_samples(FashionMNIST(split="train"), max_samples)
     test_set = limit_samples(FashionMNIST(split="test"), max_samples // 2 if max_samples else None)
     ecfg = EvalConfig(evaluators=["linear", "knn"], features="cls_avg")
@@ -338,7 +339,7 @@ def quality_section(args, device: torch.device, work: Path) -> dict:
     rows["random init"] = score(objective.encoder, preprocess)
     for name in args.quality_objectives:
         overrides = [*base, *QUALITY[name]]
-        steps = 20
+        steps = 10
         if not args.tiny:  # steps from a measured rate
             AcceleratorState._reset_state(reset_partial_state=True)
             probe = pretrain(compose_config(*overrides, "trainer.max_steps=12",
