@@ -224,8 +224,7 @@ class Mlp(nn.Module):
 
 # Activation checkpointing of a block: "full" keeps only its input and recomputes the whole block in backward;
 # "selective" also keeps the outputs of its matmuls and attention and recomputes only the cheap element-wise ops
-# (norms, GELU, residual adds, DINOv3's and torchtitan's op-level policy): less memory saved than none, less compute
-# than full.
+# (norms, GELU, residual adds: DINOv3's op list): more memory than full, no matmul recomputed.
 CHECKPOINTING = ("full", "selective")
 _AT = torch.ops.aten
 SAVED_BY_SELECTIVE = {_AT.mm.default, _AT.addmm.default, _AT.bmm.default,

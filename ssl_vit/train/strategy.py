@@ -204,9 +204,9 @@ def compile_blocks(model: torch.nn.Module, accelerator=None, mode: str | None = 
     torchtitan): activation checkpointing is already set inside each block, the blocks are compiled here, then
     `accelerator.prepare` shards them (FSDP2) or wraps the model (DDP). A block is one graph reused by every block
     of its shape; a second input shape (DINO's local crops, evaluation's last batch) recompiles once with dynamic
-    sizes unless `dynamic` says otherwise. `cache_dir`: inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR; kept
-    when the environment sets it and `cache_dir` is None), so that a resumed run loads its kernels instead of
-    compiling them again. `accelerator`: the strategy to check (None: a model outside training, e.g. a benchmark);
+    sizes unless `dynamic` says otherwise. `cache_dir`: inductor's on-disk cache (`compile_cache_dir` resolves the
+    run's), so that a resumed run loads its kernels instead of compiling them again; None leaves the environment's.
+    `accelerator`: the strategy to check (None: a model outside training, e.g. a benchmark);
     `backend`: torch.compile's (inductor; "aot_eager" traces the same graphs without generating kernels)."""
     check_compile(accelerator, mode)
     if cache_dir is not None:  # read when inductor next needs its cache

@@ -186,7 +186,7 @@ class Trainer:
         periodic evaluation (trainer.eval_every), or None."""
         self.run, self.accelerator, self.settings, self.out_dir = run, accelerator, settings, out_dir
         self.evaluation, self.advice = evaluation, advice
-        self.compile_start = compile_seconds()
+        self.compile_start = compile_seconds() if settings.compile else 0.0
         self.compiled_blocks = compile_blocks(
             run.objective, accelerator, settings.compile_mode, settings.compile_dynamic,
             compile_cache_dir(settings.compile_cache_dir, out_dir)) if settings.compile else 0
