@@ -22,7 +22,8 @@ Sections:
   DeiT's include its teacher's forward. Graphs are shared between rows of one shape, so a row's compile seconds
   are what it compiled itself (the first row of a shape pays the most).
 - loader: DINO's multi-crop loader (2 x 224 + 6 x 96 crops; --tiny: the test sizes) in images/s with every core as a
-  worker, to set against the DINO rows' consumption.
+  worker, to set against the DINO rows' consumption: the photometric augmentation in the workers, and on the device
+  (data.multicrop_photometric=device: the workers only cut uint8 crops; the device's batched stage timed apart).
 - quality: masked_patch, MAE, DINO and DINOv2 pre-train ViT-Ti/4 on Fashion-MNIST at 32 px (the real pretrain
   path) for a fixed budget of seconds each (steps set from a measured rate; --tiny: 10 steps), then linear probe and
   k-NN on the frozen encoder, next to the random encoder and raw pixels.
@@ -150,7 +151,7 @@ class StepRunner:
     objective's micro-steps through MicroSteps, the EMA update after an applied step), on one process."""
 
     def __init__(self, accelerator: Accelerator, cfg, compiled: bool, backend: str = "inductor", workers: int = 0):
-        objective, dataset, views, _ = build_components(cfg)
+        objective, dataset, views, _ = build_components(cfg, device_type=accelerator.device.type)
         if compiled:
             compile_blocks(objective, accelerator, backend=backend)
         optimizer = build_optimizer(objective, cfg.optim, num_layers=len(objective.encoder.blocks),
@@ -160,20 +161,22 @@ class StepRunner:
         loader = iter(make_loader(dataset, views, cfg.data.batch_size, num_workers=workers,
                                   pin_memory=accelerator.device.type == "cuda"))
         self.batches = [_to_device(next(loader), accelerator.device) for _ in range(2)]
-        self.batch_size, self.grad_clip, self.step_number = cfg.data.batch_size, cfg.optim.grad_clip, 0
+        self.views, self.batch_size = views, cfg.data.batch_size
+        self.grad_clip, self.step_number = cfg.optim.grad_clip, 0
 
     def step(self) -> None:
         self.step_number += 1
         self.objective.begin_step(self.step_number, 10_000)
-        batch = dict(self.batches[self.step_number % len(self.batches)])
+        batch = self.views.on_device(dict(self.batches[self.step_number % len(self.batches)]))  # as the trainer
         micro = MicroSteps(self.accelerator, self.model, self.optimizer, self.grad_clip, self.step_number, Meter())
         self.objective.micro_steps([batch], micro)
         if micro.applied:
             self.objective.after_optimizer_step(self.step_number, 10_000)
 
     def flops_per_image(self) -> float:
+        batch = self.views.on_device(dict(self.batches[0]))  # its blur is not the model's work
         with FlopCounterMode(display=False) as counter:
-            outputs = self.model(dict(self.batches[0]))
+            outputs = self.model(batch)
             outputs["loss"].backward()
         self.optimizer.zero_grad(set_to_none=True)
         return counter.get_total_flops() / self.batch_size
@@ -289,31 +292,46 @@ def print_row(row: dict) -> None:
           f"{(f'{datasheet:.1%}' if datasheet is not None else '-'):>9}{memory:>8}{row['compile_s']:>9.1f}", flush=True)
 
 
-def loader_section(args, work: Path) -> dict:
-    """DINO's multi-crop loader alone, every core a worker: images/s."""
+def loader_section(args, device: torch.device, work: Path) -> list[dict]:
+    """DINO's multi-crop loader alone, every core a worker, in images/s: with the photometric augmentation in the
+    workers, and with it on the device (the workers cut uint8 crops; the device's batched stage timed apart)."""
     workers = args.loader_workers or os.cpu_count() or 1
     name = "dino"
     overrides = OBJECTIVES[name][1] if args.tiny else OBJECTIVES[name][0]
     img_size, batch = (16, 8) if args.tiny else (224, 64)
-    cfg = compose_config("model=vit_test" if args.tiny else "model=vit_b16", "data=synthetic",
-                         f"data.img_size={img_size}", f"data.batch_size={batch}", f"output_dir={work / 'loader'}",
-                         *overrides)
-    _, dataset, views, _ = build_components(cfg)
     batches = 3 if args.tiny else 40
-    loader = iter(make_loader(dataset, views, batch, num_workers=workers))
-    next(loader)  # workers started
-    start = time.perf_counter()
-    for _ in range(batches):
-        next(loader)
-    elapsed = time.perf_counter() - start
-    images_per_s = batches * batch / elapsed
-    result = {"objective": name, "img_size": img_size, "workers": workers, "crop_sizes": views.multicrop.sizes,
-              "crops_per_image": len(views.multicrop.sizes), "images_per_s": images_per_s,
-              "images_per_s_per_worker": images_per_s / workers}
-    print(f"\nDINO multi-crop loader ({'+'.join(map(str, views.multicrop.sizes))} px crops): {images_per_s:.1f} "
-          f"images/s with {workers} workers "
-          f"({result['images_per_s_per_worker']:.1f} per worker)", flush=True)
-    return result
+    rows = []
+    for placement in ("workers", "device"):
+        cfg = compose_config("model=vit_test" if args.tiny else "model=vit_b16", "data=synthetic",
+                             f"data.img_size={img_size}", f"data.batch_size={batch}", f"output_dir={work / 'loader'}",
+                             f"data.multicrop_photometric={placement}", *overrides)
+        _, dataset, views, _ = build_components(cfg)
+        loader = iter(make_loader(dataset, views, batch, num_workers=workers, pin_memory=device.type == "cuda"))
+        next(loader)  # workers started
+        start = time.perf_counter()
+        drawn = [next(loader) for _ in range(batches)]
+        elapsed = time.perf_counter() - start
+        row = {"objective": name, "photometric_on": placement, "img_size": img_size, "workers": workers,
+               "crop_sizes": views.multicrop.sizes, "images_per_s": batches * batch / elapsed,
+               "images_per_s_per_worker": batches * batch / elapsed / workers, "device_stage_images_per_s": None}
+        if placement == "device":
+            on_device = [_to_device(b, device) for b in drawn[:4]]
+            views.on_device(on_device[0])  # warm-up (kernels, kornia's first call)
+            synchronize(device)
+            start = time.perf_counter()
+            for b in on_device:
+                views.on_device(b)
+            synchronize(device)
+            row["device_stage_images_per_s"] = len(on_device) * batch / (time.perf_counter() - start)
+        del loader, drawn
+        rows.append(row)
+        stage = (f"; the device's stage {row['device_stage_images_per_s']:.0f} images/s on {device.type}"
+                 if row["device_stage_images_per_s"] else "")
+        where = "in the workers" if placement == "workers" else "on the device"
+        print(f"DINO multi-crop loader ({'+'.join(map(str, views.multicrop.sizes))} px crops, photometric "
+              f"augmentation {where}): {row['images_per_s']:.1f} images/s with {workers} workers "
+              f"({row['images_per_s_per_worker']:.1f} per worker){stage}", flush=True)
+    return rows
 
 
 def quality_section(args, device: torch.device, work: Path) -> dict:
@@ -417,7 +435,8 @@ def main(argv=None) -> dict:
           + f"; attention runs {', '.join(peak['attention_kernels'])}", flush=True)
     out = Path(args.out or f"benchmarks/results/gpu_suite_{device.type}{'_tiny' if args.tiny else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    runners = {"speed": lambda: speed_section(args, device, peak, work), "loader": lambda: loader_section(args, work),
+    runners = {"speed": lambda: speed_section(args, device, peak, work),
+               "loader": lambda: loader_section(args, device, work),
                "quality": lambda: quality_section(args, device, work)}
     for section in [s for s in SECTIONS[1:] if s in sections]:
         if section == "speed":

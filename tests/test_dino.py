@@ -24,7 +24,7 @@ from objectives.dino import DINOConfig, DINOv2Config
 from ssl_vit import ema as ema_module
 from ssl_vit.artifacts import load_encoder, read_preprocess
 from ssl_vit.cli import register_configs
-from ssl_vit.data import SyntheticShapes, build_dataset, make_loader
+from ssl_vit.data import SyntheticShapes, ViewBuilder, build_dataset, make_loader
 from ssl_vit.ema import EMA
 from ssl_vit.eval.knn import knn_eval
 from ssl_vit.optim import apply_schedule, build_optimizer
@@ -227,10 +227,26 @@ def test_every_dataset_kind_gives_multi_crop_batches(tmp_path, kind):
     batch = next(iter(make_loader(build_dataset(cfg.data, 32), views, batch_size=4)))
     assert [tuple(c.shape) for c in batch["crops"]] == [(4, 3, 32, 32)] * 2 + [(4, 3, 12, 12)] * 3
     assert not torch.equal(batch["crops"][0], batch["crops"][1])  # independent crops
+    # data.multicrop_photometric=device: uint8 crops and their parameters through the loader, finished on the device
+    views = Preprocess(32).view_builder(("crops",), multicrop=dict(objective.multicrop_options(), local_size=12,
+                                                                   photometric_on="device"))
+    batch = next(iter(make_loader(build_dataset(cfg.data, 32), views, batch_size=4)))
+    assert [c.dtype for c in batch["crops"]] == [torch.uint8] * 5 and len(batch["crop_parameters"]) == 5
+    finished = views.on_device(batch)
+    assert "crop_parameters" not in finished and [c.dtype for c in finished["crops"]] == [torch.float32] * 5
+    assert [tuple(c.shape) for c in finished["crops"]] == [(4, 3, 32, 32)] * 2 + [(4, 3, 12, 12)] * 3
 
 
 def test_accumulation_updates_the_teacher_once_per_optimizer_step(tmp_path, monkeypatch):
-    momenta = []
+    """Also the trainer's path for the photometric augmentation on the device (ViewBuilder.on_device)."""
+    momenta, finished = [], []
+    original_on_device = ViewBuilder.on_device
+
+    def on_device(self, batch):
+        finished.append(original_on_device(self, batch))
+        return finished[-1]
+
+    monkeypatch.setattr(ViewBuilder, "on_device", on_device)
     original = ema_module.EMA.update
     monkeypatch.setattr(ema_module.EMA, "update", lambda self, m: (momenta.append(m), original(self, m)))
     register_configs()
@@ -239,9 +255,10 @@ def test_accumulation_updates_the_teacher_once_per_optimizer_step(tmp_path, monk
             "objective=dino_tiny", "objective.out_dim=64", "objective.hidden_dim=32", "objective.bottleneck_dim=16",
             "objective.local_crops=2", "model=vit_test", "data.batch_size=4", "data.num_samples=64",
             "trainer.grad_accum_steps=2", "trainer.max_steps=3", "trainer.progress=false", "trainer.tensorboard=false",
-            f"output_dir={tmp_path}"])
+            "data.multicrop_photometric=device", f"output_dir={tmp_path}"])
     summary = pretrain(cfg)
     assert summary["step"] == 3
+    assert len(finished) == 6 and all(c.dtype == torch.float32 for b in finished for c in b["crops"])
     assert momenta == pytest.approx([0.99, 0.995, 1.0])  # three updates: the cosine from dino_tiny's 0.99 to 1
     assert (tmp_path / "heads.safetensors").is_file()
 
@@ -316,4 +333,17 @@ def test_every_dino_config_composes_and_a_bad_value_names_the_choices(option):
     validate_config(cfg)
     assert cfg.objective.name == option.removesuffix("_tiny") and cfg.optim.weight_decay_end == 0.4
     with pytest.raises(ConfigError, match=r"centering='mean' is invalid; valid choices: \['centre', 'sinkhorn_kn"):
+        build_components(bad)
+
+
+def test_the_photometric_augmentation_goes_where_data_multicrop_photometric_says():
+    """auto: the device on a GPU, the workers elsewhere; a bad value names the choices."""
+    register_configs()
+    base = ["objective=dino_tiny", "model=vit_test", "data.num_samples=16", "output_dir=x"]
+    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+        auto = compose("pretrain", overrides=base)
+        bad = compose("pretrain", overrides=[*base, "data.multicrop_photometric=gpu"])
+    assert not build_components(auto, device_type="cpu")[2].multicrop.on_device
+    assert build_components(auto, device_type="cuda")[2].multicrop.on_device
+    with pytest.raises(ConfigError, match=r"multicrop_photometric='gpu' is not one of \['auto', 'workers', 'device'"):
         build_components(bad)

@@ -27,7 +27,10 @@ def test_the_gpu_suite_runs_every_section_on_the_cpu_and_writes_its_json(tmp_pat
         assert row["images_per_s"] > 0 and row["flops_per_image"] > 0 and 0 < row["utilisation_measured_peak"]
     assert rows["supervised", True]["compile_s"] > 0 and rows["supervised", False]["compile_s"] == 0
     assert rows["dino", False]["batch"] == 4  # half the images per step: 4 crops each
-    assert report["loader"]["images_per_s"] > 0 and report["loader"]["crops_per_image"] == 4  # 2 global, 2 local
+    loader = {row["photometric_on"]: row for row in report["loader"]}
+    assert set(loader) == {"workers", "device"} and all(len(row["crop_sizes"]) == 4 for row in loader.values())
+    assert all(row["images_per_s"] > 0 for row in loader.values())  # 2 global crops, 2 local ones
+    assert loader["device"]["device_stage_images_per_s"] > 0 and loader["workers"]["device_stage_images_per_s"] is None
     quality = report["quality"]["results"]
     assert set(quality) == {"random init", "masked_patch", "mae", "dino", "dinov2", "raw pixels"}
     assert all(0.1 < row["linear"] <= 1 for row in quality.values())  # 10 classes: above chance

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from objectives.supervised import Supervised
 from ssl_vit.cli import register_configs
 from ssl_vit.train import TrainingDiverged, pretrain
+from ssl_vit.train.guard import UpdateGuard
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -76,6 +77,19 @@ def test_an_update_that_wrecks_the_weights_stops_at_once_without_saving_them(tmp
     assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["step"] == 1 and "ruined" in summary["error"] and summary["checkpoint"] is None
+
+
+def test_the_guard_keeps_the_first_ruinous_update_on_the_device_until_asked():
+    """UpdateGuard judges every update without reading the device; `verdict` gives the first that ruined the
+    weights (growth above x100 of max(norm, 1), or a non-finite norm), whatever came after it."""
+    norms = iter([0.5, 1.5, 100.0, 400.0, math.inf, 2.0])
+    guard = UpdateGuard([torch.nn.Parameter(torch.ones(1))], 100.0, lambda parameters: torch.tensor(next(norms)))
+    guard.check_update(1)
+    guard.check_update(2)  # 1.5 -> 100: x66.7, fine
+    assert guard.verdict() is None
+    for step in (3, 4, 5):  # 100 -> 400 is fine too (x4); inf is not
+        guard.check_update(step)
+    assert guard.verdict() == (4, 400.0, math.inf)
 
 
 def test_divergence_advice_follows_the_config(tmp_path):

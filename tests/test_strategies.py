@@ -342,7 +342,7 @@ def test_a_zero3_shard_is_read_without_its_uninitialised_padding(monkeypatch):
     class Local:  # one process: parameter_norm does not reduce
         distributed_type = None
     monkeypatch.setattr("ssl_vit.train.strategy.is_sharded", lambda accelerator: False)
-    assert parameter_norm(Local(), [param]) == pytest.approx((25 + 36 + 49) ** 0.5)
+    assert float(parameter_norm(Local(), [param])) == pytest.approx((25 + 36 + 49) ** 0.5)
 
 
 def test_zero_init_builds_parameters_in_the_precision_whatever_the_accelerator_says_of_fp16():

@@ -42,6 +42,10 @@ class DataConfig:
     # (DeiT / AugReg: timm's RandAugment, random erasing, Mixup / CutMix, repeated augmentation; data.augreg.*)
     augment: str = "none"
     augreg: AugRegConfig = field(default_factory=AugRegConfig)
+    # Where multi-crop objectives' (DINO's) per-crop photometric augmentation runs: workers (torchvision, per crop,
+    # in the loader's workers) | device (batched on the training device, from parameters the workers draw; the
+    # crops travel as uint8) | auto (device on a GPU, workers on CPU)
+    multicrop_photometric: str = "auto"
     crop_scale: list[float] = checked(factory=lambda: [0.35, 1.0], gt=0, le=1, length=2)
     # Normalisation per colour channel. None: the encoder's own when evaluating one that records it, else the
     # dataset's statistics (ImageNet's for natural images).

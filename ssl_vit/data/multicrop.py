@@ -6,12 +6,29 @@ Per crop, in DINO's order: random resized crop (bicubic), horizontal flip (p 0.5
 contrast 0.4, saturation 0.2, hue 0.1; p 0.8), greyscale (p 0.2), Gaussian blur with sigma in [0.1, 2] (p 1.0 on
 the first global crop, 0.1 on the others, 0.5 on local crops), solarize at half range (p 0.2, global crops after
 the first); then scaled to [0, 1] and normalised.
+
+Where the photometric part runs (`photometric_on`): "workers" applies all of it per crop with torchvision in the
+loader's workers and ships normalised float crops; "device" cuts only the crops there (uint8, a quarter of the bytes
+through shared memory), draws each crop's photometric parameters under the sample's seed, and leaves the rest to
+`finish` on the training device, batched (ssl_vit.data.photometric), with the same probabilities and ranges.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torchvision.transforms import v2
+
+PHOTOMETRIC_ON = ("workers", "device")
+FLIP_P, JITTER_P, GREY_P = 0.5, 0.8, 0.2
+JITTER = dict(brightness=0.4, contrast=0.4, saturation=0.2, hue=0.1)  # torchvision ColorJitter's ranges
+SIGMA = (0.1, 2.0)
+SOLARIZE_THRESHOLD = 128  # of 255: DINO's half range
+# One crop's drawn photometric parameters, in this order (flags are 0 / 1; order_* is colour jitter's random order
+# of its four adjustments, 0 brightness, 1 contrast, 2 saturation, 3 hue, as torchvision's ColorJitter numbers them).
+PARAMETERS = ("flip", "jitter", "order_0", "order_1", "order_2", "order_3", "brightness", "contrast", "saturation",
+              "hue", "grey", "blur", "sigma", "solarize")
 
 
 def local_crop_size(img_size: int, patch_size: int) -> int:
@@ -19,40 +36,79 @@ def local_crop_size(img_size: int, patch_size: int) -> int:
     return max(patch_size, round(img_size * 96 / 224 / patch_size) * patch_size)
 
 
-def _blur(size: int, p: float) -> v2.Transform:
-    kernel = max(3, int(0.1 * size) // 2 * 2 + 1)  # odd, about a tenth of the crop (23 px at 224)
-    return v2.RandomApply([v2.GaussianBlur(kernel, sigma=(0.1, 2.0))], p=p)
+@dataclass(frozen=True)
+class CropPhotometry:
+    """The photometric augmentation of one crop position: its size (the blur kernel is about a tenth of it) and
+    its blur and solarize probabilities (the other probabilities are the same for every crop)."""
+
+    size: int
+    blur_p: float
+    solarize_p: float
+
+    @property
+    def blur_kernel(self) -> int:
+        return max(3, int(0.1 * self.size) // 2 * 2 + 1)  # odd, about a tenth of the crop (23 px at 224)
+
+    def transforms(self) -> list[v2.Transform]:
+        """The torchvision transforms that apply it per crop (in the workers)."""
+        return [
+            v2.RandomHorizontalFlip(p=FLIP_P),
+            v2.RandomApply([v2.ColorJitter(**JITTER)], p=JITTER_P),
+            v2.RandomGrayscale(p=GREY_P),
+            v2.RandomApply([v2.GaussianBlur(self.blur_kernel, sigma=SIGMA)], p=self.blur_p),
+            v2.RandomSolarize(threshold=SOLARIZE_THRESHOLD, p=self.solarize_p),
+        ]
+
+    def draw(self) -> torch.Tensor:
+        """The parameters (PARAMETERS) of one crop's augmentation, from torch's generator (in the loader: the
+        sample's seed), with the probabilities and ranges of `transforms`."""
+        coins = torch.rand(5)
+        b, c, s, h = (JITTER[k] for k in ("brightness", "contrast", "saturation", "hue"))
+        low = torch.tensor([max(0.0, 1 - b), max(0.0, 1 - c), max(0.0, 1 - s), -h, SIGMA[0]])
+        high = torch.tensor([1 + b, 1 + c, 1 + s, h, SIGMA[1]])
+        values = low + (high - low) * torch.rand(5)
+        flags = coins < torch.tensor([FLIP_P, JITTER_P, GREY_P, self.blur_p, self.solarize_p])
+        return torch.cat([flags[:2].float(), torch.randperm(4).float(), values[:4], flags[2:4].float(),
+                          values[4:], flags[4:].float()])
 
 
 class MultiCropViews:
-    """uint8 (3, H, W) image -> list of `n_global + n_local` normalised float crops (global ones first)."""
+    """uint8 (3, H, W) image -> list of `n_global + n_local` normalised float crops (global ones first); with
+    photometric_on="device", (uint8 crops, their photometric parameters) for `finish` on the device."""
 
     def __init__(self, global_size: int, local_size: int, mean, std, n_global: int = 2, n_local: int = 6,
-                 global_scale=(0.4, 1.0), local_scale=(0.05, 0.4), interpolation: str = "bicubic"):
-        self.sizes = [global_size] * n_global + [local_size] * n_local
+                 global_scale=(0.4, 1.0), local_scale=(0.05, 0.4), interpolation: str = "bicubic",
+                 photometric_on: str = "workers"):
         if n_global < 1 or n_local < 0:
             raise ValueError(f"n_global={n_global} and n_local={n_local} are invalid: need >= 1 global crop and "
                              ">= 0 local crops")
+        if photometric_on not in PHOTOMETRIC_ON:
+            raise ValueError(f"photometric_on={photometric_on!r} is not one of {list(PHOTOMETRIC_ON)}")
+        self.sizes = [global_size] * n_global + [local_size] * n_local
+        self.n_global, self.on_device = n_global, photometric_on == "device"
+        self.photometry = ([CropPhotometry(global_size, 1.0, 0.0)]
+                           + [CropPhotometry(global_size, 0.1, 0.2) for _ in range(n_global - 1)]
+                           + [CropPhotometry(local_size, 0.5, 0.0) for _ in range(n_local)])
         mode = v2.InterpolationMode(interpolation)
-
-        def crop(size, scale, blur_p, solarize_p):
-            return v2.Compose([
-                v2.RandomResizedCrop(size, scale=tuple(scale), interpolation=mode, antialias=True),
-                v2.RandomHorizontalFlip(p=0.5),
-                v2.RandomApply([v2.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.2, hue=0.1)], p=0.8),
-                v2.RandomGrayscale(p=0.2),
-                _blur(size, blur_p),
-                v2.RandomSolarize(threshold=128, p=solarize_p),
-            ])
-
-        self.transforms = ([crop(global_size, global_scale, 1.0, 0.0)]
-                           + [crop(global_size, global_scale, 0.1, 0.2) for _ in range(n_global - 1)]
-                           + [crop(local_size, local_scale, 0.5, 0.0) for _ in range(n_local)])
-        self.n_global = n_global
+        scales = [tuple(global_scale)] * n_global + [tuple(local_scale)] * n_local
+        self.transforms = [
+            v2.Compose([v2.RandomResizedCrop(size, scale=scale, interpolation=mode, antialias=True),
+                        *([] if self.on_device else photometry.transforms())])
+            for size, scale, photometry in zip(self.sizes, scales, self.photometry, strict=True)]
         self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
 
-    def __call__(self, image: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, image: torch.Tensor) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         if image.dtype != torch.uint8:
             raise TypeError(f"multi-crop expects a uint8 (3, H, W) image, got {image.dtype}")
+        if self.on_device:
+            return [t(image) for t in self.transforms], [photometry.draw() for photometry in self.photometry]
         return [(t(image).float().div_(255) - self.mean) / self.std for t in self.transforms]
+
+    def finish(self, crops: list[torch.Tensor], parameters: list[torch.Tensor]) -> list[torch.Tensor]:
+        """On the training device: batched uint8 crops and their drawn parameters -> normalised float crops."""
+        from ssl_vit.data.photometric import apply_parameters  # kornia, only where it is used
+
+        mean, std = self.mean.to(crops[0].device), self.std.to(crops[0].device)
+        return [(apply_parameters(crop, params, photometry) - mean) / std
+                for crop, params, photometry in zip(crops, parameters, self.photometry, strict=True)]

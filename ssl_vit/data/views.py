@@ -4,7 +4,9 @@ Datasets yield {"image": uint8 (3, H, W), "label": int, "text": str (optional)}.
 centre crop, or random resized crop + flip when augmenting) is applied once; `image` is the normalised float
 tensor the backbone reads, `pixels` the same crop in [0, 1] before normalisation (for colour targets). `crops` is
 DINO's multi-crop list (global crops first, then local ones; `ssl_vit.data.multicrop`), drawn independently of
-`image`; batched, it is a list with one (B, 3, h, w) tensor per crop. `text` is the caption, tokenised here (in
+`image`; batched, it is a list with one (B, 3, h, w) tensor per crop. With the multi-crop photometric augmentation
+on the device, the workers ship uint8 crops and `crop_parameters` (one (B, P) tensor per crop), and `on_device`
+turns them into the normalised crops on the training device. `text` is the caption, tokenised here (in
 the data workers) by the objective's tokenizer when one is given: a (context_length,) int64 tensor. A sample without
 a caption raises `MissingTextError`, which the loaders skip and count.
 """
@@ -90,7 +92,9 @@ class ViewBuilder:
                 out["pixels"] = pixels
             if "image" in self.views:
                 out["image"] = (pixels - self.mean) / self.std
-        if self.multicrop is not None:
+        if self.multicrop is not None and self.multicrop.on_device:
+            out["crops"], out["crop_parameters"] = self.multicrop(sample["image"])
+        elif self.multicrop is not None:
             out["crops"] = self.multicrop(sample["image"])
         if "label" in self.views:
             if "label" not in sample:
@@ -103,6 +107,14 @@ class ViewBuilder:
                 raise MissingTextError(f"{where} has no caption")
             out["text"] = self.tokenizer(text) if self.tokenizer is not None else text
         return out
+
+    def on_device(self, batch: dict) -> dict:
+        """The batch's last stage, on the device it was moved to: the multi-crop photometric augmentation when the
+        workers left it to the device (`crop_parameters`); any other batch passes as it is."""
+        if "crop_parameters" in batch:
+            batch = dict(batch)
+            batch["crops"] = self.multicrop.finish(batch["crops"], batch.pop("crop_parameters"))
+        return batch
 
     def collate(self, samples: list[dict]) -> dict:
         """default_collate, then Mixup / CutMix under augreg, seeded by the batch's first sample seed (`seed`,

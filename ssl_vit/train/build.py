@@ -18,6 +18,7 @@ from ssl_vit.config import model_kwargs, peak_lr, warmup_steps
 from ssl_vit.data import DATASETS, DataError, ViewBuilder, build_dataset, dataset_kind
 from ssl_vit.data.augreg import mixes
 from ssl_vit.data.config import augment_kind
+from ssl_vit.data.multicrop import PHOTOMETRIC_ON
 from ssl_vit.data.subset import limit_samples
 from ssl_vit.init import writable
 from ssl_vit.interop.sources import SOURCES, Pretrained, load_pretrained
@@ -187,9 +188,10 @@ def build_data(cfg, needs: Requirements, img_size: int):
     return dataset
 
 
-def build_components(cfg, source: Pretrained | None = None):
+def build_components(cfg, source: Pretrained | None = None, device_type: str = "cpu"):
     """(objective with its backbone, dataset, view builder, preprocessing) of a config; ConfigError on a bad value.
-    `source`: the `init_source(cfg)` already loaded (pretrain loads it outside zero.Init)."""
+    `source`: the `init_source(cfg)` already loaded (pretrain loads it outside zero.Init); `device_type`: where it
+    trains ("cuda", "cpu": what data.multicrop_photometric=auto chooses by)."""
     if cfg.model.name not in PRESETS:
         raise ConfigError(f"unknown model {cfg.model.name!r}; valid choices: {sorted(PRESETS)}")
     _, needs = requirements(cfg.objective)
@@ -212,13 +214,26 @@ def build_components(cfg, source: Pretrained | None = None):
     if augment == "augreg" and mixes(cfg.data.augreg) and cfg.data.batch_size % 2:
         raise ConfigError(f"data.batch_size={cfg.data.batch_size}: Mixup / CutMix (data.augment=augreg) pair each "
                           "image with another, so the batch per process must be even")
+    multicrop, placement = objective.multicrop_options(), photometric_on(cfg.data, device_type)
+    if multicrop is not None:
+        multicrop = dict(multicrop, photometric_on=placement)
     try:
-        views = preprocess.view_builder(needs.views, augment, cfg.data.crop_scale, objective.multicrop_options(),
+        views = preprocess.view_builder(needs.views, augment, cfg.data.crop_scale, multicrop,
                                         objective.text_tokenizer(), augreg=cfg.data.augreg,
                                         num_classes=len(dataset.classes) or None)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     return objective, dataset, views, preprocess
+
+
+def photometric_on(data_cfg, device_type: str) -> str:
+    """data.multicrop_photometric as "workers" or "device" (auto: the device on a GPU)."""
+    value = str(data_cfg.get("multicrop_photometric", "auto"))
+    if value == "auto":
+        return "device" if device_type == "cuda" else "workers"
+    if value not in PHOTOMETRIC_ON:
+        raise ConfigError(f"data.multicrop_photometric={value!r} is not one of {['auto', *PHOTOMETRIC_ON]}")
+    return value
 
 
 def build_run(cfg, objective: Objective, dataset, views: ViewBuilder, preprocess: Preprocess, world: int,

@@ -3,13 +3,16 @@
 An update is skipped when its gradients are non-finite (a non-finite loss on any rank makes them so after the
 all-reduce); after too many in a row training stops. An update that was applied is checked too: if it made the
 parameter norm non-finite or multiplied it by more than `max_growth` (e.g. optim.lr=1e6), the weights are ruined,
-so training stops at once without saving them and points to the last good checkpoint.
+so training stops without saving them and points to the last good checkpoint. That check stays on the device
+(no host-device sync per step); the trainer reads its verdict before it logs, saves, evaluates or stops, so ruined
+weights are never saved and a run stops at its next log step at the latest.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+import torch
 
 from ssl_vit.config import warmup_steps
 
@@ -19,22 +22,28 @@ class TrainingDiverged(RuntimeError):
 
 
 class UpdateGuard:
-    """`norm_of(parameters)` gives the global parameter norm (ssl_vit.train.strategy.parameter_norm: summed over
-    shards when the model is sharded)."""
+    """`norm_of(parameters)` gives the global parameter norm as a 0-d tensor on the device (ssl_vit.train.strategy.
+    parameter_norm: summed over shards when the model is sharded, a collective then)."""
 
     def __init__(self, parameters, max_growth: float, norm_of):
         self.parameters = [p for p in parameters if p.requires_grad]
         self.max_growth, self.norm_of = max_growth, norm_of
-        self.norm = norm_of(self.parameters)
+        self.norm = norm_of(self.parameters).double()
+        self.first_ruin = torch.full((3,), -1.0, dtype=torch.float64, device=self.norm.device)  # step, before, after
 
-    def check_update(self) -> tuple[float, float] | None:
-        """After an optimizer step: None if the parameter norm is finite and grew by at most max_growth, else
-        (norm before, norm after)."""
-        before, after = self.norm, self.norm_of(self.parameters)
+    def check_update(self, step: int) -> None:
+        """After the optimizer step `step`: judge it on the device; the first ruinous one is kept for `verdict`."""
+        before, after = self.norm, self.norm_of(self.parameters).double()
         self.norm = after
-        if math.isfinite(after) and after <= self.max_growth * max(before, 1.0):
-            return None
-        return before, after
+        ruined = ~torch.isfinite(after) | (after > self.max_growth * before.clamp(min=1.0))
+        record = torch.stack([torch.full((), float(step), dtype=torch.float64, device=after.device), before, after])
+        self.first_ruin = torch.where(ruined & (self.first_ruin[0] < 0), record, self.first_ruin)
+
+    def verdict(self) -> tuple[int, float, float] | None:
+        """None while every update checked was fine, else (step, norm before, norm after) of the first that was
+        not (reads the device: call it where the loop syncs anyway)."""
+        step, before, after = self.first_ruin.tolist()
+        return None if step < 0 else (int(step), before, after)
 
 
 @dataclass(frozen=True)
@@ -67,9 +76,11 @@ class DivergenceAdvice:
             tips.append("check the data for broken samples")
         return "; ".join(tips)
 
-    def ruined_weights_error(self, step: int, growth: tuple[float, float], last_checkpoint) -> TrainingDiverged:
+    def ruined_weights_error(self, step: int, growth: tuple[float, float], last_checkpoint,
+                             stopped_at: int | None = None) -> TrainingDiverged:
+        later = f" (found at step {stopped_at})" if stopped_at not in (None, step) else ""
         return TrainingDiverged(
-            f"the update of step {step} took the parameter norm from {growth[0]:.4g} to {growth[1]:.4g} (limit: "
+            f"the update of step {step}{later} took the parameter norm from {growth[0]:.4g} to {growth[1]:.4g} (limit: "
             f"x{self.max_param_norm_growth}, trainer.max_param_norm_growth); the weights are ruined and were not "
             f"saved. Last good checkpoint: {last_checkpoint or 'none (none was saved yet)'}. To fix: "
             f"{self.tips(nonfinite_loss=False)}")

@@ -295,14 +295,16 @@ def is_sharded(accelerator) -> bool:
     return strategy_name(accelerator) in ("zero3", "fsdp2")
 
 
-def parameter_norm(accelerator, parameters) -> float:
-    """The global L2 norm of the parameters, summed over shards when they are sharded (collective then)."""
+def parameter_norm(accelerator, parameters) -> torch.Tensor:
+    """The global L2 norm of the parameters as a 0-d fp32 tensor on the device, summed over shards when they are
+    sharded (collective then; never read back to the host here)."""
     shards = [local_shard(p).detach() for p in parameters]
     norms = torch._foreach_norm([s for s in shards if s.numel()])
-    squares = torch.stack([n.float() for n in norms]).square().sum() if norms else torch.zeros(())
+    squares = (torch.stack([n.float() for n in norms]).square().sum() if norms else
+               torch.zeros((), device=accelerator.device))
     if is_sharded(accelerator):
         squares = accelerator.reduce(squares.to(accelerator.device), reduction="sum")
-    return float(squares.sqrt())
+    return squares.sqrt()
 
 
 def step_was_applied(accelerator, model, grad_norm: torch.Tensor | None) -> bool:

@@ -80,7 +80,7 @@ def pretrain(cfg) -> dict:
     set_seed(cfg.seed)  # identical initialisation on every rank
     source = init_source(cfg)
     with construction_context(accelerator):
-        components = build_components(cfg, source)
+        components = build_components(cfg, source, accelerator.device.type)
     run = build_run(cfg, *components, world=accelerator.num_processes, fused=fused_optimizer(accelerator))
     evaluation = PeriodicEvaluation.from_config(cfg, needs, run.preprocess) if cfg.trainer.eval_every > 0 else None
     trainer = Trainer(run, accelerator, cfg.trainer, out_dir, DivergenceAdvice.from_config(cfg), evaluation)
@@ -275,14 +275,19 @@ class Trainer:
         self._check(micro)
         diverged = state.consecutive_nonfinite >= settings.max_consecutive_nonfinite
         logged = state.step % settings.log_every == 0 or state.step == self.end_step or diverged
+        evaluating = self.evaluation is not None and (state.step % settings.eval_every == 0
+                                                      or state.step == self.end_step)
+        saving = state.step % settings.checkpoint_every == 0 or state.step == self.end_step
+        if logged or evaluating or saving:
+            self._stop_if_ruined()  # before anything reads or keeps the weights
         if logged:
             self.log()
         fault_point("step_done", state.step)
         if diverged:
             raise self.advice.nonfinite_error(state.consecutive_nonfinite, state.step, self.save(state.step))
-        if self.evaluation is not None and (state.step % settings.eval_every == 0 or state.step == self.end_step):
+        if evaluating:
             self.evaluate()
-        if state.step % settings.checkpoint_every == 0 or state.step == self.end_step:
+        if saving:
             self.save(state.step)
         return logged
 
@@ -292,19 +297,16 @@ class Trainer:
             batch = next(self.batches)
             if "skipped" in batch:
                 self.state.skipped_samples += int(batch.pop("skipped").sum())
-            batches.append(_to_device(batch, self.accelerator.device))
+            batches.append(self.run.views.on_device(_to_device(batch, self.accelerator.device)))
         return batches
 
     def _check(self, micro: MicroSteps) -> None:
-        """Count a skipped update; stop on one that ruined the weights; after an applied one, the objective's
-        updates outside the gradient (EMA teachers)."""
+        """Count a skipped update; judge an applied one (on the device: `_stop_if_ruined` reads it) and then run
+        the objective's updates outside the gradient (EMA teachers)."""
         state = self.state
         if micro.applied:
             state.consecutive_nonfinite = 0
-            growth = self.guard.check_update()
-            if growth is not None:
-                raise self.advice.ruined_weights_error(state.step, growth,
-                                                       (list_checkpoints(self.out_dir) or [None])[-1])
+            self.guard.check_update(state.step)
             self.objective.after_optimizer_step(state.step, self.settings.max_steps)
             return
         state.nonfinite_steps += 1
@@ -313,6 +315,14 @@ class Trainer:
             log.warning("non-finite %s at step %d: update skipped (%d in a row, %d in all)",
                         "gradients" if bool(micro.loss_finite) else "loss", state.step, state.consecutive_nonfinite,
                         state.nonfinite_steps)
+
+    def _stop_if_ruined(self) -> None:
+        """Raise, without saving, if an update since the start ruined the weights (UpdateGuard)."""
+        ruin = self.guard.verdict()
+        if ruin is not None:
+            step, before, after = ruin
+            raise self.advice.ruined_weights_error(step, (before, after),
+                                                   (list_checkpoints(self.out_dir) or [None])[-1], self.state.step)
 
     def log(self) -> None:
         """The metrics row of the steps since the last one (means over them and over the processes)."""
