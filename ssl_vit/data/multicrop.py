@@ -10,7 +10,7 @@ the first); then scaled to [0, 1] and normalised.
 Where the photometric part runs (`photometric_on`): "workers" applies all of it per crop with torchvision in the
 loader's workers and ships normalised float crops; "device" cuts only the crops there (uint8, a quarter of the bytes
 through shared memory), draws each crop's photometric parameters under the sample's seed, and leaves the rest to
-`finish` on the training device, batched (ssl_vit.data.photometric), with the same probabilities and ranges.
+the training device, batched (ssl_vit.data.photometric), with the same probabilities and ranges.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class CropPhotometry:
 
 class MultiCropViews:
     """uint8 (3, H, W) image -> list of `n_global + n_local` normalised float crops (global ones first); with
-    photometric_on="device", (uint8 crops, their photometric parameters) for `finish` on the device."""
+    photometric_on="device", (uint8 crops, their photometric parameters) for ssl_vit.data.photometric."""
 
     def __init__(self, global_size: int, local_size: int, mean, std, n_global: int = 2, n_local: int = 6,
                  global_scale=(0.4, 1.0), local_scale=(0.05, 0.4), interpolation: str = "bicubic",
@@ -104,11 +104,3 @@ class MultiCropViews:
         if self.on_device:
             return [t(image) for t in self.transforms], [photometry.draw() for photometry in self.photometry]
         return [(t(image).float().div_(255) - self.mean) / self.std for t in self.transforms]
-
-    def finish(self, crops: list[torch.Tensor], parameters: list[torch.Tensor]) -> list[torch.Tensor]:
-        """On the training device: batched uint8 crops and their drawn parameters -> normalised float crops."""
-        from ssl_vit.data.photometric import apply_parameters  # kornia, only where it is used
-
-        mean, std = self.mean.to(crops[0].device), self.std.to(crops[0].device)
-        return [(apply_parameters(crop, params, photometry) - mean) / std
-                for crop, params, photometry in zip(crops, parameters, self.photometry, strict=True)]

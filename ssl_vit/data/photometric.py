@@ -22,7 +22,7 @@ from kornia.enhance import (
 )
 from kornia.filters import gaussian_blur2d
 
-from ssl_vit.data.multicrop import PARAMETERS, SOLARIZE_THRESHOLD, CropPhotometry
+from ssl_vit.data.multicrop import PARAMETERS, SOLARIZE_THRESHOLD, CropPhotometry, MultiCropViews
 
 GREY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale (ITU-R 601-2 luma, as PIL)
 BLENDS = (adjust_brightness_accumulative, adjust_contrast_with_mean_subtraction,
@@ -55,3 +55,11 @@ def apply_parameters(crops: torch.Tensor, parameters: torch.Tensor, photometry: 
     if photometry.solarize_p > 0:
         x = where(column["solarize"], torch.where(x >= SOLARIZE_THRESHOLD / 255, 1 - x, x), x)
     return x
+
+
+def finish_crops(multicrop: MultiCropViews, crops: list[torch.Tensor], parameters: list[torch.Tensor]
+                 ) -> list[torch.Tensor]:
+    """On the training device: a batch's uint8 crops and their drawn parameters -> normalised float crops."""
+    mean, std = multicrop.mean.to(crops[0].device), multicrop.std.to(crops[0].device)
+    return [(apply_parameters(crop, params, photometry) - mean) / std
+            for crop, params, photometry in zip(crops, parameters, multicrop.photometry, strict=True)]

@@ -21,6 +21,7 @@ from ssl_vit.data.augreg import AugRegTransform, BatchMixer, mixes
 from ssl_vit.data.config import AUGMENTS, AugRegConfig
 from ssl_vit.data.errors import MissingTextError
 from ssl_vit.data.multicrop import MultiCropViews
+from ssl_vit.data.photometric import finish_crops
 
 VIEW_KINDS = ("image", "pixels", "crops", "label", "text")
 
@@ -113,7 +114,7 @@ class ViewBuilder:
         workers left it to the device (`crop_parameters`); any other batch passes as it is."""
         if "crop_parameters" in batch:
             batch = dict(batch)
-            batch["crops"] = self.multicrop.finish(batch["crops"], batch.pop("crop_parameters"))
+            batch["crops"] = finish_crops(self.multicrop, batch["crops"], batch.pop("crop_parameters"))
         return batch
 
     def collate(self, samples: list[dict]) -> dict:
