@@ -149,7 +149,9 @@ class Objective(nn.Module, ABC):
         return None
 
     def multicrop_options(self) -> dict | None:
-        """For objectives that read the `crops` view: the multi-crop settings (`MultiCropViews` keywords)."""
+        """For objectives that read the `crops` view: the multi-crop settings (`MultiCropViews` keywords, and
+        `global_masks`: `GlobalCropMasks` settings for token masks the collate draws, batch keys `global_masks`
+        and `global_mask_indices`)."""
         return None
 
     def frozen_parameters(self) -> dict[str, int]:

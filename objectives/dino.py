@@ -29,8 +29,8 @@ from objectives.distillation import (
     all_reduce,
     centred_probs,
     cross_view_loss,
-    ibot_masks,
     koleo_loss,
+    masked_tokens,
     masked_tokens_loss,
     sinkhorn_knopp,
     teacher_temperature_schedule,
@@ -38,6 +38,7 @@ from objectives.distillation import (
 )
 from objectives.patches import refuse_hybrid
 from ssl_vit.data.multicrop import local_crop_size
+from ssl_vit.data.token_masks import ibot_masks
 from ssl_vit.ema import EMA, copy_parameters
 from ssl_vit.optim import schedule
 from ssl_vit.schema import checked
@@ -156,9 +157,14 @@ class DINO(Objective):
     def multicrop_options(self) -> dict:
         cfg = self.cfg
         patch = self.backbone.patch_embed.stride[0]  # pixels per token
-        return dict(local_size=cfg.local_crop_size or local_crop_size(self.data.img_size, patch),
-                    n_global=cfg.global_crops, n_local=cfg.local_crops, global_scale=list(cfg.global_crop_scale),
-                    local_scale=list(cfg.local_crop_scale))
+        options = dict(local_size=cfg.local_crop_size or local_crop_size(self.data.img_size, patch),
+                       n_global=cfg.global_crops, n_local=cfg.local_crops, global_scale=list(cfg.global_crop_scale),
+                       local_scale=list(cfg.local_crop_scale))
+        if self.mask_token is not None:  # iBOT's masks, drawn in the loader's collate
+            size = self.data.img_size
+            options["global_masks"] = dict(grid=tuple(self.backbone.patch_embed.grid_for(size, size)),
+                                           ratio=tuple(cfg.ibot_mask_ratio), probability=cfg.ibot_mask_probability)
+        return options
 
     def frozen_parameters(self) -> dict[str, int]:
         """Parameter-name prefixes -> the number of first steps they are held at lr 0 (a zero-lr group)."""
@@ -225,7 +231,10 @@ class DINO(Objective):
         temp = self.teacher_temp()
         prefix = self.backbone.num_prefix_tokens
         global_images = torch.cat(crops[:n_global])
-        masks = self._masks(global_images)
+        if "global_masks" in batch:  # drawn in the collate (ssl_vit.data.token_masks)
+            masks, indices = batch["global_masks"], batch["global_mask_indices"]
+        else:
+            masks, indices = self._masks(global_images), None
 
         with torch.no_grad():
             teacher_tokens = self._tokens(self.teacher, global_images)
@@ -252,10 +261,10 @@ class DINO(Objective):
             loss = loss + cfg.koleo_weight * koleo
         if cfg.ibot_weight > 0:
             with torch.no_grad():
-                teacher_patch = self.teacher.patch_head(teacher_tokens[:, prefix:][masks])
+                teacher_patch = self.teacher.patch_head(masked_tokens(teacher_tokens[:, prefix:], masks, indices))
                 patch_probs = self._targets(teacher_patch, "patch_centre", temp)
-            student_patch = self.patch_head(student_global_tokens[:, prefix:][masks])
-            ibot = masked_tokens_loss(student_patch, patch_probs, masks, cfg.student_temp)
+            student_patch = self.patch_head(masked_tokens(student_global_tokens[:, prefix:], masks, indices))
+            ibot = masked_tokens_loss(student_patch, patch_probs, masks, cfg.student_temp, indices)
             outputs["ibot_loss"] = ibot
             loss = loss + cfg.ibot_weight * ibot
         # Collapse monitors: mean entropy of the teacher's targets; KL(teacher || student) = cross-entropy - entropy

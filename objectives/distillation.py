@@ -171,60 +171,21 @@ def masked_patch_loss(student: torch.Tensor, teacher_probs: torch.Tensor, mask: 
     return ((per_patch * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)).mean()
 
 
+def masked_tokens(tokens: torch.Tensor, mask: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+    """The (M, D) rows of (B, N, D) patch tokens where the (B, N) mask is true, in row-major order: `tokens[mask]`,
+    or, given the mask's flat `indices` (drawn with it in the collate), an index_select that does not wait for
+    the device to count them."""
+    if indices is None:
+        return tokens[mask]
+    return tokens.flatten(0, 1).index_select(0, indices)
+
+
 def masked_tokens_loss(student: torch.Tensor, teacher_probs: torch.Tensor, mask: torch.Tensor,
-                       student_temp: float) -> torch.Tensor:
+                       student_temp: float, indices: torch.Tensor | None = None) -> torch.Tensor:
     """`masked_patch_loss` computed on the masked tokens only (what the heads see: (M, K) rows for the M = mask.sum()
-    masked patches in row-major order of the (B, N) mask), so that the patch heads never run on visible patches."""
+    masked patches in row-major order of the (B, N) mask, `masked_tokens`), so that the patch heads never run on
+    visible patches."""
     per_token = -(teacher_probs * F.log_softmax(student.float() / student_temp, dim=-1)).sum(dim=-1)
-    counts = mask.sum(dim=1, keepdim=True).float().clamp(min=1.0).expand_as(mask)[mask]
+    counts = masked_tokens(mask.sum(dim=1, keepdim=True).float().clamp(min=1.0).expand_as(mask)[..., None], mask,
+                           indices)[:, 0]
     return (per_token / counts).sum() / mask.shape[0]
-
-
-def block_mask(grid: tuple[int, int], num_masked: int, generator: torch.Generator, min_block: int = 4,
-               max_aspect: float = 1 / 0.3, attempts: int = 10) -> torch.Tensor:
-    """BEiT's block masking (used by iBOT and DINOv2): rectangles of random area (at least `min_block` patches)
-    and log-uniform aspect ratio are added until `num_masked` patches are masked or no rectangle fits what is left.
-    Returns a (rows, cols) bool mask with at most `num_masked` patches set."""
-    rows, cols = grid
-    mask = torch.zeros(rows, cols, dtype=torch.bool)
-
-    def uniform(low, high):
-        return low + (high - low) * float(torch.rand((), generator=generator))
-
-    count = 0
-    while count < num_masked:
-        left = num_masked - count
-        added = 0
-        for _ in range(attempts):
-            area = uniform(min(min_block, left), left)
-            aspect = math.exp(uniform(-math.log(max_aspect), math.log(max_aspect)))
-            h, w = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
-            if not (1 <= h <= rows and 1 <= w <= cols):
-                continue
-            top = int(torch.randint(0, rows - h + 1, (), generator=generator))
-            start = int(torch.randint(0, cols - w + 1, (), generator=generator))
-            new = int((~mask[top:top + h, start:start + w]).sum())
-            if 0 < new <= left:
-                mask[top:top + h, start:start + w] = True
-                added = new
-                break
-        if not added:
-            break
-        count += added
-    return mask
-
-
-def ibot_masks(batch: int, grid: tuple[int, int], ratio=(0.1, 0.5), probability: float = 0.5,
-               generator: torch.Generator | None = None) -> torch.Tensor:
-    """(batch, rows * cols) bool masks as DINOv2 draws them: int(batch * probability) images get a block mask, their
-    ratios spread over `ratio` (image i draws from the i-th of equal sub-intervals), the others none; the order of
-    images is shuffled."""
-    generator = generator if generator is not None else torch.Generator().manual_seed(0)
-    patches = grid[0] * grid[1]
-    masked = int(batch * probability)
-    bounds = torch.linspace(ratio[0], ratio[1], masked + 1)
-    masks = torch.zeros(batch, patches, dtype=torch.bool)
-    for i in range(masked):
-        r = float(bounds[i] + (bounds[i + 1] - bounds[i]) * torch.rand((), generator=generator))
-        masks[i] = block_mask(grid, int(patches * r), generator).flatten()
-    return masks[torch.randperm(batch, generator=generator)]

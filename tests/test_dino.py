@@ -347,3 +347,27 @@ def test_the_photometric_augmentation_goes_where_data_multicrop_photometric_says
     assert build_components(auto, device_type="cuda")[2].multicrop.on_device
     with pytest.raises(ConfigError, match=r"multicrop_photometric='gpu' is not one of \['auto', 'workers', 'device'"):
         build_components(bad)
+
+
+def test_dinov2s_ibot_masks_come_with_the_batch_from_the_collate(monkeypatch):
+    """The loader's collate draws the global crops' token masks (a pure function of the batch's seed); the loss
+    read through their indices equals the one the objective computes from the same masks drawn itself."""
+    register_configs()
+    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+        cfg = compose("pretrain", overrides=["objective=dinov2_tiny", "objective.out_dim=64",
+                                             "objective.ibot_out_dim=64", "objective.local_crops=2",
+                                             "model=vit_test", "data.num_samples=16", "output_dir=x"])
+    objective, dataset, views, _ = build_components(cfg)
+    batch, again = (next(iter(make_loader(dataset, views, batch_size=4))) for _ in range(2))
+    patches = objective.backbone.patch_embed.num_patches
+    assert batch["global_masks"].shape == (2 * 4, patches) and int((batch["global_masks"].sum(1) > 0).sum()) == 4
+    assert torch.equal(batch["global_masks"], again["global_masks"])
+    assert torch.equal(batch["global_mask_indices"], batch["global_masks"].flatten().nonzero().squeeze(1))
+    with torch.no_grad():
+        torch.manual_seed(0)
+        from_collate = objective(batch)
+        monkeypatch.setattr(objective, "_masks", lambda images: batch["global_masks"])
+        torch.manual_seed(0)
+        drawn_here = objective({"crops": batch["crops"]})
+    for key in ("loss", "ibot_loss", "dino_loss"):
+        torch.testing.assert_close(from_collate[key], drawn_here[key], rtol=1e-6, atol=1e-6, msg=key)

@@ -11,16 +11,16 @@ import torch
 from objectives.distillation import (
     DINOHead,
     WeightNormLinear,
-    block_mask,
     dino_loss,
-    ibot_masks,
     koleo_loss,
     masked_patch_loss,
+    masked_tokens,
     masked_tokens_loss,
     sinkhorn_knopp,
     teacher_temperature_schedule,
     updated_centre,
 )
+from ssl_vit.data.token_masks import GlobalCropMasks, block_mask, ibot_masks
 
 
 def reference_loss(student_crops, teacher_globals, centre, ts, tt):
@@ -175,3 +175,18 @@ def test_ibot_masks_half_the_images_with_ratios_in_range():
     assert int(counts.max()) <= 0.5 * 64 and int(counts[counts > 0].min()) >= 0.75 * 0.1 * 64 - 1
     again = ibot_masks(16, (8, 8), generator=torch.Generator().manual_seed(0))
     assert torch.equal(masks, again)  # a pure function of the generator
+
+
+def test_collate_masks_pick_the_same_tokens_and_loss_by_their_indices():
+    """GlobalCropMasks (drawn in the collate) gives the masks with their flat indices; index_select on those picks
+    tokens[mask], and the loss computed through them is the boolean-indexed one."""
+    draw = GlobalCropMasks(grid=(4, 4), n_global=2, ratio=(0.1, 0.5), probability=0.5)
+    drawn = draw.draw(6, torch.Generator().manual_seed(3))
+    masks, indices = drawn["global_masks"], drawn["global_mask_indices"]
+    assert masks.shape == (12, 16) and int((masks.sum(dim=1) > 0).sum()) == 6  # 2 crops x 6 images, half masked
+    torch.manual_seed(0)
+    tokens, teacher = torch.randn(12, 16, 5), torch.softmax(torch.randn(int(masks.sum()), 5), dim=-1)
+    assert torch.equal(masked_tokens(tokens, masks, indices), tokens[masks])
+    student = masked_tokens(tokens, masks, indices)
+    assert float(masked_tokens_loss(student, teacher, masks, 0.1, indices)) == pytest.approx(
+        float(masked_tokens_loss(student, teacher, masks, 0.1)), rel=1e-6)

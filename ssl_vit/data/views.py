@@ -22,6 +22,7 @@ from ssl_vit.data.config import AUGMENTS, AugRegConfig
 from ssl_vit.data.errors import MissingTextError
 from ssl_vit.data.multicrop import MultiCropViews
 from ssl_vit.data.photometric import finish_crops
+from ssl_vit.data.token_masks import GlobalCropMasks
 
 VIEW_KINDS = ("image", "pixels", "crops", "label", "text")
 
@@ -32,8 +33,9 @@ class ViewBuilder:
     "crop_flip" (random resized crop + flip; True means this) or "augreg" (DeiT's recipe from timm's tools,
     `ssl_vit.data.augreg`, with its settings `augreg` and, for Mixup / CutMix, `num_classes`). `multicrop`: the
     keyword arguments of `MultiCropViews` other than the global size and normalisation (needed for the `crops`
-    view). `tokenizer`: str -> (context_length,) tensor for `text`. `collate` batches samples (and mixes them under
-    augreg)."""
+    view), and `global_masks`: the `GlobalCropMasks` settings when the objective masks tokens of the global
+    crops. `tokenizer`: str -> (context_length,) tensor for `text`. `collate` batches samples (and mixes them
+    under augreg, draws the token masks)."""
 
     def __init__(self, views, img_size: int, mean, std, augment: bool | str = False, crop_scale=(0.35, 1.0),
                  interpolation: str = "bilinear", crop_pct: float = 1.0, multicrop: dict | None = None,
@@ -43,7 +45,7 @@ class ViewBuilder:
             raise ValueError(f"unknown view(s) {unknown}; valid choices: {list(VIEW_KINDS)}")
         self.views = tuple(views)
         self.tokenizer = tokenizer
-        self.multicrop = None
+        self.multicrop = self.global_masks = None
         self.augreg = self.mixer = None
         augment = {True: "crop_flip", False: "none"}.get(augment, augment)
         if augment not in AUGMENTS:
@@ -54,7 +56,11 @@ class ViewBuilder:
             if not multicrop or "local_size" not in multicrop:
                 raise ValueError(f"the crops view needs multi-crop settings with at least local_size (the objective's "
                                  f"multicrop_options()), got {multicrop}")
-            self.multicrop = MultiCropViews(img_size, mean=mean, std=std, **(multicrop or {}))
+            multicrop = dict(multicrop)
+            masks = multicrop.pop("global_masks", None)
+            self.multicrop = MultiCropViews(img_size, mean=mean, std=std, **multicrop)
+            if masks is not None:
+                self.global_masks = GlobalCropMasks(n_global=self.multicrop.n_global, **masks)
         mode = v2.InterpolationMode(interpolation)
         if augment == "crop_flip":
             self.spatial = v2.Compose([
@@ -118,11 +124,15 @@ class ViewBuilder:
         return batch
 
     def collate(self, samples: list[dict]) -> dict:
-        """default_collate, then Mixup / CutMix under augreg, seeded by the batch's first sample seed (`seed`,
-        which the step-indexed loader adds; drawn from torch's generator otherwise)."""
+        """default_collate, then what is drawn per batch: Mixup / CutMix under augreg, the global crops' token
+        masks (`global_masks`: ssl_vit.data.token_masks); seeded by the batch's first sample seed (`seed`, which the
+        step-indexed loader adds; drawn from torch's generator otherwise)."""
         seeds = [sample.pop("seed", None) for sample in samples]
         batch = default_collate(samples)
-        if self.mixer is None:
+        if self.mixer is None and self.global_masks is None:
             return batch
         seed = seeds[0] if seeds and seeds[0] is not None else int(torch.randint(2**62, ()))
-        return self.mixer(batch, seed)
+        if self.global_masks is not None:
+            generator = torch.Generator().manual_seed(seed ^ 0x1B0_7A5C)  # not the mixer's stream
+            batch.update(self.global_masks.draw(len(samples), generator))
+        return self.mixer(batch, seed) if self.mixer is not None else batch
