@@ -24,6 +24,8 @@ Sections:
 - loader: DINO's multi-crop loader (2 x 224 + 6 x 96 crops; --tiny: the test sizes) in images/s with every core as a
   worker, to set against the DINO rows' consumption: the photometric augmentation in the workers, and on the device
   (data.multicrop_photometric=device: the workers only cut uint8 crops; the device's batched stage timed apart).
+- packing: DINO's student (ViT-B/16, 2 x 224 + 6 x 96 crops) one forward per resolution against all of an image's
+  crops packed into one sequence with block-diagonal attention (benchmarks/packed_crops.py), forward + backward.
 - quality: masked_patch, MAE, DINO and DINOv2 pre-train ViT-Ti/4 on Fashion-MNIST at 32 px (the real pretrain
   path) for a fixed budget of seconds each (steps set from a measured rate; --tiny: 10 steps), then linear probe and
   k-NN on the frozen encoder, next to the random encoder and raw pixels.
@@ -46,6 +48,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from hydra import compose, initialize_config_dir
+from packed_crops import main as measure_packing  # benchmarks/packed_crops.py, beside this script
 from safetensors.torch import save_file
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -63,7 +66,7 @@ from ssl_vit.train.strategy import compile_blocks, compile_seconds, enable_tf32
 from ssl_vit.train.trainer import Meter, MicroSteps, _to_device
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-SECTIONS = ("peak", "speed", "loader", "quality")
+SECTIONS = ("peak", "speed", "loader", "packing", "quality")
 # Dense bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s, SXM parts), matched on the device name.
 DATASHEET_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.05, "A10G": 70.0}
 TEACHER = "regnety_160"  # DeiT's teacher (its paper's RegNetY-16GF), random weights: the cost is what is measured
@@ -334,6 +337,18 @@ def loader_section(args, device: torch.device, work: Path) -> list[dict]:
     return rows
 
 
+def packing_section(args, device: torch.device, work: Path) -> dict:
+    """DINO's student forward + backward per resolution against all crops packed into one sequence
+    (benchmarks/packed_crops.py): ViT-B/16, 2 x 224 + 6 x 96 crops, bf16 on CUDA."""
+    print(flush=True)
+    if args.tiny:
+        options = ["--model", "vit_test", "--global-size", "16", "--local-size", "8", "--batch", "4", "--steps", "2"]
+    else:
+        options = ["--model", "vit_b16", "--batch", "32", "--steps", "10"]
+    return measure_packing([*options, "--device", device.type, "--dtype", "bf16" if device.type == "cuda" else "fp32",
+                            "--out", str(work / "packed_crops.json")])
+
+
 def quality_section(args, device: torch.device, work: Path) -> dict:
     """Each self-supervised objective pre-trains ViT-Ti/4 (test size with --tiny) on Fashion-MNIST for a fixed
     budget; linear probe and k-NN of the frozen encoder, against the random encoder and raw pixels."""
@@ -437,6 +452,7 @@ def main(argv=None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     runners = {"speed": lambda: speed_section(args, device, peak, work),
                "loader": lambda: loader_section(args, device, work),
+               "packing": lambda: packing_section(args, device, work),
                "quality": lambda: quality_section(args, device, work)}
     for section in [s for s in SECTIONS[1:] if s in sections]:
         if section == "speed":

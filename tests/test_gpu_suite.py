@@ -31,6 +31,8 @@ def test_the_gpu_suite_runs_every_section_on_the_cpu_and_writes_its_json(tmp_pat
     assert set(loader) == {"workers", "device"} and all(len(row["crop_sizes"]) == 4 for row in loader.values())
     assert all(row["images_per_s"] > 0 for row in loader.values())  # 2 global crops, 2 local ones
     assert loader["device"]["device_stage_images_per_s"] > 0 and loader["workers"]["device_stage_images_per_s"] is None
+    packing = report["packing"]
+    assert packing["max_abs_difference"] < 1e-5 and set(packing["rows"]) == {"per resolution", "packed"}
     quality = report["quality"]["results"]
     assert set(quality) == {"random init", "masked_patch", "mae", "dino", "dinov2", "raw pixels"}
     assert all(0.1 < row["linear"] <= 1 for row in quality.values())  # 10 classes: above chance
