@@ -62,7 +62,7 @@ from ssl_vit.eval.linear import linear_probe
 from ssl_vit.eval.run import run_evaluators
 from ssl_vit.optim import build_optimizer
 from ssl_vit.train import build_components, pretrain
-from ssl_vit.train.strategy import compile_blocks, compile_seconds, enable_tf32
+from ssl_vit.train.strategy import compile_blocks, compile_seconds, enable_tf32, skips_on_device
 from ssl_vit.train.trainer import Meter, MicroSteps, _to_device
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -166,14 +166,16 @@ class StepRunner:
         self.batches = [_to_device(next(loader), accelerator.device) for _ in range(2)]
         self.views, self.batch_size = views, cfg.data.batch_size
         self.grad_clip, self.step_number = cfg.optim.grad_clip, 0
+        self.on_device = skips_on_device(accelerator, self.optimizer)
 
     def step(self) -> None:
         self.step_number += 1
         self.objective.begin_step(self.step_number, 10_000)
         batch = self.views.on_device(dict(self.batches[self.step_number % len(self.batches)]))  # as the trainer
-        micro = MicroSteps(self.accelerator, self.model, self.optimizer, self.grad_clip, self.step_number, Meter())
+        micro = MicroSteps(self.accelerator, self.model, self.optimizer, self.grad_clip, self.step_number, Meter(),
+                           self.on_device)
         self.objective.micro_steps([batch], micro)
-        if micro.applied:
+        if self.on_device or bool(micro.applied):  # as the trainer: no host read when fused AdamW decides
             self.objective.after_optimizer_step(self.step_number, 10_000)
 
     def flops_per_image(self) -> float:

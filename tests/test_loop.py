@@ -79,6 +79,40 @@ def test_an_update_that_wrecks_the_weights_stops_at_once_without_saving_them(tmp
     assert summary["step"] == 1 and "ruined" in summary["error"] and summary["checkpoint"] is None
 
 
+def test_fused_adamw_skips_a_non_finite_update_on_the_device_and_the_loop_reads_it_at_log_steps(tmp_path,
+                                                                                                 monkeypatch, caplog):
+    """The CUDA path (fused AdamW, whose found_inf skips the update on the device), forced on the CPU: step 2's loss
+    is NaN; the loop reads the verdicts only at its log steps (3 and 6), counts the skip there, and ends with the
+    weights of the host-decided path (unfused AdamW, the update skipped by the loop)."""
+    import ssl_vit.train.faults as faults
+    import ssl_vit.train.trainer as trainer_module
+
+    monkeypatch.setattr(faults, "_FAULT", "nan_loss@2")
+    settled = []
+    original_settle = trainer_module.Trainer._settle
+
+    def settle(self):
+        settled.append(self.state.step)
+        original_settle(self)
+
+    monkeypatch.setattr(trainer_module.Trainer, "_settle", settle)
+    host = pretrain(_config(tmp_path / "host", "trainer.max_steps=6", "trainer.log_every=3"))
+    assert settled == [1, 2, 3, 4, 5, 6]  # decided on the host: every step
+    settled.clear()
+    monkeypatch.setattr(trainer_module, "fused_optimizer", lambda accelerator: True)
+    with caplog.at_level("WARNING", logger="ssl_vit"):
+        device = pretrain(_config(tmp_path / "device", "trainer.max_steps=6", "trainer.log_every=3"))
+    assert settled == [3, 6]  # read at the log steps only
+    assert host["nonfinite_steps"] == device["nonfinite_steps"] == 1
+    assert [m["nonfinite_steps"] for m in read_metrics(tmp_path / "device") if "loss" in m] == [1, 1]
+    assert "non-finite loss at step 2: update skipped" in caplog.text
+    final = [load_file(str(tmp_path / run / "checkpoints" / "step_00000006" / "model.safetensors"))
+             for run in ("host", "device")]
+    for key, value in final[0].items():  # the key bias has a zero gradient in exact arithmetic: Adam scales up
+        atol = 1e-4 if key.endswith("qkv.bias") else 1e-5  # the two kernels' rounding there (as compiled vs eager)
+        torch.testing.assert_close(final[1][key], value, atol=atol, rtol=1e-4, msg=key)
+
+
 def test_the_guard_keeps_the_first_ruinous_update_on_the_device_until_asked():
     """UpdateGuard judges every update without reading the device; `verdict` gives the first that ruined the
     weights (growth above x100 of max(norm, 1), or a non-finite norm), whatever came after it."""

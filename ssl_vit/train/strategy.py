@@ -307,12 +307,36 @@ def parameter_norm(accelerator, parameters) -> torch.Tensor:
     return squares.sqrt()
 
 
-def step_was_applied(accelerator, model, grad_norm: torch.Tensor | None) -> bool:
-    """Whether the optimizer step just taken changed the weights. DeepSpeed decides inside `backward` (it skips a
-    step whose global gradient norm is not finite); otherwise the loop skips when the norm is not finite."""
+def skips_on_device(accelerator, optimizer) -> bool:
+    """Whether a non-finite update can be skipped on the device, so that the loop never waits to learn whether a
+    step was applied: fused AdamW takes `found_inf` (as under torch.amp.GradScaler) and then leaves the weights,
+    its moments and its step count as they were. Not DeepSpeed, whose engine decides inside `backward`."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+    return (accelerator.distributed_type != DistributedType.DEEPSPEED
+            and all(group.get("fused") for group in inner.param_groups))
+
+
+def optimizer_step(accelerator, model, optimizer, grad_norm: torch.Tensor | None, on_device: bool) -> torch.Tensor:
+    """Take the optimizer step if its gradients are usable (a finite global norm); returns whether it was applied,
+    a 0-d bool tensor. `on_device` (skips_on_device): the step is always called and skips itself on the device,
+    and the answer stays there; otherwise it is decided on the host (DeepSpeed: its engine has already stepped or
+    skipped inside `backward`)."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        return bool(model.was_step_applied())
-    return grad_norm is None or bool(torch.isfinite(grad_norm))
+        return torch.tensor(bool(model.was_step_applied()))
+    usable = (torch.isfinite(grad_norm) if grad_norm is not None else
+              torch.ones((), dtype=torch.bool, device=accelerator.device))
+    if on_device:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        inner.found_inf = (~usable).float()
+        try:
+            optimizer.step()
+        finally:
+            inner.found_inf = None
+        return usable
+    usable = usable.cpu()  # the host decides
+    if usable:
+        optimizer.step()
+    return usable
 
 
 def replica_digest(accelerator, module: torch.nn.Module) -> str | None:

@@ -54,10 +54,11 @@ from ssl_vit.train.strategy import (
     is_sharded,
     make_accelerator,
     on_main_process,
+    optimizer_step,
     parameter_dtype,
     parameter_norm,
     replica_digest,
-    step_was_applied,
+    skips_on_device,
     strategy_name,
     unshard,
 )
@@ -145,12 +146,15 @@ class MicroSteps:
     """One optimizer step's micro-steps as the objective drives them (`Objective.micro_steps`, the `Engine` of
     objectives/base.py): `forward` through the distributed model, `step` = forward, backward and, on the micro-step
     that syncs, the global gradient norm (clipped at `grad_clip`; it decides whether the update is usable) and the
-    optimizer step. Under DeepSpeed the engine has already stepped (or skipped) inside backward."""
+    optimizer step. Under DeepSpeed the engine has already stepped (or skipped) inside backward. `applied` (a 0-d
+    bool tensor) says whether the update was applied; with `on_device` (fused AdamW) that is decided, and stays,
+    on the device."""
 
-    def __init__(self, accelerator: Accelerator, model, optimizer, grad_clip: float | None, step: int, meter: Meter):
+    def __init__(self, accelerator: Accelerator, model, optimizer, grad_clip: float | None, step: int, meter: Meter,
+                 on_device: bool = False):
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
-        self.grad_clip, self.step_number, self.meter = grad_clip, step, meter
-        self.applied = False
+        self.grad_clip, self.step_number, self.meter, self.on_device = grad_clip, step, meter, on_device
+        self.applied = torch.zeros((), dtype=torch.bool)
         self.loss_finite = torch.ones((), dtype=torch.bool, device=accelerator.device)  # on this rank
 
     def forward(self, batch: dict) -> dict:
@@ -168,9 +172,8 @@ class MicroSteps:
                 if norm is not None:  # DeepSpeed reports a Python float: on the device, beside the losses
                     outputs["grad_norm"] = torch.as_tensor(unshard(norm), dtype=torch.float32,
                                                            device=accelerator.device)
-                self.applied = step_was_applied(accelerator, self.model, outputs.get("grad_norm"))
-                if self.applied:
-                    self.optimizer.step()  # a no-op under DeepSpeed
+                self.applied = optimizer_step(accelerator, self.model, self.optimizer, outputs.get("grad_norm"),
+                                              self.on_device)
                 self.optimizer.zero_grad(set_to_none=True)
         self.meter.add(outputs)
         return outputs
@@ -232,6 +235,8 @@ class Trainer:
             pin_memory=accelerator.device.type == "cuda", repeats=self.run.repeats))
         self.guard = UpdateGuard(self.model.parameters(), settings.max_param_norm_growth,
                                  partial(parameter_norm, accelerator))
+        self.skips_on_device = skips_on_device(accelerator, self.optimizer)
+        self.unsettled: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, applied, loss finite)
 
     def train(self) -> dict:
         """Step to the end (or trainer.stop_at_step); the summary, also on a failure (then re-raised)."""
@@ -266,18 +271,21 @@ class Trainer:
                        state.step)
         self.objective.begin_step(state.step, settings.max_steps)
         micro = MicroSteps(self.accelerator, self.model, self.optimizer, self.run.grad_clip, state.step + 1,
-                           self.meter)
+                           self.meter, self.skips_on_device)
         self.objective.micro_steps(self._micro_batches(), micro)
         state.step += 1
         if self.compiled_blocks and state.step == self.start_step + 1 and self.is_main:
             log.info("compiled %d transformer blocks: %.1f s compiling in the first step", self.compiled_blocks,
                      compile_seconds() - self.compile_start)
         self._check(micro)
-        diverged = state.consecutive_nonfinite >= settings.max_consecutive_nonfinite
-        logged = state.step % settings.log_every == 0 or state.step == self.end_step or diverged
         evaluating = self.evaluation is not None and (state.step % settings.eval_every == 0
                                                       or state.step == self.end_step)
         saving = state.step % settings.checkpoint_every == 0 or state.step == self.end_step
+        logged = state.step % settings.log_every == 0 or state.step == self.end_step
+        if logged or evaluating or saving or not micro.on_device:
+            self._settle()  # the device's verdicts since the last time, read at once
+        diverged = state.consecutive_nonfinite >= settings.max_consecutive_nonfinite
+        logged = logged or diverged
         if logged or evaluating or saving:
             self._stop_if_ruined()  # before anything reads or keeps the weights
         if logged:
@@ -301,20 +309,35 @@ class Trainer:
         return batches
 
     def _check(self, micro: MicroSteps) -> None:
-        """Count a skipped update; judge an applied one (on the device: `_stop_if_ruined` reads it) and then run
-        the objective's updates outside the gradient (EMA teachers)."""
-        state = self.state
-        if micro.applied:
-            state.consecutive_nonfinite = 0
-            self.guard.check_update(state.step)
-            self.objective.after_optimizer_step(state.step, self.settings.max_steps)
+        """After the update: judge it (on the device: `_stop_if_ruined` reads the guard), run the objective's updates
+        outside the gradient (EMA teachers), and keep whether it was applied for `_settle`. Decided on the host, a
+        skipped update runs neither; decided on the device (fused AdamW), both run every step: the guard sees an
+        unchanged norm and the teacher an unchanged student."""
+        if micro.on_device or bool(micro.applied):
+            self.guard.check_update(self.state.step)
+            self.objective.after_optimizer_step(self.state.step, self.settings.max_steps)
+        self.unsettled.append((self.state.step, micro.applied, micro.loss_finite))
+
+    def _settle(self) -> None:
+        """Count the skipped updates since the last call, in order (one read of the device for all of them)."""
+        if not self.unsettled:
             return
-        state.nonfinite_steps += 1
-        state.consecutive_nonfinite += 1
-        if self.is_main:
-            log.warning("non-finite %s at step %d: update skipped (%d in a row, %d in all)",
-                        "gradients" if bool(micro.loss_finite) else "loss", state.step, state.consecutive_nonfinite,
-                        state.nonfinite_steps)
+        state, entries = self.state, self.unsettled
+        if entries[0][1].device.type != "cpu":  # decided on the device: one read for every entry
+            flags = torch.stack([torch.stack([applied, finite]) for _, applied, finite in entries]).tolist()
+        else:  # decided on the host; whether the loss was finite is read only for a skipped update
+            flags = [(bool(applied), None) for _, applied, _ in entries]
+        for (step, _, finite), (applied, loss_finite) in zip(entries, flags, strict=True):
+            if applied:
+                state.consecutive_nonfinite = 0
+                continue
+            state.nonfinite_steps += 1
+            state.consecutive_nonfinite += 1
+            if self.is_main:
+                log.warning("non-finite %s at step %d: update skipped (%d in a row, %d in all)",
+                            "gradients" if (bool(finite) if loss_finite is None else loss_finite) else "loss", step,
+                            state.consecutive_nonfinite, state.nonfinite_steps)
+        self.unsettled = []
 
     def _stop_if_ruined(self) -> None:
         """Raise, without saving, if an update since the start ruined the weights (UpdateGuard)."""
