@@ -90,3 +90,19 @@ def test_folder_dataset_reads_class_subfolders(tmp_path):
 def test_folder_dataset_missing_root_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         FolderDataset(tmp_path / "nope")
+
+
+def test_loader_workers_default_to_the_cores_on_a_gpu_and_the_kinds_choice_on_cpu(monkeypatch):
+    """data.num_workers=null: every core of this process's share but one on a GPU (at most 16); on CPU 0 for
+    in-memory data and 2 for files to decode; a number given is kept."""
+    from types import SimpleNamespace
+
+    from ssl_vit.data import loader_workers
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(96)))
+    auto = SimpleNamespace(name="folder", num_workers=None)
+    assert loader_workers(auto, "cuda", processes_on_node=8) == 11  # 96 cores / 8 GPUs, one left to the trainer
+    assert loader_workers(auto, "cuda", processes_on_node=1) == 16
+    assert loader_workers(auto, "cpu") == 2 and loader_workers(SimpleNamespace(name="synthetic", num_workers=None),
+                                                                "cpu") == 0
+    assert loader_workers(SimpleNamespace(name="folder", num_workers=3), "cuda", 8) == 3

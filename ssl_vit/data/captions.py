@@ -130,7 +130,7 @@ def _caption_kind(name: str, config: type, folder: type) -> DatasetKind:
         name=name, config=config, build=lambda cfg, img_size: folder(cfg.root, cfg.split, cfg.test_fraction),
         eval_splits=lambda cfg, img_size: (folder(cfg.root, "train", cfg.test_fraction),
                                            folder(cfg.root, "test", cfg.test_fraction)),
-        captioned=True)
+        captioned=True, cpu_workers=2)
 
 
 CAPTIONS = _caption_kind("captions", CaptionDataConfig, CaptionFolder)

@@ -37,7 +37,10 @@ class DataConfig:
     name: str = MISSING
     img_size: int | None = checked(None, ge=1)  # None: the model preset's (or, evaluating, the encoder's) size
     batch_size: int = checked(64, ge=1)  # per process and micro-step; global = this x processes x grad_accum_steps
-    num_workers: int = checked(0, ge=0)
+    # Loader worker processes per training process. None: on a GPU every core of this process's share but one (at
+    # most 16: multi-crop and decoding need them), on CPU the dataset kind's choice (the training threads use the
+    # cores: 0 for in-memory data, 2 for files to decode).
+    num_workers: int | None = checked(None, ge=0)
     # none | crop_flip (random resized crop + horizontal flip; true / false still mean crop_flip / none) | augreg
     # (DeiT / AugReg: timm's RandAugment, random erasing, Mixup / CutMix, repeated augmentation; data.augreg.*)
     augment: str = "none"
@@ -72,7 +75,8 @@ class DatasetKind:
     evaluation uses, or None when the kind cannot be evaluated (`eval_refusal` says why and what to do instead).
     `mean` / `std`: its pixel statistics (None: natural images, ImageNet's). `captioned`: its samples may carry
     captions (image-text objectives can train on it). `stream`: an endless stream without a length (shards), so no
-    stratified subsets. `templates`: its zero-shot prompts."""
+    stratified subsets. `templates`: its zero-shot prompts. `cpu_workers`: the loader workers that
+    data.num_workers=null gives a CPU run (files to decode: 2; in-memory data: 0)."""
 
     name: str
     config: type  # the schema (a DataConfig dataclass): configs/data/<name>.yaml extends schema/data/<name>
@@ -84,3 +88,4 @@ class DatasetKind:
     captioned: bool = False
     stream: bool = False
     templates: tuple[str, ...] = DEFAULT_TEMPLATES
+    cpu_workers: int = 0

@@ -59,4 +59,4 @@ def _folder_splits(cfg, img_size: int) -> tuple[FolderDataset, FolderDataset]:
 
 
 FOLDER = DatasetKind(name="folder", config=FolderDataConfig, build=lambda cfg, img_size: FolderDataset(cfg.root),
-                     eval_splits=_folder_splits)
+                     eval_splits=_folder_splits, cpu_workers=2)

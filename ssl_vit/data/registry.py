@@ -6,6 +6,8 @@ configs/data/<name>.yaml."""
 
 from __future__ import annotations
 
+import os
+
 from ssl_vit.data.captions import CAPTIONS, TUXPAINT
 from ssl_vit.data.config import DatasetKind
 from ssl_vit.data.folder import FOLDER
@@ -23,6 +25,20 @@ def dataset_kind(name: str) -> DatasetKind:
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid choices: {list(DATASETS)}")
     return DATASETS[name]
+
+
+MAX_AUTO_WORKERS = 16
+
+
+def loader_workers(cfg, device_type: str, processes_on_node: int = 1) -> int:
+    """data.num_workers, or when it is None (auto): on a GPU every core of this process's share but one (at most
+    MAX_AUTO_WORKERS), on CPU the dataset kind's `cpu_workers`."""
+    if cfg.num_workers is not None:
+        return int(cfg.num_workers)
+    if device_type == "cpu":
+        return dataset_kind(cfg.name).cpu_workers
+    cores = len(os.sched_getaffinity(0)) // max(processes_on_node, 1)
+    return max(1, min(MAX_AUTO_WORKERS, cores - 1))
 
 
 def build_dataset(cfg, img_size: int):

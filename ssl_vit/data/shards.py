@@ -472,4 +472,5 @@ SHARDS = DatasetKind(
     name="wds", config=ShardDataConfig,
     build=lambda cfg, img_size: ShardStream(cfg.urls, cfg.num_classes, cfg.resampled, cfg.shuffle_buffer),
     eval_refusal="a shard stream has no held-out split: write the shards' images to a folder for data=folder",
-    captioned=True, stream=True)  # captions: the samples that have a `txt` (the others are skipped and counted)
+    # captions: the samples that have a `txt` (the others are skipped and counted)
+    captioned=True, stream=True, cpu_workers=2)

@@ -25,7 +25,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 
-from ssl_vit.data import make_loader
+from ssl_vit.data import loader_workers, make_loader
 from ssl_vit.init import rng_devices
 from ssl_vit.optim import apply_schedule
 from ssl_vit.schema import to_container, validate_config
@@ -223,15 +223,18 @@ class Trainer:
         dropped = self.outputs.open(self.state.step, config, _flat_hparams(config))
         world = accelerator.num_processes
         self.threads, self.start_step = threads, self.state.step
+        self.workers = loader_workers(data, accelerator.device.type,
+                                      int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
         if self.is_main:
-            log.info("%s, %d encoder parameters, %d process(es) x %d thread(s), global batch %d; %s%s", describe,
-                     count_parameters(self.objective.encoder), world, threads, self.run.global_batch,
+            log.info("%s, %d encoder parameters, %d process(es) x %d thread(s) + %d loader worker(s), global batch "
+                     "%d; %s%s", describe, count_parameters(self.objective.encoder), world, threads, self.workers,
+                     self.run.global_batch,
                      f"resumed from {resume_dir} at step {self.state.step}" if resume_dir else "new run",
                      f" ({dropped} metrics rows past it, {len(removed)} unfinished checkpoint(s) removed)"
                      if dropped or removed else "")
         self.batches = iter(make_loader(
             self.run.dataset, self.run.views, data.batch_size, rank=accelerator.process_index, world_size=world,
-            seed=seed, start=self.state.step * settings.grad_accum_steps, num_workers=data.num_workers,
+            seed=seed, start=self.state.step * settings.grad_accum_steps, num_workers=self.workers,
             pin_memory=accelerator.device.type == "cuda", repeats=self.run.repeats))
         self.guard = UpdateGuard(self.model.parameters(), settings.max_param_norm_growth,
                                  partial(parameter_norm, accelerator))
