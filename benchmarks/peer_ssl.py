@@ -1,9 +1,9 @@
-"""DINO in ssl-vit against DINO built from lightly's parts, at equal work in one run: images/s end to end (the data
-loader included) and the k-NN accuracy each teacher reaches.
+"""DINO and MAE in ssl-vit against the same methods built from lightly's parts, at equal work in one run: images/s
+end to end (the data loader included) and the k-NN accuracy each encoder reaches.
 
     pip install -e '.[bench]'                          # lightly (never a dependency of the product)
     python benchmarks/peer_ssl.py                      # vit_tiny, Fashion-MNIST at 32 px, 150 steps of 64 images
-    python benchmarks/peer_ssl.py --steps 400 --photometric workers
+    python benchmarks/peer_ssl.py --methods mae --steps 400
 
 Both sides: the same backbone geometry and initial weights (ours, loaded into timm's VisionTransformer for lightly),
 2 x 32 px global + 6 x 12 px local crops with DINO's augmentation, a 3-layer head of 1,024 prototypes (hidden 512,
@@ -13,6 +13,10 @@ norms), global gradient clipping at 3.0, the same batch and steps, one loader wo
 `pretrain` (objective=dino_tiny optim=dino); lightly's is its documented loop (DINOTransform, DINOProjectionHead,
 DINOLoss, update_momentum, cosine_schedule; one forward per view). k-NN (k=20, T=0.07) on the teachers' class
 tokens, Fashion-MNIST train -> test subsets, next to the untrained initial encoder.
+
+MAE: mask ratio 0.75, a decoder of width 128, depth 2, 4 heads, per-patch normalised pixel targets, fixed sin-cos
+position embeddings, no augmentation (as objective=mae trains), AdamW with ours's schedules; lightly's side is its
+documented loop (MaskedVisionTransformerTIMM, MAEDecoderTIMM, random_token_mask).
 """
 
 from __future__ import annotations
@@ -44,17 +48,22 @@ from ssl_vit.train.build import build_run
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-def compose_config(out_dir: Path, args, photometric: str = "workers"):
+METHODS = {"dino": ["objective=dino_tiny", "optim=dino"],
+           "mae": ["objective=mae", "objective.decoder_dim=128", "objective.decoder_depth=2",
+                   "objective.decoder_heads=4"]}
+
+
+def compose_config(out_dir: Path, args, method: str, photometric: str = "workers"):
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
         return compose("pretrain", overrides=[
-            "objective=dino_tiny", "optim=dino", "model=vit_tiny", "data=fashion_mnist", "data.img_size=32",
+            *METHODS[method], "model=vit_tiny", "data=fashion_mnist", "data.img_size=32",
             f"data.batch_size={args.batch}", "data.num_workers=1", f"trainer.max_steps={args.steps}",
             f"trainer.log_every={max(1, args.steps // 5)}", f"trainer.checkpoint_every={args.steps}",
             "trainer.tensorboard=false", f"data.multicrop_photometric={photometric}", f"output_dir={out_dir}"])
 
 
 class LightlyViews(torch.utils.data.Dataset):
-    """Fashion-MNIST as PIL images through lightly's DINOTransform (a list of 8 normalised crops)."""
+    """Fashion-MNIST as PIL images through a transform (lightly's DINOTransform: a list of 8 normalised crops)."""
 
     def __init__(self, dataset, transform):
         self.dataset, self.transform = dataset, transform
@@ -91,10 +100,7 @@ def lightly_dino(cfg, initial_backbone: dict, run, mean, std) -> tuple[torch.nn.
     criterion = DINOLoss(objective.out_dim, objective.warmup_teacher_temp, objective.teacher_temp,
                          warmup_teacher_temp_epochs=1, student_temp=objective.student_temp,
                          center_momentum=objective.centre_momentum)
-    decay = [p for n, p in student.named_parameters() if p.ndim > 1 and "pos_embed" not in n and "cls_token" not in n]
-    no_decay = [p for n, p in student.named_parameters() if not (p.ndim > 1 and "pos_embed" not in n
-                                                                  and "cls_token" not in n)]
-    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+    optimizer = adamw(cfg, student)
     transform = DINOTransform(global_crop_size=32, local_crop_size=12, n_local_views=objective.local_crops,
                               normalize={"mean": list(mean), "std": list(std)})
     loader = torch.utils.data.DataLoader(LightlyViews(FashionMNIST(), transform), batch_size=cfg.data.batch_size,
@@ -105,8 +111,7 @@ def lightly_dino(cfg, initial_backbone: dict, run, mean, std) -> tuple[torch.nn.
         for views in loader:
             if step == steps:
                 break
-            optimizer.param_groups[0]["lr"] = optimizer.param_groups[1]["lr"] = float(run.learning_rates[step])
-            optimizer.param_groups[0]["weight_decay"] = float(run.weight_decays[step])
+            set_schedule(optimizer, run, step)
             momentum = cosine_schedule(step, steps, objective.teacher_momentum, objective.teacher_momentum_end)
             update_momentum(student, teacher, m=momentum)
             teacher_out = [teacher(view) for view in views[:objective.global_crops]]
@@ -118,6 +123,67 @@ def lightly_dino(cfg, initial_backbone: dict, run, mean, std) -> tuple[torch.nn.
             optimizer.zero_grad(set_to_none=True)
             step += 1
     return teacher[0], time.perf_counter() - start
+
+
+def adamw(cfg, network: torch.nn.Module) -> torch.optim.AdamW:
+    """AdamW with ours's betas, no weight decay on biases, norms, position embeddings and class tokens."""
+    decayed = {n for n, p in network.named_parameters() if p.ndim > 1 and "pos_embed" not in n and "cls_token" not in n}
+    groups = [[p for n, p in network.named_parameters() if p.requires_grad and (n in decayed) == wanted]
+              for wanted in (True, False)]
+    return torch.optim.AdamW([{"params": groups[0]}, {"params": groups[1], "weight_decay": 0.0}],
+                             betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
+
+
+def set_schedule(optimizer, run, step: int) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = float(run.learning_rates[step])
+    optimizer.param_groups[0]["weight_decay"] = float(run.weight_decays[step])
+
+
+def lightly_mae(cfg, initial_backbone: dict, run, mean, std) -> tuple[torch.nn.Module, float]:
+    """MAE from lightly's parts (its documented model and loop); returns (trained encoder, wall seconds)."""
+    # lightly: the optional `bench` extra, imported only where it is used
+    from lightly.models import utils
+    from lightly.models.modules import MAEDecoderTIMM, MaskedVisionTransformerTIMM
+    from torchvision import transforms as T
+
+    objective = cfg.objective
+    vit = timm.models.vision_transformer.VisionTransformer(**timm_model_args(dict(initial_backbone["config"])))
+    vit.load_state_dict(initial_backbone["state"])
+    backbone = MaskedVisionTransformerTIMM(vit=vit, weight_initialization="skip")  # ours; fixed sin-cos positions
+    decoder = MAEDecoderTIMM(num_patches=vit.patch_embed.num_patches, patch_size=vit.patch_embed.patch_size[0],
+                             embed_dim=vit.embed_dim, decoder_embed_dim=objective.decoder_dim,
+                             decoder_depth=objective.decoder_depth, decoder_num_heads=objective.decoder_heads)
+    model = torch.nn.ModuleDict({"backbone": backbone, "decoder": decoder})
+    optimizer = adamw(cfg, model)
+    transform = T.Compose([T.Resize(32), T.CenterCrop(32), T.ToTensor(), T.Normalize(mean, std)])
+    loader = torch.utils.data.DataLoader(LightlyViews(FashionMNIST(), transform), batch_size=cfg.data.batch_size,
+                                         shuffle=True, num_workers=1, drop_last=True, persistent_workers=True)
+    patch, length = vit.patch_embed.patch_size[0], backbone.sequence_length
+    steps, clip = cfg.trainer.max_steps, cfg.optim.grad_clip
+    start, step = time.perf_counter(), 0
+    while step < steps:
+        for images in loader:
+            if step == steps:
+                break
+            set_schedule(optimizer, run, step)
+            batch = images.shape[0]
+            keep, masked = utils.random_token_mask(size=(batch, length), mask_ratio=objective.mask_ratio)
+            tokens = decoder.embed(backbone.encode(images=images, idx_keep=keep))
+            full = utils.set_at_index(utils.repeat_token(decoder.mask_token, (batch, length)), keep,
+                                      tokens.type_as(decoder.mask_token))
+            prediction = decoder.predict(utils.get_at_index(decoder.decode(full), masked))
+            target = utils.get_at_index(utils.patchify(images, patch), masked - 1)
+            if objective.norm_pix_loss:
+                target = (target - target.mean(-1, keepdim=True)) / (target.var(-1, keepdim=True) + 1e-6) ** 0.5
+            loss = torch.nn.functional.mse_loss(prediction, target)
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+    return vit, time.perf_counter() - start
 
 
 def knn_accuracy(embed, preprocess: Preprocess, train, test) -> float:
@@ -136,65 +202,76 @@ def knn_accuracy(embed, preprocess: Preprocess, train, test) -> float:
     return knn_eval(*features(train), *features(test))["accuracy"]
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--photometric", default="workers,device",
-                        help="ours, one run each: data.multicrop_photometric (workers, device)")
-    parser.add_argument("--knn-train", type=int, default=10000)
-    parser.add_argument("--knn-test", type=int, default=2000)
-    parser.add_argument("--work-dir", default="/tmp/peer_ssl")
-    parser.add_argument("--out", default="benchmarks/results/peer_ssl_cpu.json")
-    args = parser.parse_args(argv)
-    register_configs()
-    work = Path(args.work_dir)
-    placements = args.photometric.split(",")
-    cfg = compose_config(work / "ours", args)
-    mean, std = dataset_stats("fashion_mnist")
-    preprocess = Preprocess(32, mean, std)
-    train = limit_samples(FashionMNIST(split="train"), args.knn_train, 0)
-    test = limit_samples(FashionMNIST(split="test"), args.knn_test, 0)
-
+def compare(method: str, args, work: Path, preprocess: Preprocess, train, test) -> dict:
+    """One method: the untrained init, ours (per photometric placement for DINO), lightly's; k-NN for each."""
+    mean, std = preprocess.mean, preprocess.std
+    cfg = compose_config(work / method, args, method)
     set_seed(cfg.seed)  # the initial weights pretrain starts from
     objective, dataset, views, built = build_components(cfg)
     initial = {"config": objective.backbone.config, "state": copy.deepcopy(objective.backbone.state_dict())}
     run = build_run(cfg, objective, dataset, views, built, world=1)
     results = {"untrained init": {"knn": knn_accuracy(lambda x: objective.backbone.forward_features(x)[:, 0],
                                                       preprocess, train, test)}}
-
+    placements = args.photometric.split(",") if method == "dino" else ["workers"]
     for placement in placements:
         AcceleratorState._reset_state(reset_partial_state=True)
-        summary = pretrain(compose_config(work / f"ours_{placement}", args, placement))
-        encoder = load_encoder(work / f"ours_{placement}" / "encoder.safetensors").eval()
-        results[f"ssl-vit ({placement})"] = {
-            "wall_s": summary["wall_s"], "images_per_s": summary["images_per_s"],
-            "knn": knn_accuracy(lambda x, e=encoder: e.forward_features(x)[:, 0], preprocess, train, test)}
-
+        name = f"ssl-vit ({placement})" if method == "dino" else "ssl-vit"
+        summary = pretrain(compose_config(work / f"{method}_{placement}", args, method, placement))
+        encoder = load_encoder(work / f"{method}_{placement}" / "encoder.safetensors").eval()
+        results[name] = {"wall_s": summary["wall_s"], "images_per_s": summary["images_per_s"],
+                         "knn": knn_accuracy(lambda x, e=encoder: e.forward_features(x)[:, 0], preprocess, train,
+                                             test)}
     torch.manual_seed(cfg.seed)
-    teacher, wall = lightly_dino(cfg, initial, run, mean, std)
-    teacher.eval()
+    trained, wall = (lightly_dino if method == "dino" else lightly_mae)(cfg, initial, run, mean, std)
+    trained.eval()
     results["lightly"] = {"wall_s": wall, "images_per_s": args.steps * args.batch / wall,
-                          "knn": knn_accuracy(lambda x: teacher.forward_features(x)[:, 0], preprocess, train, test)}
+                          "knn": knn_accuracy(lambda x: trained.forward_features(x)[:, 0], preprocess, train, test)}
     from lightly import __version__ as lightly_version  # the optional `bench` extra
 
-    record = {"benchmark": "peer_ssl", "method": "dino", "machine": platform.processor() or platform.machine(),
+    record = {"benchmark": "peer_ssl", "method": method, "machine": platform.processor() or platform.machine(),
               "threads": torch.get_num_threads(), "steps": args.steps, "batch": args.batch,
               "lightly": lightly_version, "results": results,
-              "speed_vs_lightly": {p: results[f"ssl-vit ({p})"]["images_per_s"] / results["lightly"]["images_per_s"]
-                                   for p in placements}}
-    print(f"\nDINO, vit_tiny on Fashion-MNIST 32 px, {args.steps} steps x {args.batch} images, 1 loader worker each "
-          "(ours: the photometric augmentation in the loader's workers, or batched on the device)")
+              "speed_vs_lightly": {name: row["images_per_s"] / results["lightly"]["images_per_s"]
+                                   for name, row in results.items() if name.startswith("ssl-vit")}}
+    print(f"\n{method.upper()}, vit_tiny on Fashion-MNIST 32 px, {args.steps} steps x {args.batch} images, 1 loader "
+          "worker each" + (" (ours: the photometric augmentation in the loader's workers, or batched on the device)"
+                           if method == "dino" else ""))
     print(f"{'':<20}{'img/s':>8}{'wall s':>9}{'k-NN':>8}")
     for name, row in results.items():
         speed = f"{row['images_per_s']:>8.1f}{row['wall_s']:>9.0f}" if "wall_s" in row else f"{'-':>8}{'-':>9}"
         print(f"{name:<20}{speed}{row['knn']:>8.1%}")
-    for placement, ratio in record["speed_vs_lightly"].items():
-        print(f"ssl-vit ({placement}) / lightly images/s: {ratio:.2f}x")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    for name, ratio in record["speed_vs_lightly"].items():
+        print(f"{name} / lightly images/s: {ratio:.2f}x", flush=True)
     return record
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", default="dino,mae", help=f"comma-separated, of {list(METHODS)}")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--photometric", default="workers,device",
+                        help="DINO, ours, one run each: data.multicrop_photometric (workers, device)")
+    parser.add_argument("--knn-train", type=int, default=10000)
+    parser.add_argument("--knn-test", type=int, default=2000)
+    parser.add_argument("--work-dir", default="/tmp/peer_ssl")
+    parser.add_argument("--out-dir", default="benchmarks/results", help="writes peer_ssl_cpu_<method>.json")
+    args = parser.parse_args(argv)
+    methods = args.methods.split(",")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"unknown --methods {unknown}; valid choices: {list(METHODS)}")
+    register_configs()
+    preprocess = Preprocess(32, *dataset_stats("fashion_mnist"))
+    train = limit_samples(FashionMNIST(split="train"), args.knn_train, 0)
+    test = limit_samples(FashionMNIST(split="test"), args.knn_test, 0)
+    records = {}
+    for method in methods:
+        records[method] = compare(method, args, Path(args.work_dir), preprocess, train, test)
+        out = Path(args.out_dir) / f"peer_ssl_cpu_{method}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(records[method], indent=2) + "\n")
+    return records
 
 
 if __name__ == "__main__":
