@@ -76,6 +76,27 @@ class LightlyViews(torch.utils.data.Dataset):
         return self.transform(image)
 
 
+def train_loop(cfg, run, transform, model: torch.nn.Module, optimizer, loss_of) -> float:
+    """The plain loop of lightly's examples: Fashion-MNIST through `transform` from one loader worker, our per-step
+    lr / weight-decay schedules, `loss_of(step, batch)`, backward, global clipping, AdamW; the wall seconds."""
+    loader = torch.utils.data.DataLoader(LightlyViews(FashionMNIST(), transform), batch_size=cfg.data.batch_size,
+                                         shuffle=True, num_workers=1, drop_last=True, persistent_workers=True)
+    steps, clip = cfg.trainer.max_steps, cfg.optim.grad_clip
+    start, step = time.perf_counter(), 0
+    while step < steps:
+        for batch in loader:
+            if step == steps:
+                break
+            set_schedule(optimizer, run, step)
+            loss_of(step, batch).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+    return time.perf_counter() - start
+
+
 def lightly_dino(cfg, initial_backbone: dict, run, mean, std) -> tuple[torch.nn.Module, float]:
     """DINO from lightly's parts (its documented training loop); returns (teacher backbone, wall seconds)."""
     # lightly: the optional `bench` extra, imported only where it is used
@@ -103,26 +124,17 @@ def lightly_dino(cfg, initial_backbone: dict, run, mean, std) -> tuple[torch.nn.
     optimizer = adamw(cfg, student)
     transform = DINOTransform(global_crop_size=32, local_crop_size=12, n_local_views=objective.local_crops,
                               normalize={"mean": list(mean), "std": list(std)})
-    loader = torch.utils.data.DataLoader(LightlyViews(FashionMNIST(), transform), batch_size=cfg.data.batch_size,
-                                         shuffle=True, num_workers=1, drop_last=True, persistent_workers=True)
-    steps, clip = cfg.trainer.max_steps, cfg.optim.grad_clip
-    start, step = time.perf_counter(), 0
-    while step < steps:
-        for views in loader:
-            if step == steps:
-                break
-            set_schedule(optimizer, run, step)
-            momentum = cosine_schedule(step, steps, objective.teacher_momentum, objective.teacher_momentum_end)
-            update_momentum(student, teacher, m=momentum)
-            teacher_out = [teacher(view) for view in views[:objective.global_crops]]
-            student_out = [student(view) for view in views]
-            loss = criterion(teacher_out, student_out, epoch=step)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(student.parameters(), clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-    return teacher[0], time.perf_counter() - start
+    steps = cfg.trainer.max_steps
+
+    def loss_of(step: int, views: list[torch.Tensor]) -> torch.Tensor:
+        momentum = cosine_schedule(step, steps, objective.teacher_momentum, objective.teacher_momentum_end)
+        update_momentum(student, teacher, m=momentum)
+        teacher_out = [teacher(view) for view in views[:objective.global_crops]]
+        student_out = [student(view) for view in views]
+        return criterion(teacher_out, student_out, epoch=step)
+
+    wall = train_loop(cfg, run, transform, student, optimizer, loss_of)
+    return teacher[0], wall
 
 
 def adamw(cfg, network: torch.nn.Module) -> torch.optim.AdamW:
@@ -157,33 +169,22 @@ def lightly_mae(cfg, initial_backbone: dict, run, mean, std) -> tuple[torch.nn.M
     model = torch.nn.ModuleDict({"backbone": backbone, "decoder": decoder})
     optimizer = adamw(cfg, model)
     transform = T.Compose([T.Resize(32), T.CenterCrop(32), T.ToTensor(), T.Normalize(mean, std)])
-    loader = torch.utils.data.DataLoader(LightlyViews(FashionMNIST(), transform), batch_size=cfg.data.batch_size,
-                                         shuffle=True, num_workers=1, drop_last=True, persistent_workers=True)
     patch, length = vit.patch_embed.patch_size[0], backbone.sequence_length
-    steps, clip = cfg.trainer.max_steps, cfg.optim.grad_clip
-    start, step = time.perf_counter(), 0
-    while step < steps:
-        for images in loader:
-            if step == steps:
-                break
-            set_schedule(optimizer, run, step)
-            batch = images.shape[0]
-            keep, masked = utils.random_token_mask(size=(batch, length), mask_ratio=objective.mask_ratio)
-            tokens = decoder.embed(backbone.encode(images=images, idx_keep=keep))
-            full = utils.set_at_index(utils.repeat_token(decoder.mask_token, (batch, length)), keep,
-                                      tokens.type_as(decoder.mask_token))
-            prediction = decoder.predict(utils.get_at_index(decoder.decode(full), masked))
-            target = utils.get_at_index(utils.patchify(images, patch), masked - 1)
-            if objective.norm_pix_loss:
-                target = (target - target.mean(-1, keepdim=True)) / (target.var(-1, keepdim=True) + 1e-6) ** 0.5
-            loss = torch.nn.functional.mse_loss(prediction, target)
-            loss.backward()
-            if clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-    return vit, time.perf_counter() - start
+
+    def loss_of(step: int, images: torch.Tensor) -> torch.Tensor:
+        batch = images.shape[0]
+        keep, masked = utils.random_token_mask(size=(batch, length), mask_ratio=objective.mask_ratio)
+        tokens = decoder.embed(backbone.encode(images=images, idx_keep=keep))
+        full = utils.set_at_index(utils.repeat_token(decoder.mask_token, (batch, length)), keep,
+                                  tokens.type_as(decoder.mask_token))
+        prediction = decoder.predict(utils.get_at_index(decoder.decode(full), masked))
+        target = utils.get_at_index(utils.patchify(images, patch), masked - 1)
+        if objective.norm_pix_loss:
+            target = (target - target.mean(-1, keepdim=True)) / (target.var(-1, keepdim=True) + 1e-6) ** 0.5
+        return torch.nn.functional.mse_loss(prediction, target)
+
+    wall = train_loop(cfg, run, transform, model, optimizer, loss_of)
+    return vit, wall
 
 
 def knn_accuracy(embed, preprocess: Preprocess, train, test) -> float:
