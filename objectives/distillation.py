@@ -186,6 +186,5 @@ def masked_tokens_loss(student: torch.Tensor, teacher_probs: torch.Tensor, mask:
     masked patches in row-major order of the (B, N) mask, `masked_tokens`), so that the patch heads never run on
     visible patches."""
     per_token = -(teacher_probs * F.log_softmax(student.float() / student_temp, dim=-1)).sum(dim=-1)
-    counts = masked_tokens(mask.sum(dim=1, keepdim=True).float().clamp(min=1.0).expand_as(mask)[..., None], mask,
-                           indices)[:, 0]
-    return (per_token / counts).sum() / mask.shape[0]
+    image = indices // mask.shape[1] if indices is not None else mask.nonzero()[:, 0]  # each masked token's image
+    return (per_token / mask.sum(dim=1).float().clamp(min=1.0)[image]).sum() / mask.shape[0]
