@@ -5,7 +5,8 @@ same setting, in the same run.
     python benchmarks/scale.py --models vit_b16 --strategies ddp,zero3 --batch 2
     python benchmarks/scale.py --device cuda --precision bf16 --gpus 8 --models vit_l16,vit_h14 --batch 16
     python benchmarks/scale.py --models vit_22b --depth 2 --strategies fsdp2,zero3 --batch 1 --steps 2 \
-        --out benchmarks/results/scale_vit_22b_depth2.json   # ViT-22B's real width (0.9B parameters), ~20 GB here
+        --out benchmarks/results/scale_vit_22b_depth2.json   # ViT-22B's real width (0.9B parameters)
+(the last needs ~29 GB for its 2 ranks in fp32: on a 24 GB host with swap; swapped memory is counted as held)
 
 Each (model, strategy) is one `accelerate launch` of benchmarks/scale_worker.py with the strategy's shipped config
 (configs/accelerate/<strategy>_cpu2.yaml, or <strategy>_gpu8.yaml with --num_processes on GPUs): the supervised

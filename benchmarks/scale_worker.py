@@ -4,12 +4,15 @@ a few AdamW steps on random images and writes this rank's memory and step times 
 
 Memory is measured from a baseline taken after imports and process-group set-up, before the model exists:
 model states = resident memory after the first step (params, grads, optimizer states and the strategy's buffers;
-activations freed), peak = the process's peak resident memory (and the CUDA allocator's peak on a GPU).
+activations freed), peak = the process's peak resident memory (and the CUDA allocator's peak on a GPU). Pages the
+kernel swapped out count as memory too (VmSwap), so a host run that only fits with swap still reports what the rank
+holds: the peak is then the larger of the kernel's peak RSS and resident + swapped memory sampled every 5 ms.
 """
 
 import argparse
 import json
 import resource
+import threading
 import time
 from pathlib import Path
 
@@ -28,13 +31,24 @@ MIB = 1024**2
 
 
 def rss() -> int:
-    """Resident memory now, bytes (Linux)."""
-    pages = int(Path("/proc/self/statm").read_text().split()[1])
-    return pages * resource.getpagesize()
+    """Memory held now, bytes (Linux): resident plus swapped-out pages."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return sum(int(fields.get(key, "0 kB").split()[0]) * 1024 for key in ("VmRSS", "VmSwap"))
 
 
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+class PeakWatch(threading.Thread):
+    """Samples rss() every 5 ms: the kernel's peak RSS (ru_maxrss) does not see memory that was swapped out."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.highest, self.stopping = 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.wait(0.005):
+            self.highest = max(self.highest, rss())
+
+    def peak(self) -> int:
+        return max(self.highest, rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
 
 
 def main() -> None:
@@ -54,6 +68,8 @@ def main() -> None:
     cuda = accelerator.device.type == "cuda"
     set_seed(0)
     baseline = rss()
+    watch = PeakWatch()
+    watch.start()
     with construction_context(accelerator):
         backbone = build_vit(args.model, img_size=args.img_size, **({"depth": args.depth} if args.depth else {}))
         objective = build_objective(OmegaConf.structured(SupervisedConfig()), backbone,
@@ -83,7 +99,7 @@ def main() -> None:
     report = {"strategy": strategy_name(accelerator), "rank": accelerator.process_index,
               "world_size": accelerator.num_processes, "device": accelerator.device.type,
               "model_states_mib": states / MIB, "built_mib": built / MIB, "prepared_mib": prepared / MIB,
-              "peak_rss_mib": (peak_rss() - baseline) / MIB,
+              "peak_rss_mib": (watch.peak() - baseline) / MIB,
               "peak_allocated_mib": torch.cuda.max_memory_allocated() / MIB if cuda else None,
               "step_s": sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]}
     Path(args.out, f"rank{accelerator.process_index}.json").write_text(json.dumps(report))

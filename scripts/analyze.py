@@ -30,6 +30,7 @@ from ssl_vit.analysis.plots import (
 from ssl_vit.data import Digits, SyntheticShapes
 from ssl_vit.eval.run import load_any_encoder
 from ssl_vit.preprocess import Preprocess
+from ssl_vit.run_dirs import resolve_run
 from ssl_vit.schema import ConfigError
 
 
@@ -41,6 +42,7 @@ def main(argv=None) -> int:
     parser.add_argument("--num-images", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None, help="default: beside the checkpoint")
     args = parser.parse_args(argv)
+    args.checkpoint = resolve_run(args.checkpoint)  # an output group: its newest run
     try:
         encoder, _, recorded = load_any_encoder(args.checkpoint)
     except ConfigError as err:

@@ -14,7 +14,7 @@ cached under cache_dir.
 
 import hydra
 
-from ssl_vit.cli import register_configs, run_reporting_errors
+from ssl_vit.cli import register_configs, run_hydra, run_reporting_errors
 from ssl_vit.eval.run import evaluate, print_table, write_report
 
 register_configs()
@@ -28,4 +28,4 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra(main, "evaluate")

@@ -29,6 +29,7 @@ from ssl_vit.interop.onnx import export_onnx
 from ssl_vit.interop.open_clip import export_open_clip
 from ssl_vit.interop.sources import LIBRARIES, load_pretrained
 from ssl_vit.interop.timm import export_timm
+from ssl_vit.run_dirs import resolve_run
 
 TARGETS = ("hf", "timm", "onnx", "open_clip", "safetensors")
 
@@ -40,6 +41,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--hf-arch", choices=HF_ARCHS, default=None, help="--to hf: the transformers model class")
     args = parser.parse_args(argv)
+    args.source = resolve_run(args.source)  # an output group: its newest run
     try:
         print(export(args.source, args.to, args.out, args.hf_arch))
     except (ValueError, FileNotFoundError) as err:

@@ -8,7 +8,7 @@ count that fits. Nothing is allocated: the model is counted on the meta device.
 
 import hydra
 
-from ssl_vit.cli import register_configs, run_reporting_errors
+from ssl_vit.cli import register_configs, run_hydra, run_reporting_errors
 from ssl_vit.config import model_kwargs
 from ssl_vit.schema import validate_config
 from ssl_vit.train.memory import (
@@ -64,4 +64,4 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra(main, "plan_memory")

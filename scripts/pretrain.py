@@ -10,7 +10,7 @@ Hydra overrides select and change everything in configs/; see configs/pretrain.y
 
 import hydra
 
-from ssl_vit.cli import exit_without_teardown, register_configs, run_reporting_errors
+from ssl_vit.cli import exit_without_teardown, register_configs, run_hydra, run_reporting_errors
 from ssl_vit.train import pretrain
 
 register_configs()
@@ -22,5 +22,5 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra(main, "pretrain")
     exit_without_teardown()  # a finished distributed run: see ssl_vit.cli

@@ -11,12 +11,18 @@ registry) and each objective's (the registry), so it lives here, above all of th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
+import shutil
 import sys
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException, OverrideParseException
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
@@ -33,13 +39,15 @@ from ssl_vit.config import (
 )
 from ssl_vit.data import DATASETS
 from ssl_vit.data.errors import DataError
-from ssl_vit.schema import ConfigError
+from ssl_vit.run_dirs import default_run_dir, evaluation_dir
+from ssl_vit.schema import ConfigError, closest_names
 from ssl_vit.train.guard import TrainingDiverged
 from ssl_vit.train.outputs import OutputError, check_writable
 from ssl_vit.train.strategy import MainProcessFailed
 from ssl_vit.vit import PRESETS
 
 EXIT_STOPPED, EXIT_CONFIG = 1, 2
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
 def user_message(err: BaseException) -> str:
@@ -77,9 +85,82 @@ def run_reporting_errors(function, *args):
     try:
         return function(*args)
     except ConfigError as err:
+        discard_unused_run_dir()
         fail(user_message(err), EXIT_CONFIG)
     except (TrainingDiverged, OutputError, DataError, MainProcessFailed) as err:
         fail(user_message(err), EXIT_STOPPED)
+
+
+def discard_unused_run_dir() -> None:
+    """A run refused for its configuration leaves nothing behind: remove Hydra's run directory when it holds only
+    what Hydra wrote there (.hydra/), and its output group when that is then empty."""
+    if int(os.environ.get("RANK", "0")) != 0 or not HydraConfig.initialized():
+        return
+    run = Path(HydraConfig.get().runtime.output_dir)
+    if run.is_dir() and {entry.name for entry in run.iterdir()} <= {".hydra"}:
+        shutil.rmtree(run, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            run.parent.rmdir()  # only when empty: the output group this launch created
+
+
+def run_hydra(main, config_name: str) -> None:
+    """Call a @hydra.main function so that Hydra's own errors about the command line (an unknown key, an unknown
+    option of a group, a value its grammar cannot read) end in one `ssl-vit: error:` line naming the closest valid
+    names, with exit status 2, instead of Hydra's message (which advises `+key=`, silently adding a key nothing
+    reads) and exit status 1. HYDRA_FULL_ERROR=1 set by the user keeps Hydra's full report."""
+    users = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing and exiting
+    overrides = [arg for arg in sys.argv[1:] if not arg.startswith("-")]
+    try:
+        repeated_key_check(overrides)
+        main()
+    except (ConfigCompositionException, OverrideParseException) as err:
+        if users:
+            raise
+        fail(explain_hydra_error(err, config_name, overrides), EXIT_CONFIG)
+
+
+def repeated_key_check(overrides: list[str]) -> None:
+    """The same key given twice means the shell expanded a brace pattern (or a typo); Hydra would keep the last."""
+    keys = [arg.split("=", 1)[0].lstrip("+~") for arg in overrides if "=" in arg]
+    twice = next((key for key in keys if keys.count(key) > 1), None)
+    if twice is not None:
+        hint = (f"; the shell expanded a brace pattern: quote it for the shell and for Hydra, "
+                f"'{twice}=\"...{{000000..000019}}.tar\"'" if any("{" not in a and a.startswith(twice + "=")
+                                                                   for a in overrides) else "")
+        fail(f"{twice} is given {keys.count(twice)} times on the command line{hint}", EXIT_CONFIG)
+
+
+def explain_hydra_error(err: Exception, config_name: str, overrides: list[str]) -> str:
+    text = str(err)
+    unknown_key = re.search(r"Could not override '([^']+)'", text)
+    if unknown_key and "To append to your config" in text:  # a value of a key no schema has
+        key = unknown_key.group(1)
+        parent, _, name = key.rpartition(".")
+        valid = _keys_of(config_name, parent, [o for o in overrides if not o.startswith(key + "=")])
+        return f"unknown key {key}" + closest_names(name, valid, prefix=f"{parent}." if parent else "")
+    missing = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
+    if missing:
+        group, option = missing.groups()
+        choices = re.findall(r"^\t(\S+)$", text, flags=re.MULTILINE)
+        return f"{group}={option} is not an option of {group}" + closest_names(option, choices, prefix=f"{group}=")
+    if isinstance(err, OverrideParseException) and "{" in " ".join(overrides):
+        braced = next(o for o in overrides if "{" in o)
+        key, _, value = braced.partition("=")
+        return (f"{braced}: Hydra's override grammar reads {{...}} as a dictionary; a brace pattern needs double "
+                f"quotes inside the shell's single quotes: '{key}=\"{value}\"'")
+    return text.strip().splitlines()[0] + " (see https://hydra.cc/docs/advanced/override_grammar/basic)"
+
+
+def _keys_of(config_name: str, node: str, overrides: list[str]) -> list[str]:
+    """The keys of `node` in the config composed from the other overrides (empty if that fails too)."""
+    try:
+        with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+            composed = compose(config_name, overrides=[o for o in overrides if not o.startswith("hydra")])
+        selected = OmegaConf.select(composed, node) if node else composed
+        return [str(key) for key in selected] if selected is not None else []
+    except Exception:  # noqa: BLE001 (only a suggestion: any failure leaves it out)
+        return []
 
 
 class OutputDirCheck(Callback):
@@ -95,6 +176,8 @@ def register_configs() -> None:
     """Register the schemas, the model presets and the `launch_time` resolver (idempotent)."""
     if not OmegaConf.has_resolver("launch_time"):
         OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True)
+        OmegaConf.register_new_resolver("run_dir", default_run_dir, use_cache=True)
+        OmegaConf.register_new_resolver("evaluation_dir", evaluation_dir, use_cache=True)
     store = ConfigStore.instance()
     store.store(name="pretrain_schema", node=PretrainConfig)
     store.store(name="probe_schema", node=ProbeConfig)

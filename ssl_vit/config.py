@@ -117,6 +117,7 @@ class TrainerConfig:
     checkpoint_every: int = checked(100, ge=1)  # also at the end of the run
     keep_checkpoints: int = checked(2, ge=0)  # 0: keep all
     resume: str | None = None  # "auto": the newest checkpoint in the output dir; or a checkpoint directory
+    overwrite: bool = False  # a new run where an earlier one left outputs: clear them (else refused)
     # Resuming needs every rank's RNG state for an exact continuation; true accepts a checkpoint without them (e.g.
     # written by a different number of processes) with a warning that the run no longer reproduces.
     allow_inexact_resume: bool = False
@@ -195,6 +196,7 @@ class PretrainConfig:
     optim: OptimConfig = MISSING
     trainer: TrainerConfig = MISSING
     seed: int = 0
+    out: str | None = None  # the run directory (short for hydra.run.dir); None: outputs/<group>/<time>
     output_dir: str = MISSING
 
 

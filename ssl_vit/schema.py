@@ -6,6 +6,7 @@ imports none of them, so every floor can use it.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import field, fields, is_dataclass
 from typing import Any
 
@@ -69,9 +70,20 @@ def _field_rules(cfg, dotted_key: str) -> dict:
     return {}
 
 
+def closest_names(name: str, valid: list[str], prefix: str) -> str:
+    """"; did you mean <prefix><name>?" for the closest valid names, then the valid names (when not too many)."""
+    close = difflib.get_close_matches(name, valid, n=3, cutoff=0.6)
+    shown = f"; did you mean {' or '.join(prefix + c for c in close)}?" if close else ""
+    return shown + (f" (valid: {', '.join(sorted(valid))})" if valid and len(valid) <= 40 else "")
+
+
 def _check_node(node: DictConfig, prefix: str) -> None:
     schema = OmegaConf.get_type(node)
     rules = {f.name: f.metadata for f in fields(schema)} if schema is not None and is_dataclass(schema) else {}
+    if schema is not None and is_dataclass(schema):  # a key added with +key=... that nothing reads
+        unknown = next((str(key) for key in node if key not in rules), None)
+        if unknown is not None:
+            raise ConfigError(f"unknown key {prefix}{unknown}" + closest_names(unknown, list(rules), prefix))
     for key in node:
         child = node._get_node(key)
         if isinstance(child, DictConfig):

@@ -30,6 +30,7 @@ from ssl_vit.eval.zeroshot import (
 )
 from ssl_vit.interop.sources import load_pretrained
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
+from ssl_vit.run_dirs import resolve_run
 from ssl_vit.schema import ConfigError, validate_config
 
 EVALUATORS = ("linear", "knn", "fewshot", "finetune", "zeroshot", "retrieval")
@@ -57,6 +58,7 @@ def evaluate(cfg, progress: bool = True) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
+    cfg.checkpoint = resolve_run(cfg.checkpoint)  # an output group: its newest run
     encoder, encoder_identity, recorded = load_any_encoder(cfg.checkpoint)
     model = None
     if any(name in TEXT_EVALUATORS for name in cfg.eval.evaluators):

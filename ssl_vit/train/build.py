@@ -178,13 +178,17 @@ def build_data(cfg, needs: Requirements, img_size: int):
         captioned = [name for name, other in DATASETS.items() if other.captioned]
         raise ConfigError(f"objective={cfg.objective.name} needs captions but data={cfg.data.name} has none; use "
                           f"data= one of {captioned} (shards: with a 'txt' per sample)")
+    if "labels" in cfg.data and cfg.data.labels is None:  # labels only where the objective reads them
+        cfg.data.labels = "label" in needs.views
     try:
         dataset = limit_samples(build_dataset(cfg.data, img_size), cfg.data.max_train_samples, cfg.seed)
     except (ValueError, FileNotFoundError, DataError) as err:
         raise ConfigError(f"data={cfg.data.name}: {err}") from err
     if "label" in needs.views and not dataset.classes:
+        how = ("images in class subfolders, root/<class>/<image>, with data.labels=true (or unset)"
+               if "labels" in cfg.data else "set data.num_classes")
         raise ConfigError(f"objective={cfg.objective.name} needs class labels but data={cfg.data.name} declares no "
-                          "classes: set data.num_classes")
+                          f"classes: {how}")
     return dataset
 
 

@@ -15,13 +15,14 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from ssl_vit.run_dirs import CHECKPOINTS, RUN_OUTPUTS, previous_outputs, resolve_run
 from ssl_vit.schema import ConfigError
 from ssl_vit.train.faults import fault_point
 from ssl_vit.train.outputs import OutputError, describe_write_failure
 
 log = logging.getLogger("ssl_vit")
 
-CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_DIR = CHECKPOINTS
 _NAME = re.compile(r"^step_(\d+)$")
 MODEL_FILE = "model.safetensors"
 TRAIN_STATE_FILE = "custom_checkpoint_0.pkl"  # accelerate's name for the first registered object (TrainState)
@@ -49,6 +50,26 @@ def remove_stale_temps(out_dir: str | Path) -> list[Path]:
     return stale
 
 
+def claim_run_dir(out_dir: Path, resume: str | None, overwrite: bool, is_main: bool) -> None:
+    """A run directory holds one run: a new run (no trainer.resume) where an earlier one left outputs is refused,
+    unless trainer.overwrite, which clears them (on the main process; the caller waits for it)."""
+    found = previous_outputs(out_dir)
+    if not found or resume:
+        return
+    if not overwrite:
+        raise ConfigError(f"{out_dir} already holds a run ({', '.join(found)}); continue it with "
+                          f"trainer.resume=auto, start a new one in a fresh directory (out=DIR), or clear it with "
+                          f"trainer.overwrite=true")
+    if is_main:
+        for name in RUN_OUTPUTS:
+            path = out_dir / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+        log.info("trainer.overwrite: cleared %s of the earlier run (%s)", out_dir, ", ".join(found))
+
+
 def resolve_resume(resume: str | None, out_dir: str | Path) -> Path | None:
     """`None` -> no resume; "auto" -> the newest checkpoint in out_dir (None if there is none); else a checkpoint
     directory, which must exist and hold a checkpoint."""
@@ -57,7 +78,7 @@ def resolve_resume(resume: str | None, out_dir: str | Path) -> Path | None:
     if resume == "auto":
         found = list_checkpoints(out_dir)
         return found[-1] if found else None
-    path = Path(resume).expanduser()
+    path = Path(resolve_run(resume)).expanduser()
     example = Path(out_dir) / CHECKPOINT_DIR / "step_00000100"
     if not path.is_dir():
         raise ConfigError(f"trainer.resume={resume!r} does not exist or is not a directory; valid values: auto, or "

@@ -24,9 +24,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ssl_vit.artifacts import ENCODER_FILE, HEADS_FILE, read_metadata, save_encoder_state, save_heads
-
-METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
+from ssl_vit.run_dirs import METRICS_FILE, SUMMARY_FILE
 
 
 class OutputError(RuntimeError):

@@ -23,14 +23,17 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
+from hydra.core.hydra_config import HydraConfig
 from tqdm.auto import tqdm
 
 from ssl_vit.data import loader_workers, make_loader
 from ssl_vit.init import rng_devices
 from ssl_vit.optim import apply_schedule
+from ssl_vit.run_dirs import link_latest
 from ssl_vit.schema import to_container, validate_config
 from ssl_vit.train.build import Run, build_components, build_run, init_source, requirements, without_transformers_zero3
 from ssl_vit.train.checkpoint import (
+    claim_run_dir,
     list_checkpoints,
     load_checkpoint,
     remove_stale_temps,
@@ -77,6 +80,10 @@ def pretrain(cfg) -> dict:
         check_compile(accelerator, cfg.trainer.compile_mode)
     if accelerator.is_main_process:
         check_writable(out_dir)
+    claim_run_dir(out_dir, cfg.trainer.resume, cfg.trainer.overwrite, accelerator.is_main_process)
+    accelerator.wait_for_everyone()  # the main process has cleared an overwritten directory
+    if accelerator.is_main_process and cfg.out is None and HydraConfig.initialized():
+        link_latest(out_dir)  # the default layout, outputs/<group>/<time>: <group>/latest is this run
     threads = configure_threads(cfg.trainer.cpu_threads, accelerator)
     set_seed(cfg.seed)  # identical initialisation on every rank
     source = init_source(cfg)
@@ -85,9 +92,22 @@ def pretrain(cfg) -> dict:
     run = build_run(cfg, *components, world=accelerator.num_processes, fused=fused_optimizer(accelerator))
     evaluation = PeriodicEvaluation.from_config(cfg, needs, run.preprocess) if cfg.trainer.eval_every > 0 else None
     trainer = Trainer(run, accelerator, cfg.trainer, out_dir, DivergenceAdvice.from_config(cfg), evaluation)
-    trainer.start(config=to_container(cfg), seed=cfg.seed, data=cfg.data,
-                  describe=f"{cfg.objective.name} on {cfg.data.name}: {cfg.model.name}", threads=threads)
+    trainer.start(config=to_container(cfg), seed=cfg.seed, data=cfg.data, describe=describe_run(cfg), threads=threads)
     return trainer.train()
+
+
+def describe_run(cfg) -> str:
+    """The start-up line's head: the options asked for (objective=dino_tiny, not its method's name dino), the
+    optimiser's recipe and the run directory."""
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    optim = cfg.optim
+    decay = f"{optim.weight_decay:g}"
+    if optim.weight_decay_end is not None:
+        decay += f" -> {optim.weight_decay_end:g}"
+    per_batch = f" per {optim.lr_base_batch} images" if optim.lr_base_batch else ""
+    return (f"objective={choices.get('objective', cfg.objective.name)} optim={choices.get('optim', optim.name)} "
+            f"(lr {optim.lr:g}{per_batch}, weight decay {decay}, gradient clipping {optim.grad_clip or 'off'}) "
+            f"model={cfg.model.name} data={cfg.data.name} -> {cfg.output_dir}")
 
 
 def configure_threads(requested: int | None, accelerator: Accelerator) -> int:
