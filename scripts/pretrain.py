@@ -6,11 +6,13 @@
 
 Hydra overrides select and change everything in configs/; see configs/pretrain.yaml. A bad value ends in one line,
 `ssl-vit: error: ...`, with exit status 2; a run that stops (divergence, unusable data, a full disk) with 1.
+Ctrl-C (or SIGTERM) stops after the current step with a checkpoint and the encoder, prints the command that
+resumes, and exits 130 (143); a second Ctrl-C stops at once.
 """
 
 import hydra
 
-from ssl_vit.cli import exit_without_teardown, register_configs, run_hydra, run_reporting_errors
+from ssl_vit.cli import exit_without_teardown, register_configs, run_hydra, run_reporting_errors, stopped_status
 from ssl_vit.train import pretrain
 
 register_configs()
@@ -18,7 +20,9 @@ register_configs()
 
 @hydra.main(config_path="../configs", config_name="pretrain", version_base="1.3")
 def main(cfg) -> None:
-    run_reporting_errors(pretrain, cfg)
+    status = stopped_status(run_reporting_errors(pretrain, cfg))
+    if status:  # Ctrl-C / SIGTERM: saved, then 130 / 143
+        exit_without_teardown(status)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -46,7 +47,7 @@ from ssl_vit.train.outputs import OutputError, check_writable
 from ssl_vit.train.strategy import MainProcessFailed
 from ssl_vit.vit import PRESETS
 
-EXIT_STOPPED, EXIT_CONFIG = 1, 2
+EXIT_STOPPED, EXIT_CONFIG, EXIT_INTERRUPTED = 1, 2, 130
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
@@ -67,17 +68,26 @@ def fail(message: str, status: int) -> None:
     sys.exit(status)
 
 
-def exit_without_teardown() -> None:
+def exit_without_teardown(status: int = 0) -> None:
     """End a finished multi-process run here, skipping the interpreter's teardown of C++ state (process-group
     threads): measured on this machine, rank 1 of a finished 2-process gloo run sometimes aborted there
     ("terminate called without an active exception", SIGABRT: 2 of 3 full test runs, each time after every output
     was written and the process group destroyed). A single process exits normally."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        if status:
+            sys.exit(status)
         return
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
+
+
+def stopped_status(summary: dict | None) -> int:
+    """128 + the signal's number for a run that stopped on a signal after saving (130: Ctrl-C, 143: SIGTERM), so a
+    job script can tell it from a finished run (0) and requeue it; else 0."""
+    name = (summary or {}).get("stopped_by")
+    return 128 + signal.Signals[name].value if name in signal.Signals.__members__ else 0
 
 
 def run_reporting_errors(function, *args):
@@ -89,6 +99,9 @@ def run_reporting_errors(function, *args):
         fail(user_message(err), EXIT_CONFIG)
     except (TrainingDiverged, OutputError, DataError, MainProcessFailed) as err:
         fail(user_message(err), EXIT_STOPPED)
+    except KeyboardInterrupt:  # a second Ctrl-C (the first stops after the step with a checkpoint)
+        fail("interrupted: the steps since the last checkpoint are lost; continue from it with trainer.resume=auto "
+             "and the same out=", EXIT_INTERRUPTED)
 
 
 def discard_unused_run_dir() -> None:
@@ -121,14 +134,20 @@ def run_hydra(main, config_name: str) -> None:
 
 
 def repeated_key_check(overrides: list[str]) -> None:
-    """The same key given twice means the shell expanded a brace pattern (or a typo); Hydra would keep the last."""
-    keys = [arg.split("=", 1)[0].lstrip("+~") for arg in overrides if "=" in arg]
-    twice = next((key for key in keys if keys.count(key) > 1), None)
-    if twice is not None:
-        hint = (f"; the shell expanded a brace pattern: quote it for the shell and for Hydra, "
-                f"'{twice}=\"...{{000000..000019}}.tar\"'" if any("{" not in a and a.startswith(twice + "=")
-                                                                   for a in overrides) else "")
-        fail(f"{twice} is given {keys.count(twice)} times on the command line{hint}", EXIT_CONFIG)
+    """A key given several times with paths that differ only in their digits: the shell expanded a brace pattern
+    (data.urls=shard-{000000..000019}.tar unquoted) and Hydra would keep only the last path."""
+    values: dict[str, list[str]] = {}
+    for arg in overrides:
+        if "=" in arg:
+            key, value = arg.split("=", 1)
+            values.setdefault(key.lstrip("+~"), []).append(value)
+    for key, found in values.items():
+        patterns = {re.sub(r"\d+", "#", value) for value in found}
+        pattern = next(iter(patterns))
+        path_like = "/" in pattern or re.search(r"\.[A-Za-z]{2,}$", pattern)
+        if len(found) > 1 and len(set(found)) == len(found) and len(patterns) == 1 and path_like:
+            fail(f"{key} is given {len(found)} times ({found[0]} ... {found[-1]}): the shell expanded a brace "
+                 f"pattern; quote it for the shell and for Hydra: '{key}=\"...{{000000..000019}}.tar\"'", EXIT_CONFIG)
 
 
 def explain_hydra_error(err: Exception, config_name: str, overrides: list[str]) -> str:

@@ -4,8 +4,9 @@ process SIGKILLs itself when it reaches that point at that step, exactly as a no
 Points: `step_done` (after the optimizer step and its log line, before any checkpoint), `checkpoint_written` (the
 checkpoint is complete in its temp directory, not yet renamed into place), `checkpoint_saved` (renamed into place,
 before encoder.safetensors is written). And one that is not a kill: `nan_loss@<step>` makes that step's loss NaN
-on rank 0, to test that the update is skipped under every strategy; and `eval_error@<step>` makes the main
-process's evaluation at that step raise, to test that every rank stops.
+on rank 0, to test that the update is skipped under every strategy; `eval_error@<step>` makes the main
+process's evaluation at that step raise, to test that every rank stops; and `sigint@<step>` makes the last rank
+send itself SIGINT at `step_done`, as a Ctrl-C would (the other ranks get none: they must stop with it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ _FAULT = os.environ.get(FAULT_ENV)
 def fault_point(name: str, step: int) -> None:
     if _FAULT is not None and _FAULT == f"{name}@{step}":
         os.kill(os.getpid(), signal.SIGKILL)
+    last_rank = int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1
+    if _FAULT is not None and name == "step_done" and _FAULT == f"sigint@{step}" and last_rank:
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def poisoned(loss, step: int):

@@ -44,6 +44,7 @@ from ssl_vit.train.evaluation import PeriodicEvaluation
 from ssl_vit.train.faults import fault_point, injected_error, poisoned
 from ssl_vit.train.guard import DivergenceAdvice, UpdateGuard
 from ssl_vit.train.outputs import OutputError, RunOutputs, check_writable
+from ssl_vit.train.stop_requests import StopRequests, resume_command
 from ssl_vit.train.strategy import (
     StrategySettings,
     check_compile,
@@ -223,6 +224,8 @@ class Trainer:
         self.outputs = RunOutputs(accelerator, out_dir, settings.tensorboard)
         self.end_step = min(settings.max_steps, settings.stop_at_step or settings.max_steps)
         self.meter = Meter()
+        self.stopped_by: str | None = None
+        self.saved_step: int | None = None
 
     @property
     def is_main(self) -> bool:
@@ -268,11 +271,17 @@ class Trainer:
         self.run_start = self.interval_start = time.perf_counter()
         self.interval_step, error = self.state.step, None
         try:
-            while self.state.step < self.end_step:
-                logged = self.step()
-                progress.update(1)
-                if logged:
-                    progress.set_postfix(self.log_line)
+            with StopRequests() as requests:
+                while self.state.step < self.end_step:
+                    logged = self.step()
+                    progress.update(1)
+                    if logged:
+                        progress.set_postfix(self.log_line)
+                    if (logged or self.accelerator.num_processes == 1) and requests.agreed(self.accelerator):
+                        self.stopped_by = requests.requested or "a stop signal on another rank"
+                        if self.saved_step != self.state.step:
+                            self.save(self.state.step)
+                        break
             # A run resumed from its final checkpoint skips the loop: its encoder file may predate that checkpoint.
             if gather_object([self.outputs.encoder_step() != self.state.step])[0]:  # the main process's answer
                 self.save_artifacts(self.state.step)
@@ -391,6 +400,7 @@ class Trainer:
         """Checkpoint (collective), then the artifacts; returns the checkpoint directory."""
         checkpoint = save_checkpoint(self.accelerator, self.out_dir, step, self.settings.keep_checkpoints)
         self.save_artifacts(step)
+        self.saved_step = step
         return checkpoint
 
     def save_artifacts(self, step: int) -> None:
@@ -454,6 +464,7 @@ class Trainer:
             "preprocess": asdict(self.run.preprocess),
             "cuda_peak_memory_gib": (torch.cuda.max_memory_allocated(accelerator.device) / 2**30
                                      if accelerator.device.type == "cuda" else None),  # this process
+            "stopped_by": self.stopped_by,  # a stop signal's name (SIGINT, SIGTERM), or None
             "compiled_blocks": self.compiled_blocks,
             # this process, recompiles included
             "compile_s": compile_seconds() - self.compile_start if self.compiled_blocks else None,
@@ -470,8 +481,9 @@ class Trainer:
                 log.info("done: %d steps, %.1f images/s; encoder at %s", state.step, summary["images_per_s"] or 0,
                          summary["encoder"])
             elif error is None:
-                log.info("stopped at step %d of %d; continue with trainer.resume=auto hydra.run.dir=%s", state.step,
-                         settings.max_steps, self.out_dir)
+                log.info("stopped at step %d of %d%s, checkpoint and encoder saved; continue with:\n  %s", state.step,
+                         settings.max_steps, f" ({self.stopped_by})" if self.stopped_by else "",
+                         resume_command(self.out_dir))
         return summary
 
 

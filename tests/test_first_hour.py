@@ -1,0 +1,187 @@
+"""A new user's first hour (the README top to bottom, the usual mistakes), each finding a regression test through
+the real CLI, in-process where the launcher adds nothing: objectives bring their optimiser recipe, a run directory
+holds one run, unlabelled folders in any layout, output groups wherever a run is taken, typos answered with the
+closest names and exit 2, Ctrl-C saving a checkpoint that resumes exactly, and quiet launches."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, TINY, check_ok, export_script, launch, read_metrics
+from hydra import compose, initialize_config_dir
+from PIL import Image
+
+from ssl_vit.cli import register_configs
+from ssl_vit.run_dirs import LATEST, newest_run, resolve_run
+from ssl_vit.schema import ConfigError
+from ssl_vit.train import pretrain
+from ssl_vit.train.checkpoint import resolve_resume
+
+CONFIGS = str(ROOT / "configs")
+PRETRAIN = [sys.executable, str(ROOT / "scripts" / "pretrain.py")]
+STEPS2 = ["model=vit_test", "data.num_samples=16", "data.batch_size=8", "trainer.max_steps=2",
+          "trainer.progress=false", "trainer.tensorboard=false"]
+
+
+def _compose(*overrides, choices=False):
+    register_configs()
+    with initialize_config_dir(CONFIGS, version_base="1.3"):
+        return compose("pretrain", overrides=list(overrides), return_hydra_config=choices)
+
+
+def _cli(*args, cwd=ROOT):
+    return subprocess.run([*PRETRAIN, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+RECIPES = {  # objective -> (optim option, lr, weight decay start / end, clipping, beta2)
+    "supervised": ("adamw", 2e-3, 0.05, None, 1.0, 0.999),
+    "mae": ("adamw", 2e-3, 0.05, None, 1.0, 0.999),
+    "dino_tiny": ("dino", 5e-4, 0.04, 0.4, 3.0, 0.999),
+    "dinov2_tiny": ("dino", 5e-4, 0.04, 0.4, 3.0, 0.999),
+    "clip_tiny": ("clip", 5e-4, 0.2, None, None, 0.98),
+    "siglip_tiny": ("clip", 5e-4, 0.2, None, None, 0.98),
+    "deit": ("augreg", 5e-4, 0.05, None, None, 0.999),
+}
+
+
+@pytest.mark.parametrize("objective", RECIPES)
+def test_each_objective_brings_its_optimiser_recipe_and_the_command_line_still_wins(objective):
+    option, lr, wd, wd_end, clip, beta2 = RECIPES[objective]
+    cfg = _compose(f"objective={objective}", choices=True)
+    assert cfg.hydra.runtime.choices.optim == option
+    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.weight_decay_end, cfg.optim.grad_clip,
+            cfg.optim.beta2) == (lr, wd, wd_end, clip, beta2)
+    chosen = _compose(f"objective={objective}", "optim=adamw", "optim.lr=1e-3", choices=True)
+    assert chosen.hydra.runtime.choices.optim == "adamw" and chosen.optim.lr == 1e-3
+    assert chosen.optim.weight_decay == 0.05 and chosen.optim.grad_clip == 1.0
+
+
+def test_a_run_directory_holds_one_run_and_overwrite_clears_it(tmp_path):
+    run = tmp_path / "run"
+    first = check_ok(_cli(*STEPS2, "objective=dino_tiny", "objective.out_dim=64", "objective.hidden_dim=32",
+                          "objective.bottleneck_dim=16", "objective.local_crops=2", f"out={run}"))
+    # the start-up line names what was asked for (dino_tiny, not its method dino), the recipe and the directory
+    assert f"objective=dino_tiny optim=dino (lr 0.0005, weight decay 0.04 -> 0.4, gradient clipping 3.0) " \
+           f"model=vit_test data=synthetic -> {run}" in first.stderr + first.stdout
+    assert "Setting accelerator to CPU" not in first.stderr + first.stdout  # DeepSpeed's import stays quiet
+    before = (run / "metrics.jsonl").read_text()
+
+    again = _cli(*STEPS2, "trainer.max_steps=1", f"out={run}")
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+        f"ssl-vit: error: {run} already holds a run (checkpoints, metrics.jsonl, summary.json, encoder.safetensors, "
+        "heads.safetensors); continue it with trainer.resume=auto, start a new one in a fresh directory (out=DIR), "
+        "or clear it with trainer.overwrite=true"]
+    assert (run / "metrics.jsonl").read_text() == before and (run / "checkpoints" / "step_00000002").is_dir()
+
+    check_ok(_cli(*STEPS2, "trainer.max_steps=1", f"out={run}", "trainer.overwrite=true"))
+    assert [row["step"] for row in read_metrics(run)] == [1]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000001"]
+    assert json.loads((run / "summary.json").read_text())["step"] == 1
+
+
+def _images(root: Path, count: int, flat: bool) -> Path:
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        folder = root if flat or i % 3 == 0 else root / f"part{i % 2}" / "deeper"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(folder / f"image{i}.png")
+    (root / "notes.txt").write_text("not an image")
+    return root
+
+
+@pytest.mark.parametrize("objective", ["mae", "dino_tiny"])
+def test_unlabelled_images_in_any_layout_train_the_objectives_that_need_no_labels(tmp_path, objective):
+    root = _images(tmp_path / "images", 12, flat=False)
+    heads = ["objective.out_dim=64", "objective.hidden_dim=32", "objective.bottleneck_dim=16",
+             "objective.local_crops=2"] if objective == "dino_tiny" else ["objective.decoder_depth=1"]
+    cfg = _compose(f"objective={objective}", *heads, "model=vit_test", "data=folder", f"data.root={root}",
+                   "data.img_size=16", "data.batch_size=4", "data.num_workers=0", "trainer.max_steps=2",
+                   "trainer.progress=false", "trainer.tensorboard=false", f"output_dir={tmp_path / 'run'}")
+    summary = pretrain(cfg)
+    assert summary["finished"] and summary["skipped_samples"] == 0
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert "labels: false" in saved  # resolved and recorded: every image under root, any layout
+
+
+def test_a_labelled_objective_refuses_unlabelled_images_naming_the_class_folder_layout(tmp_path):
+    root = _images(tmp_path / "flat", 4, flat=True)
+    cfg = _compose("objective=supervised", "model=vit_test", "data=folder", f"data.root={root}", "output_dir=x")
+    from ssl_vit.train.build import build_components
+
+    with pytest.raises(ConfigError, match=r"no images in class subfolders of .*flat.*labelled objectives need "
+                                          r"root/<class>/<image>"):
+        build_components(cfg)
+
+
+def test_commands_take_an_output_group_and_use_its_newest_run(tmp_path):
+    """The default layout through the CLI (outputs/<group>/<time>/ under the working directory, with latest);
+    evaluate, export, analyze and trainer.resume then take the group."""
+    check_ok(_cli(*STEPS2, cwd=tmp_path))
+    group = tmp_path / "outputs" / "supervised-vit_test-synthetic"
+    run = newest_run(group)
+    assert (group / LATEST).is_symlink() and (group / LATEST).resolve() == run.resolve()
+    assert resolve_run(str(group)) == str(run) and resolve_run("timm:vit_tiny") == "timm:vit_tiny"
+    assert resolve_resume(str(group), tmp_path / "new").parent.parent == run  # its newest checkpoint
+    # evaluation results land in the evaluated run, beside its encoder
+    evaluation = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), f"checkpoint={group}",
+                                 "data=synthetic", "data.num_samples=64", "eval=knn", "cache_dir=null"],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert evaluation.returncode == 0, evaluation.stderr[-2000:]
+    assert f"using its newest run, {run}" in evaluation.stderr
+    assert json.loads((run / "eval" / "synthetic" / "results.json").read_text())["results"]["knn"]["accuracy"] >= 0
+    assert export_script().main([str(group), "--to", "safetensors", "--out", str(tmp_path / "exported")]) == 0
+    assert (tmp_path / "exported" / "encoder.safetensors").is_file()
+
+
+def test_typos_get_the_closest_names_in_one_line_and_exit_2(tmp_path):
+    for args, line in [
+        (["trainer.max_step=10"], "ssl-vit: error: unknown key trainer.max_step; did you mean trainer.max_steps or "
+                                  "trainer.stop_at_step?"),
+        (["+trainer.max_step=10"], "ssl-vit: error: unknown key trainer.max_step; did you mean trainer.max_steps or "
+                                   "trainer.stop_at_step?"),
+        (["objective=masked_patches"], "ssl-vit: error: objective=masked_patches is not an option of objective; "
+                                       "did you mean objective=masked_patch?"),
+        (["data=wds", "data.urls=data/shapes/shard-{000000..000019}.tar"],
+         "ssl-vit: error: data.urls=data/shapes/shard-{000000..000019}.tar: Hydra's override grammar reads {...} "
+         "as a dictionary; a brace pattern needs double quotes inside the shell's single quotes: "
+         "'data.urls=\"data/shapes/shard-{000000..000019}.tar\"'"),
+        (["data=wds", *(f"data.urls=data/shapes/shard-{i:06d}.tar" for i in range(3))],  # the shell expanded it
+         "ssl-vit: error: data.urls is given 3 times (data/shapes/shard-000000.tar ... data/shapes/shard-000002.tar): "
+         "the shell expanded a brace pattern"),
+    ]:
+        proc = _cli("model=vit_test", *args, f"out={tmp_path / 'run'}")
+        assert proc.returncode == 2, (args, proc.stderr[-2000:])
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(line), (args, lines)
+    assert not (tmp_path / "run").exists()  # a refused run leaves no directory behind
+
+
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint_that_resumes_exactly(reference_run, tmp_path):
+    """SIGINT at step 12 of 30 (sent by the process to itself after that step, as a Ctrl-C would): exit 130, a
+    checkpoint and the encoder at step 12, one line with the resume command; resuming reproduces the uninterrupted
+    run's losses."""
+    stopped = subprocess.run([*PRETRAIN, *TINY, "trainer.progress=false", "trainer.max_steps=30", f"out={tmp_path}"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "SSL_VIT_FAULT": "sigint@12"})
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 130, output[-3000:]
+    assert "Traceback" not in output and "Setting accelerator to CPU" not in output
+    assert "stopped at step 12 of 30 (SIGINT), checkpoint and encoder saved; continue with:" in output
+    assert f"python {ROOT / 'scripts' / 'pretrain.py'} model=vit_test" in output
+    assert f"trainer.resume=auto out={tmp_path}" in output
+    assert (tmp_path / "checkpoints" / "step_00000012").is_dir()
+    assert json.loads((tmp_path / "summary.json").read_text())["stopped_by"] == "SIGINT"
+    from ssl_vit.artifacts import read_metadata
+
+    assert read_metadata(tmp_path / "encoder.safetensors")["step"] == "12"
+    check_ok(launch(*TINY, "trainer.max_steps=30", "trainer.resume=auto", f"out={tmp_path}",
+                    env={"SSL_VIT_FAULT": None}))
+    resumed = {m["step"]: m["loss"] for m in read_metrics(tmp_path)}
+    reference = {m["step"]: m["loss"] for m in read_metrics(reference_run)}
+    assert sorted(resumed) == list(range(1, 31))
+    assert all(resumed[s] == pytest.approx(reference[s], abs=1e-6) for s in range(1, 31))
+    assert os.environ.get("SSL_VIT_FAULT") is None
