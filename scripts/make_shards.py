@@ -13,9 +13,9 @@ Each sample holds the image (png for images up to 64 px, jpg above; --format to 
 samples (so a reader can count what a broken shard lost). Unreadable source images are left out, named in the log
 (the first few) and counted in the summary. Then train on them (a directory, a quoted glob, or a brace pattern
 quoted twice: once for the shell, once for Hydra, whose parser reads bare braces as a dict):
-    accelerate launch scripts/pretrain.py data=wds data.urls=data/shapes
-    accelerate launch scripts/pretrain.py data=wds 'data.urls=data/shapes/*.tar'
-    accelerate launch scripts/pretrain.py data=wds 'data.urls="data/shapes/shard-{000000..000019}.tar"'
+    python scripts/pretrain.py data=wds data.urls=data/shapes
+    python scripts/pretrain.py data=wds 'data.urls=data/shapes/*.tar'
+    python scripts/pretrain.py data=wds 'data.urls="data/shapes/shard-{000000..000019}.tar"'
 """
 
 import argparse
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         print(f"left out {samples.skipped} unreadable image(s) (the first ones are named above)")
     if summary["classes"]:
         print(f"classes: {len(summary['classes'])} ({json.dumps(summary['classes'])})")
-    print(f"train on them: accelerate launch scripts/pretrain.py data=wds data.urls={summary['out_dir']}"
+    print(f"train on them: python scripts/pretrain.py data=wds data.urls={summary['out_dir']}"
           + (f" data.num_classes={len(classes)}" if classes else ""))
     if summary["pattern"]:
         print(f"  or name these shards (quoted for the shell, then for Hydra): 'data.urls=\"{summary['pattern']}\"'")

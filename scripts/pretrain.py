@@ -1,7 +1,7 @@
 """Pre-train a ViT with one objective.
 
-    accelerate launch scripts/pretrain.py                                 # supervised, vit_tiny, synthetic shapes
-    accelerate launch scripts/pretrain.py objective=supervised model=vit_s16 data=folder data.root=/data/train
+    python scripts/pretrain.py                                 # supervised, vit_tiny, synthetic shapes
+    python scripts/pretrain.py objective=supervised model=vit_s16 data=folder data.root=/data/train
     accelerate launch --config_file configs/accelerate/zero3_cpu2.yaml scripts/pretrain.py objective=mae  # "Scaling up"
 
 Hydra overrides select and change everything in configs/; see configs/pretrain.yaml. A bad value ends in one line,

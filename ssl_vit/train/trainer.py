@@ -277,6 +277,9 @@ class Trainer:
                     progress.update(1)
                     if logged:
                         progress.set_postfix(self.log_line)
+                        if self.is_main and not self.settings.progress:  # no bar: the log line says it
+                            log.info("step %d/%d: %s", self.state.step, self.end_step,
+                                     ", ".join(f"{k} {v}" for k, v in self.log_line.items()))
                     if (logged or self.accelerator.num_processes == 1) and requests.agreed(self.accelerator):
                         self.stopped_by = requests.requested or "a stop signal on another rank"
                         if self.saved_step != self.state.step:
