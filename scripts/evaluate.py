@@ -28,4 +28,4 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    run_hydra(main, "evaluate")
+    run_hydra(main, "evaluate", __doc__)

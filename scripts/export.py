@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--hf-arch", choices=HF_ARCHS, default=None, help="--to hf: the transformers model class")
     args = parser.parse_args(argv)
-    args.source = resolve_run(args.source)  # an output group: its newest run
+    args.source = resolve_run(args.source.removeprefix("checkpoint="))  # as evaluate.py; a group: its newest run
     try:
         print(export(args.source, args.to, args.out, args.hf_arch))
     except (ValueError, FileNotFoundError) as err:
@@ -54,7 +54,12 @@ def export(source: str, to: str, out: str, hf_arch: str | None = None) -> str:
     """Write the export; returns the line telling how to load it."""
     if to == "open_clip":
         encoder_file, _ = run_files(source)
-        path = export_open_clip(load_trained(source, image_text=True), out, read_preprocess(encoder_file))
+        try:
+            model = load_trained(source, image_text=True)
+        except ValueError as err:
+            raise ValueError(f"--to open_clip writes an image-text model's two towers: {err}; an encoder alone "
+                             f"exports with --to {', '.join(t for t in TARGETS if t != 'open_clip')}") from err
+        path = export_open_clip(model, out, read_preprocess(encoder_file))
         return f"wrote {path}: open_clip.create_model_and_transforms('local-dir:{path}')"
     pretrained = load_pretrained(source)
     encoder, preprocess = pretrained.encoder, pretrained.preprocess

@@ -64,4 +64,4 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    run_hydra(main, "plan_memory")
+    run_hydra(main, "plan_memory", __doc__)

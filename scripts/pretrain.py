@@ -26,5 +26,5 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    run_hydra(main, "pretrain")
+    run_hydra(main, "pretrain", __doc__)
     exit_without_teardown()  # a finished distributed run: see ssl_vit.cli

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from objectives.mae import MAE
 from ssl_vit.analysis.mae_reconstruction import save_reconstruction_png
+from ssl_vit.run_dirs import resolve_run
 from ssl_vit.train import build_components
 from ssl_vit.train.checkpoint import list_checkpoints
 
@@ -30,6 +31,7 @@ def main(argv=None) -> int:
     parser.add_argument("--scale", type=int, default=4, help="integer upscaling of the PNG (small images)")
     parser.add_argument("--out", type=Path, default=None, help="default: RUN_DIR/mae_reconstructions.png")
     args = parser.parse_args(argv)
+    args.run_dir = Path(resolve_run(args.run_dir))  # an output group: its newest run
 
     config_path = args.run_dir / "config.yaml"
     if not config_path.is_file():

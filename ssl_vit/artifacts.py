@@ -19,11 +19,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ssl_vit.preprocess import Preprocess
+from ssl_vit.run_dirs import ENCODER_FILE, HEADS_FILE, resolve_run
 from ssl_vit.vit import VisionTransformer
 
 FORMAT = "ssl_vit.encoder.v1"
-ENCODER_FILE = "encoder.safetensors"
-HEADS_FILE = "heads.safetensors"
 
 
 def save_encoder(encoder: VisionTransformer, path: str | Path, preprocess: Preprocess | None = None,
@@ -83,7 +82,7 @@ def load_heads(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str
 
 def run_files(spec: str | Path) -> tuple[Path, Path]:
     """(encoder.safetensors, heads.safetensors) of a run directory, or of the directory holding the file `spec`."""
-    path = Path(spec).expanduser()
+    path = Path(resolve_run(spec)).expanduser()  # an output group: its newest run
     run = path.parent if path.is_file() else path
     return run / ENCODER_FILE, run / HEADS_FILE
 

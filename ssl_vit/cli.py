@@ -43,7 +43,7 @@ from ssl_vit.data.errors import DataError
 from ssl_vit.run_dirs import default_run_dir, evaluation_dir
 from ssl_vit.schema import ConfigError, closest_names
 from ssl_vit.train.guard import TrainingDiverged
-from ssl_vit.train.outputs import OutputError, check_writable
+from ssl_vit.train.outputs import OutputError, check_writable, describe_write_failure
 from ssl_vit.train.strategy import MainProcessFailed
 from ssl_vit.vit import PRESETS
 
@@ -116,14 +116,38 @@ def discard_unused_run_dir() -> None:
             run.parent.rmdir()  # only when empty: the output group this launch created
 
 
-def run_hydra(main, config_name: str) -> None:
+POSITIONAL = {"evaluate": "checkpoint"}  # the key a leading argument without "=" sets
+HELP_GROUPS = {"pretrain": ("model", "objective", "data", "optim", "trainer"), "evaluate": ("data", "eval"),
+               "plan_memory": ("model",)}
+
+
+def print_help(config_name: str, doc: str | None) -> None:
+    """--help: the script's docstring and the groups it composes, with their options (Hydra's own help lists every
+    folder of configs/, the schema groups and the accelerate files included)."""
+    print((doc or "").strip() + "\n\nGroups (group=option):")
+    stored = ConfigStore.instance().repo
+    for group in HELP_GROUPS.get(config_name, ()):
+        options = {path.stem for path in (CONFIG_DIR / group).glob("*.yaml")}
+        options |= {name.removesuffix(".yaml") for name in stored.get(group, {})}
+        print(f"  {group}: {', '.join(sorted(options))}")
+    print(f"\nAny key: key=value (the keys and their values: python {sys.argv[0]} --cfg job; one group's: "
+          "--cfg job --package <group>). Hydra's own flags: --hydra-help.")
+
+
+def run_hydra(main, config_name: str, doc: str | None = None) -> None:
     """Call a @hydra.main function so that Hydra's own errors about the command line (an unknown key, an unknown
     option of a group, a value its grammar cannot read) end in one `ssl-vit: error:` line naming the closest valid
     names, with exit status 2, instead of Hydra's message (which advises `+key=`, silently adding a key nothing
     reads) and exit status 1. HYDRA_FULL_ERROR=1 set by the user keeps Hydra's full report."""
+    positional = POSITIONAL.get(config_name)
+    if positional and len(sys.argv) > 1 and "=" not in sys.argv[1] and not sys.argv[1].startswith("-"):
+        sys.argv[1] = f"{positional}={sys.argv[1]}"  # `evaluate.py RUN ...` as export.py and analyze.py take it
     users = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing and exiting
     overrides = [arg for arg in sys.argv[1:] if not arg.startswith("-")]
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+        print_help(config_name, doc)
+        return
     try:
         repeated_key_check(overrides)
         main()
@@ -131,6 +155,11 @@ def run_hydra(main, config_name: str) -> None:
         if users:
             raise
         fail(explain_hydra_error(err, config_name, overrides), EXIT_CONFIG)
+    except OSError as err:  # Hydra's own writes of the run's config (.hydra/): ours become OutputError in the job
+        if users or not HydraConfig.initialized():
+            raise
+        run = Path(HydraConfig.get().runtime.output_dir)
+        fail(f"cannot write the run's config in {run}: {describe_write_failure(run, err)} (out=)", EXIT_CONFIG)
 
 
 def repeated_key_check(overrides: list[str]) -> None:

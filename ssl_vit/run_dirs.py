@@ -11,9 +11,10 @@ import os
 import sys
 from pathlib import Path
 
-from ssl_vit.artifacts import ENCODER_FILE, HEADS_FILE
-
+ENCODER_FILE = "encoder.safetensors"
+HEADS_FILE = "heads.safetensors"
 LATEST = "latest"
+_ANNOUNCED: set[str] = set()
 CHECKPOINTS = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -53,7 +54,8 @@ def resolve_run(spec: str | Path, quiet: bool = False) -> str:
     run = newest_run(path)
     if run is None:
         return str(spec)
-    if not quiet:
+    if not quiet and str(spec) not in _ANNOUNCED:  # once per process, however many layers ask
+        _ANNOUNCED.add(str(spec))
         print(f"ssl-vit: {spec} is an output group: using its newest run, {run}", file=sys.stderr, flush=True)
     return str(run)
 

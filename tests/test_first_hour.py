@@ -117,7 +117,7 @@ def test_a_labelled_objective_refuses_unlabelled_images_naming_the_class_folder_
         build_components(cfg)
 
 
-def test_commands_take_an_output_group_and_use_its_newest_run(tmp_path):
+def test_commands_take_an_output_group_and_use_its_newest_run(tmp_path, capsys):
     """The default layout through the CLI (outputs/<group>/<time>/ under the working directory, with latest);
     evaluate, export, analyze and trainer.resume then take the group."""
     check_ok(_cli(*STEPS2, cwd=tmp_path))
@@ -127,14 +127,17 @@ def test_commands_take_an_output_group_and_use_its_newest_run(tmp_path):
     assert resolve_run(str(group)) == str(run) and resolve_run("timm:vit_tiny") == "timm:vit_tiny"
     assert resolve_resume(str(group), tmp_path / "new").parent.parent == run  # its newest checkpoint
     # evaluation results land in the evaluated run, beside its encoder
-    evaluation = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), f"checkpoint={group}",
+    evaluation = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), str(group),  # positional
                                  "data=synthetic", "data.num_samples=64", "eval=knn", "cache_dir=null"],
                                 cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert evaluation.returncode == 0, evaluation.stderr[-2000:]
     assert f"using its newest run, {run}" in evaluation.stderr
     assert json.loads((run / "eval" / "synthetic" / "results.json").read_text())["results"]["knn"]["accuracy"] >= 0
-    assert export_script().main([str(group), "--to", "safetensors", "--out", str(tmp_path / "exported")]) == 0
+    export = export_script()
+    assert export.main([f"checkpoint={group}", "--to", "safetensors", "--out", str(tmp_path / "exported")]) == 0
     assert (tmp_path / "exported" / "encoder.safetensors").is_file()
+    assert export.main([str(group), "--to", "open_clip", "--out", str(tmp_path / "clip")]) == 2
+    assert "--to open_clip writes an image-text model's two towers" in capsys.readouterr().err
 
 
 def test_typos_get_the_closest_names_in_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
@@ -166,6 +169,13 @@ def test_typos_get_the_closest_names_in_one_line_and_exit_2(tmp_path, monkeypatc
         lines = capsys.readouterr().err.strip().splitlines()
         assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith(line), (args, lines)
     assert not (tmp_path / "run").exists()  # a refused run leaves no directory behind
+    # --help lists the groups this script composes, not every folder of configs/
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "scripts" / "pretrain.py"), "--help"])
+    spec = importlib.util.spec_from_file_location("__main__", ROOT / "scripts" / "pretrain.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    shown = capsys.readouterr().out
+    assert "  objective: clip, clip_tiny, deit," in shown and "  optim: adamw, augreg, clip, dino" in shown
+    assert "accelerate:" not in shown and "schema/" not in shown and "eval:" not in shown
 
 
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint_that_resumes_exactly(reference_run, tmp_path):

@@ -25,7 +25,8 @@ def test_tiny_supervised_run_lowers_the_loss_and_writes_its_outputs(reference_ru
     assert summary["finished"] and summary["step"] == 30 and summary["world_size"] == 1
     checkpoints = sorted(p.name for p in (reference_run / "checkpoints").iterdir())
     assert checkpoints == ["step_00000020", "step_00000030"]  # keep_checkpoints=2, no temp dirs left
-    assert list((reference_run / "tb").rglob("events.out.tfevents.*"))
+    events = list((reference_run / "tb").rglob("events.out.tfevents.*"))
+    assert events and {p.parent for p in events} == {reference_run / "tb"}  # one TensorBoard run, hparams in it
 
     encoder = load_encoder(reference_run / "encoder.safetensors")
     state = load_file(str(reference_run / "checkpoints" / "step_00000030" / "model.safetensors"))

@@ -24,6 +24,7 @@ from ssl_vit.interop.hf import load_hf_dir
 from ssl_vit.interop.open_clip import load_open_clip_spec
 from ssl_vit.interop.timm import load_timm_spec
 from ssl_vit.preprocess import Preprocess
+from ssl_vit.run_dirs import resolve_run
 from ssl_vit.vit import VisionTransformer
 
 SOURCES = ("<encoder file or run dir>", "timm:<name>[:<file>]", "timm:<dir>", "hf:<dir>", "open_clip:<dir>",
@@ -47,7 +48,7 @@ def load_pretrained(spec: str) -> Pretrained:
 
 
 def _from_ours(spec: str) -> Pretrained:
-    path = Path(spec).expanduser()
+    path = Path(resolve_run(spec)).expanduser()  # an output group: its newest run
     if path.is_dir():
         path = path / ENCODER_FILE
     if not path.is_file():

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from torch.utils.tensorboard.summary import hparams as hparams_summary
 
 from ssl_vit.artifacts import ENCODER_FILE, HEADS_FILE, read_metadata, save_encoder_state, save_heads
 from ssl_vit.run_dirs import METRICS_FILE, SUMMARY_FILE
@@ -159,8 +160,12 @@ class RunOutputs:
         with writing(self.out_dir / "config.yaml", "the config"):
             OmegaConf.save(config, self.out_dir / "config.yaml", resolve=True)
         if self.tensorboard:
-            self.accelerator.init_trackers("tb", config=hparams,
-                                           init_kwargs={"tensorboard": {"purge_step": step + 1}})
+            self.accelerator.init_trackers("tb", init_kwargs={"tensorboard": {"purge_step": step + 1}})
+            # The hyperparameters go into the run's own event file: accelerate's store_init_configuration (via
+            # SummaryWriter.add_hparams) would start another TensorBoard run in a time-stamped subdirectory.
+            writer = self.accelerator.get_tracker("tensorboard", unwrap=True)
+            for summary in hparams_summary(hparams, {}):
+                writer.file_writer.add_summary(summary)
         return dropped
 
     def log(self, row: dict, tensorboard_prefix: str = "") -> None:
