@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     parser.add_argument("--num-images", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None, help="default: beside the checkpoint")
     args = parser.parse_args(argv)
-    args.checkpoint = resolve_run(args.checkpoint.removeprefix("checkpoint="))  # as evaluate.py; a group: its newest run
+    args.checkpoint = resolve_run(args.checkpoint.removeprefix("checkpoint="))  # as evaluate.py; a group: newest
     try:
         encoder, _, recorded = load_any_encoder(args.checkpoint)
     except ConfigError as err:

@@ -342,11 +342,11 @@ def test_a_zero_byte_shard_is_left_out_with_a_warning(tmp_path, caplog):
 
 # ----- item 9: the documented data.urls examples work as written -----
 def _url_overrides(lines) -> list[str]:
-    """The `data.urls=...` arguments of the `accelerate launch` commands in these lines (and of the make_shards hint
-    line), split as a POSIX shell splits them; trailing `  # comments` dropped."""
+    """The `data.urls=...` arguments of the pretraining commands in these lines (and of the make_shards hint line),
+    split as a POSIX shell splits them; trailing `  # comments` dropped."""
     found = []
     for line in lines:
-        start = line.find("accelerate launch") if "accelerate launch" in line else line.find("or name these shards")
+        start = line.find("scripts/pretrain.py") if "scripts/pretrain.py" in line else line.find("or name these shards")
         if start >= 0 and "data.urls=" in line:
             found += [word for word in shlex.split(line[start:].split("  #")[0]) if word.startswith("data.urls=")]
     return found

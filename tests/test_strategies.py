@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -78,9 +79,18 @@ def runs(tmp_path_factory):
     for objective, config in RUNS:
         # the config file alone sets every strategy up (nothing in the environment)
         overrides = [o.format(teacher=teacher) for o in OBJECTIVES[objective]]
-        check_ok(_run(config, root / f"{objective}-{config}", *EVAL, *overrides, env={"ACCELERATE_USE_CPU": None}))
+        proc = check_ok(_run(config, root / f"{objective}-{config}", *EVAL, *overrides,
+                             env={"ACCELERATE_USE_CPU": None}))
+        (root / f"{objective}-{config}.log").write_text(proc.stdout + proc.stderr)
         done[objective, config] = root / f"{objective}-{config}"
     return done
+
+
+def test_launches_that_are_not_deepspeed_print_no_deepspeed_warning(runs):
+    """accelerate imports DeepSpeed wherever it is installed; its "Setting accelerator to CPU" warning stays out
+    of DDP and FSDP2 runs (ssl_vit names the accelerator it would pick)."""
+    logs = {key: Path(f"{run}.log").read_text() for key, run in runs.items() if not key[1].startswith("zero")}
+    assert logs and all("Setting accelerator to CPU" not in text for text in logs.values()), list(logs)
 
 
 @pytest.fixture(scope="module")
