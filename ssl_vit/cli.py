@@ -12,6 +12,7 @@ registry) and each objective's (the registry), so it lives here, above all of th
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import re
@@ -42,10 +43,11 @@ from ssl_vit.data import DATASETS
 from ssl_vit.data.errors import DataError
 from ssl_vit.run_dirs import default_run_dir, evaluation_dir
 from ssl_vit.schema import ConfigError, closest_names
+from ssl_vit.train.build import requirements
 from ssl_vit.train.guard import TrainingDiverged
 from ssl_vit.train.outputs import OutputError, check_writable, describe_write_failure
 from ssl_vit.train.strategy import MainProcessFailed
-from ssl_vit.vit import PRESETS
+from ssl_vit.vit import PRESETS, VisionTransformer
 
 EXIT_STOPPED, EXIT_CONFIG, EXIT_INTERRUPTED = 1, 2, 130
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -134,6 +136,36 @@ def print_help(config_name: str, doc: str | None) -> None:
           "--cfg job --package <group>). Hydra's own flags: --hydra-help.")
 
 
+def wants_job_config(args: list[str]) -> bool:
+    """`--cfg job` (or `-c job`) without `--package`: the whole composed config of the job."""
+    pairs = list(zip(args, args[1:], strict=False))
+    return any(flag in ("--cfg", "-c") and value == "job" for flag, value in pairs) and not any(
+        arg in ("--package", "-p") for arg in args)
+
+
+def show_job_config(config_name: str, overrides: list[str], resolve: bool) -> bool:
+    """Print the composed config as `--cfg job` does, but with the values a model preset (and the objective's
+    model defaults) gives where `model.*` is null ("the preset's"), so the architecture is visible. False (Hydra
+    prints instead) where composing fails: Hydra then reports why."""
+    try:
+        with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose(config_name, overrides=[o for o in overrides  # not --cfg's "job"
+                                                  if ("=" in o or o.startswith("~")) and not o.startswith("hydra")])
+        if "model" in cfg and cfg.model.get("name") in PRESETS and "objective" in cfg:
+            _, needs = requirements(cfg.objective)
+            built = {name: param.default for name, param in inspect.signature(VisionTransformer).parameters.items()
+                     if param.default is not inspect.Parameter.empty}
+            effective = {**built, **PRESETS[cfg.model.name], **needs.model_defaults}
+            for key in list(cfg.model):
+                if cfg.model[key] is None and effective.get(key) is not None:
+                    cfg.model[key] = effective[key]
+        text = OmegaConf.to_yaml(cfg, resolve=resolve)
+    except Exception:  # noqa: BLE001 (Hydra's own --cfg path reports the problem)
+        return False
+    print(text, end="")
+    return True
+
+
 def run_hydra(main, config_name: str, doc: str | None = None) -> None:
     """Call a @hydra.main function so that Hydra's own errors about the command line (an unknown key, an unknown
     option of a group, a value its grammar cannot read) end in one `ssl-vit: error:` line naming the closest valid
@@ -142,12 +174,14 @@ def run_hydra(main, config_name: str, doc: str | None = None) -> None:
     positional = POSITIONAL.get(config_name)
     if positional and len(sys.argv) > 1 and "=" not in sys.argv[1] and not sys.argv[1].startswith("-"):
         sys.argv[1] = f"{positional}={sys.argv[1]}"  # `evaluate.py RUN ...` as export.py and analyze.py take it
-    users = os.environ.get("HYDRA_FULL_ERROR")
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing and exiting
     overrides = [arg for arg in sys.argv[1:] if not arg.startswith("-")]
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
         print_help(config_name, doc)
         return
+    if wants_job_config(sys.argv[1:]) and show_job_config(config_name, overrides, "--resolve" in sys.argv):
+        return
+    users = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing and exiting
     try:
         repeated_key_check(overrides)
         main()
@@ -160,6 +194,9 @@ def run_hydra(main, config_name: str, doc: str | None = None) -> None:
             raise
         run = Path(HydraConfig.get().runtime.output_dir)
         fail(f"cannot write the run's config in {run}: {describe_write_failure(run, err)} (out=)", EXIT_CONFIG)
+    finally:
+        if not users:  # as it was (a caller in the same process, e.g. a test, sees no change)
+            os.environ.pop("HYDRA_FULL_ERROR", None)
 
 
 def repeated_key_check(overrides: list[str]) -> None:

@@ -34,7 +34,8 @@ def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | Non
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        decay = param.ndim > 1 and name.rsplit(".", 1)[-1] not in skip
+        # a ZeRO-3 parameter partitioned under zero.Init holds an empty 1-D tensor: its shape is ds_shape
+        decay = len(getattr(param, "ds_shape", param.shape)) > 1 and name.rsplit(".", 1)[-1] not in skip
         layer = _layer_id(name, num_layers) if layer_decay is not None else 0
         lr_scale = layer_decay ** (num_layers + 1 - layer) if layer_decay is not None else 1.0
         frozen_until = max((steps for prefix, steps in frozen.items() if name.startswith(prefix)), default=0)

@@ -145,6 +145,8 @@ def test_typos_get_the_closest_names_in_one_line_and_exit_2(tmp_path, monkeypatc
     its own report; a +key= that no schema knows is refused by the validation in the job."""
     import importlib.util
 
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)  # a user's HYDRA_FULL_ERROR=1 keeps Hydra's report
+
     for args, line in [
         (["trainer.max_step=10"], "ssl-vit: error: unknown key trainer.max_step; did you mean trainer.max_steps or "
                                   "trainer.stop_at_step?"),
@@ -160,7 +162,6 @@ def test_typos_get_the_closest_names_in_one_line_and_exit_2(tmp_path, monkeypatc
          "ssl-vit: error: data.urls is given 3 times (data/shapes/shard-000000.tar ... data/shapes/shard-000002.tar): "
          "the shell expanded a brace pattern"),
     ]:
-        monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)  # run_hydra sets it (once per process)
         monkeypatch.setattr(sys, "argv", [str(ROOT / "scripts" / "pretrain.py"), "model=vit_test", *args,
                                           f"out={tmp_path / 'run'}"])
         spec = importlib.util.spec_from_file_location("__main__", ROOT / "scripts" / "pretrain.py")
@@ -169,6 +170,7 @@ def test_typos_get_the_closest_names_in_one_line_and_exit_2(tmp_path, monkeypatc
         lines = capsys.readouterr().err.strip().splitlines()
         assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith(line), (args, lines)
     assert not (tmp_path / "run").exists()  # a refused run leaves no directory behind
+    assert "HYDRA_FULL_ERROR" not in os.environ  # run_hydra leaves the environment as it found it
     # --help lists the groups this script composes, not every folder of configs/
     monkeypatch.setattr(sys, "argv", [str(ROOT / "scripts" / "pretrain.py"), "--help"])
     spec = importlib.util.spec_from_file_location("__main__", ROOT / "scripts" / "pretrain.py")
@@ -176,6 +178,11 @@ def test_typos_get_the_closest_names_in_one_line_and_exit_2(tmp_path, monkeypatc
     shown = capsys.readouterr().out
     assert "  objective: clip, clip_tiny, deit," in shown and "  optim: adamw, augreg, clip, dino" in shown
     assert "accelerate:" not in shown and "schema/" not in shown and "eval:" not in shown
+    # --cfg job shows a preset's architecture (and the objective's model defaults) where the config says null
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "scripts" / "pretrain.py"), "--cfg", "job", "objective=deit"])
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    shown = capsys.readouterr().out
+    assert "  embed_dim: 64\n  depth: 4\n  num_heads: 4\n" in shown and "  dist_token: true\n" in shown
 
 
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint_that_resumes_exactly(reference_run, tmp_path):
@@ -203,3 +210,16 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_that_resumes_exactly(refe
     assert sorted(resumed) == list(range(1, 31))
     assert all(resumed[s] == pytest.approx(reference[s], abs=1e-6) for s in range(1, 31))
     assert os.environ.get("SSL_VIT_FAULT") is None
+
+
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """Two DDP processes, SIGINT to the last rank only after step 5: the ranks agree at that log step, the
+    checkpoint of step 5 is written by both (a collective) and nobody waits in a collective alone."""
+    proc = launch(*TINY, "trainer.max_steps=30", f"out={tmp_path}", config="ddp_cpu2",
+                  env={"SSL_VIT_FAULT": "sigint@5"}, timeout=240)
+    assert proc.returncode != 0  # 130 from each rank; torchrun's agent reports it as a failure of the launch
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000005"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["step"] == 5 and not summary["finished"] and summary["error"] is None
+    assert summary["stopped_by"] == "a stop signal on another rank"  # rank 0 wrote it; rank 1 got the signal
+    assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]

@@ -23,6 +23,18 @@ def test_no_weight_decay_on_biases_norms_pos_embed_and_tokens():
     assert len(no_decay | decay) == len(list(model.parameters()))
 
 
+def test_parameters_partitioned_by_zero3_keep_their_weight_decay():
+    """zero.Init leaves each parameter an empty 1-D tensor with its real shape in ds_shape (DeepSpeed's
+    partition_parameters); grouping by the tensor's own ndim put every weight in the no-decay group under ZeRO-3
+    (found as a CLIP ZeRO-3 run drifting from DDP at weight decay 0.2)."""
+    model = Supervised(build_vit("vit_test"), SupervisedConfig(), DataInfo(4, 16))
+    whole = [(g["names"], g["weight_decay"]) for g in param_groups(model, weight_decay=0.1)]
+    for param in model.parameters():
+        param.ds_shape = param.shape
+        param.data = torch.empty(0)
+    assert [(g["names"], g["weight_decay"]) for g in param_groups(model, weight_decay=0.1)] == whole
+
+
 def test_layer_decay_scales_learning_rate_by_depth():
     model = build_vit("vit_test")  # depth 2
     groups = param_groups(model, 0.05, layer_decay=0.5, num_layers=2)
