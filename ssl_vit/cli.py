@@ -148,9 +148,7 @@ def show_job_config(config_name: str, overrides: list[str], resolve: bool) -> bo
     model defaults) gives where `model.*` is null ("the preset's"), so the architecture is visible. False (Hydra
     prints instead) where composing fails: Hydra then reports why."""
     try:
-        with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-            cfg = compose(config_name, overrides=[o for o in overrides  # not --cfg's "job"
-                                                  if ("=" in o or o.startswith("~")) and not o.startswith("hydra")])
+        cfg = _compose_job(config_name, [o for o in overrides if "=" in o or o.startswith("~")])  # not "job"
         if "model" in cfg and cfg.model.get("name") in PRESETS and "objective" in cfg:
             _, needs = requirements(cfg.objective)
             built = {name: param.default for name, param in inspect.signature(VisionTransformer).parameters.items()
@@ -237,11 +235,16 @@ def explain_hydra_error(err: Exception, config_name: str, overrides: list[str]) 
     return text.strip().splitlines()[0] + " (see https://hydra.cc/docs/advanced/override_grammar/basic)"
 
 
+def _compose_job(config_name: str, overrides: list[str]):
+    """The job's config as the script would compose it (Hydra's own hydra.* overrides left out)."""
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name, overrides=[o for o in overrides if not o.startswith("hydra")])
+
+
 def _keys_of(config_name: str, node: str, overrides: list[str]) -> list[str]:
     """The keys of `node` in the config composed from the other overrides (empty if that fails too)."""
     try:
-        with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-            composed = compose(config_name, overrides=[o for o in overrides if not o.startswith("hydra")])
+        composed = _compose_job(config_name, overrides)
         selected = OmegaConf.select(composed, node) if node else composed
         return [str(key) for key in selected] if selected is not None else []
     except Exception:  # noqa: BLE001 (only a suggestion: any failure leaves it out)
