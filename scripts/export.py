@@ -15,7 +15,8 @@ The source is a run directory, an encoder.safetensors, or any import form (timm:
 ssl_vit/interop/sources.py). --to hf writes a transformers directory (default --hf-arch: clip for pre-norm models,
 dinov2 with layer scale or registers, siglip without a class token, vit otherwise; a CLIP run's projection becomes
 visual_projection) with its image processor; --to timm a model.safetensors + timm config.json; --to onnx model.onnx
-(dynamic batch, checked with onnxruntime); --to open_clip a CLIP / SigLIP run's image and text towers.
+(dynamic batch, checked with onnxruntime); --to open_clip a CLIP / SigLIP run's image and text towers. Every
+target gets a README.md model card beside the weights (ssl_vit/model_card.py).
 """
 
 import argparse
@@ -29,6 +30,7 @@ from ssl_vit.interop.onnx import export_onnx
 from ssl_vit.interop.open_clip import export_open_clip
 from ssl_vit.interop.sources import LIBRARIES, load_pretrained
 from ssl_vit.interop.timm import export_timm
+from ssl_vit.model_card import write_model_card
 from ssl_vit.run_dirs import resolve_run
 
 TARGETS = ("hf", "timm", "onnx", "open_clip", "safetensors")
@@ -51,7 +53,9 @@ def main(argv=None) -> int:
 
 
 def export(source: str, to: str, out: str, hf_arch: str | None = None) -> str:
-    """Write the export; returns the line telling how to load it."""
+    """Write the export and its model card (README.md); returns the line telling how to load it."""
+    pretrained = load_pretrained(source)
+    encoder, preprocess = pretrained.encoder, pretrained.preprocess
     if to == "open_clip":
         encoder_file, _ = run_files(source)
         try:
@@ -60,21 +64,22 @@ def export(source: str, to: str, out: str, hf_arch: str | None = None) -> str:
             raise ValueError(f"--to open_clip writes an image-text model's two towers: {err}; an encoder alone "
                              f"exports with --to {', '.join(t for t in TARGETS if t != 'open_clip')}") from err
         path = export_open_clip(model, out, read_preprocess(encoder_file))
-        return f"wrote {path}: open_clip.create_model_and_transforms('local-dir:{path}')"
-    pretrained = load_pretrained(source)
-    encoder, preprocess = pretrained.encoder, pretrained.preprocess
-    if to == "hf":
+        load = f"open_clip.create_model_and_transforms('local-dir:{path}')"
+    elif to == "hf":
         arch = hf_arch or default_arch(encoder.config)
         path = export_hf(encoder, out, arch, _clip_projection(source) if arch == "clip" else None, preprocess)
-        return f"wrote {path}: transformers.AutoModel.from_pretrained('{path}')"
-    if to == "timm":
+        load = f"transformers.AutoModel.from_pretrained('{path}')"
+    elif to == "timm":
         path = export_timm(encoder, out, preprocess)
-        return f"wrote {path}: timm.create_model('local-dir:{path}', pretrained=True)"
-    if to == "onnx":
+        load = f"timm.create_model('local-dir:{path}', pretrained=True)"
+    elif to == "onnx":
         path, error = export_onnx(encoder, out, preprocess)
-        return f"wrote {path} (onnxruntime vs torch: max abs difference {error:.2e})"
-    path = save_encoder(encoder, Path(out) / "encoder.safetensors", preprocess, source=source)
-    return f"wrote {path}: ssl_vit.artifacts.load_encoder('{path}'), checkpoint={path.parent}"
+        load = f"onnxruntime.InferenceSession('{path}')  # onnxruntime vs torch: max abs difference {error:.2e}"
+    else:
+        path = save_encoder(encoder, Path(out) / "encoder.safetensors", preprocess, source=source)
+        load = f"ssl_vit.artifacts.load_encoder('{path}')  # or checkpoint={path.parent} in ssl-vit's scripts"
+    card = write_model_card(out, source, to, load, encoder, preprocess)
+    return f"wrote {path} and its model card {card.name}: {load}"
 
 
 def _clip_projection(source: str):

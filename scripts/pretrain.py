@@ -6,8 +6,9 @@
 
 Hydra overrides select and change everything in configs/; see configs/pretrain.yaml. A bad value ends in one line,
 `ssl-vit: error: ...`, with exit status 2; a run that stops (divergence, unusable data, a full disk) with 1.
-Ctrl-C (or SIGTERM) stops after the current step with a checkpoint and the encoder, prints the command that
-resumes, and exits 130 (143); a second Ctrl-C stops at once.
+Ctrl-C stops after the current step with a checkpoint and the encoder, prints the command that resumes, and exits
+130; a preemption signal (trainer.preempt_signals: SIGTERM, SIGUSR1) does the same and exits 75, for a job script to
+requeue on. A second Ctrl-C (the same signal again) stops at once.
 """
 
 import hydra
@@ -21,7 +22,7 @@ register_configs()
 @hydra.main(config_path="../configs", config_name="pretrain", version_base="1.3")
 def main(cfg) -> None:
     status = stopped_status(run_reporting_errors(pretrain, cfg))
-    if status:  # Ctrl-C / SIGTERM: saved, then 130 / 143
+    if status:  # Ctrl-C / a preemption signal: saved, then 130 / 75
         exit_without_teardown(status)
 
 

@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import sys
 from pathlib import Path
 
@@ -86,10 +85,9 @@ def exit_without_teardown(status: int = 0) -> None:
 
 
 def stopped_status(summary: dict | None) -> int:
-    """128 + the signal's number for a run that stopped on a signal after saving (130: Ctrl-C, 143: SIGTERM), so a
+    """The exit status of a run that stopped on a signal after saving (130: Ctrl-C, 75: a preemption signal), so a
     job script can tell it from a finished run (0) and requeue it; else 0."""
-    name = (summary or {}).get("stopped_by")
-    return 128 + signal.Signals[name].value if name in signal.Signals.__members__ else 0
+    return (summary or {}).get("exit_status") or 0
 
 
 def run_reporting_errors(function, *args):
@@ -232,6 +230,10 @@ def explain_hydra_error(err: Exception, config_name: str, overrides: list[str]) 
         key, _, value = braced.partition("=")
         return (f"{braced}: Hydra's override grammar reads {{...}} as a dictionary; a brace pattern needs double "
                 f"quotes inside the shell's single quotes: '{key}=\"{value}\"'")
+    cause = err.__cause__
+    full_key = re.search(r"full_key: (\S+)", str(cause)) if cause is not None else None
+    if full_key:  # a value its schema's type refuses (an enum's choices, a number)
+        return f"{full_key.group(1)}: {str(cause).strip().splitlines()[0]}"
     return text.strip().splitlines()[0] + " (see https://hydra.cc/docs/advanced/override_grammar/basic)"
 
 

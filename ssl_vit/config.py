@@ -25,6 +25,14 @@ class Precision(str, Enum):
     bf16 = "bf16"
 
 
+class PreemptSignal(str, Enum):  # trainer.preempt_signals (ssl_vit.train.stop_requests)
+    SIGTERM = "SIGTERM"
+    SIGUSR1 = "SIGUSR1"
+    SIGUSR2 = "SIGUSR2"
+    SIGHUP = "SIGHUP"
+    SIGQUIT = "SIGQUIT"
+
+
 class Schedule(str, Enum):
     cosine = "cosine"
     linear = "linear"
@@ -122,6 +130,9 @@ class TrainerConfig:
     # written by a different number of processes) with a warning that the run no longer reproduces.
     allow_inexact_resume: bool = False
     stop_at_step: int | None = checked(None, ge=1)  # end this invocation early (a job time limit); resume continues
+    # Signals that stop the run after the step with a checkpoint and exit 75 (requeue); Ctrl-C always stops (130).
+    preempt_signals: list[PreemptSignal] = field(default_factory=lambda: [PreemptSignal.SIGTERM,
+                                                                          PreemptSignal.SIGUSR1])
     max_consecutive_nonfinite: int = checked(5, ge=1)
     # Stop when one update multiplies the parameter norm by more than this (the weights are then ruined).
     max_param_norm_growth: float = checked(2.0, gt=1)

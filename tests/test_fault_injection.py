@@ -80,12 +80,16 @@ def test_killed_again_and_again_then_resumed_matches_the_uninterrupted_run(tmp_p
     # 3. resumed at 10 again, killed at a random moment before the final checkpoint
     kill_at = _kill_at_random(tmp_path, [*args, "trainer.resume=auto"], 12, 24)
     print(f"random kill after step {kill_at} was logged")
-    # 4. resumed, killed after the final checkpoint is in place but before encoder.safetensors is rewritten
-    assert launch(*args, "trainer.resume=auto", env={"SSL_VIT_FAULT": "checkpoint_saved@30"}).returncode != 0
-    assert (tmp_path / "checkpoints" / "step_00000030").is_dir()
+    # 4. resumed, killed after the final checkpoint is in place, in the middle of deleting the oldest one
+    #    (trainer.keep_checkpoints=2) and before encoder.safetensors is rewritten: that one is out of the way first
+    assert launch(*args, "trainer.resume=auto", env={"SSL_VIT_FAULT": "checkpoint_rotating@30"}).returncode != 0
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        ".old_step_00000010", "step_00000020", "step_00000030"]
     assert int(read_metadata(tmp_path / "encoder.safetensors")["step"]) == 20
-    # 5. resumed at the final step: nothing to train, the outputs are brought in line with the checkpoint
+    # 5. resumed at the final step: nothing to train, the outputs are brought in line with the checkpoint, the
+    #    half-deleted one swept away
     check_ok(launch(*args, "trainer.resume=auto"))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000020", "step_00000030"]
     summary = _assert_matches_reference(tmp_path, reference_run)
     assert summary["steps_this_run"] == 0 and summary["images_per_s"] is None
 

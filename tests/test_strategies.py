@@ -7,11 +7,14 @@ construction under zero.Init."""
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import timm
 import torch
@@ -199,7 +202,7 @@ def test_the_dino_teacher_is_the_same_under_every_strategy(runs):
         assert torch.equal(heads["head.last_layer.weight_v"], initial)
 
 
-@pytest.mark.parametrize("config", ["zero2_cpu2", "zero3_cpu2", "fsdp2_cpu2"])
+@pytest.mark.parametrize("config", ["zero2_cpu2", "fsdp2_cpu2"])  # ZeRO-3: the SIGTERM test below
 def test_resume_from_a_sharded_checkpoint_reproduces_the_uninterrupted_losses(runs, tmp_path, config):
     """Steps 4-5 resumed from the step-3 checkpoint of the uninterrupted run (model and optimizer shards, RNG,
     data position) into a new run directory give that run's losses. The run is DINOv2's, whose checkpoint also
@@ -218,6 +221,51 @@ def test_resume_from_a_sharded_checkpoint_reproduces_the_uninterrupted_losses(ru
     teacher = load_encoder(tmp_path / "encoder.safetensors").state_dict()
     for name, value in load_encoder(uninterrupted / "encoder.safetensors").state_dict().items():
         torch.testing.assert_close(teacher[name], value, atol=1e-6, rtol=0, msg=name)
+
+
+def _launch_and_signal(config, out, overrides, target):
+    """Launch a 2-process run and send SIGTERM once step 2 is logged: to the launcher (target "launcher", which
+    forwards it to every rank, as torchrun does when SLURM signals it) or to rank 1's process alone ("rank1")."""
+    model = [] if any(o.startswith("model=") for o in overrides) else ["model=vit_test"]
+    cmd = [*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "configs" / "accelerate" / f"{config}.yaml"),
+           str(ROOT / "scripts" / "pretrain.py"), "trainer.progress=false", *model, *TINY, *overrides,
+           f"hydra.run.dir={out}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while len(read_metrics(out) if (out / "metrics.jsonl").is_file() else []) < 2 and proc.poll() is None:
+        assert time.monotonic() < deadline, "the run logged no second step"
+        time.sleep(0.05)
+    if target == "launcher":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        next(w for w in workers if w.environ().get("RANK") == "1").send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=240)
+    return proc.returncode, output
+
+
+@pytest.mark.parametrize("config, objective, target", [("ddp_cpu2", "masked_patch", "rank1"),
+                                                       ("zero3_cpu2", "dinov2", "launcher")])
+def test_sigterm_stops_every_rank_with_a_checkpoint_and_resume_auto_gives_the_uninterrupted_losses(
+        runs, tmp_path, config, objective, target):
+    """SIGTERM after step 2 (DDP: to rank 1 alone; ZeRO-3, DINOv2: to the launcher, which forwards it): every rank
+    stops after the step they agree on, writes that step's checkpoint (ZeRO-3: its shards) and exits 75; resuming
+    with trainer.resume=auto in the same directory gives the uninterrupted run's losses for the remaining steps."""
+    status, output = _launch_and_signal(config, tmp_path, [*EVAL, *OBJECTIVES[objective]], target)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    stopped = summary["step"]
+    assert 2 <= stopped < 5 and summary["stopped_by"] == "SIGTERM" and summary["exit_status"] == 75, output[-3000:]
+    assert f"stopped at step {stopped} of 5 (SIGTERM), checkpoint and encoder saved, exit status 75" in output
+    assert status != 0  # the launcher reports its workers' 75 (or its own signal) as a failed launch
+    if target == "rank1":  # torchrun saw both ranks exit 75 after saving
+        assert output.count("exitcode  : 75") == 2, output[-3000:]
+    assert f"step_{stopped:08d}" in {p.name for p in (tmp_path / "checkpoints").iterdir()}
+    check_ok(_run(config, tmp_path, *EVAL, *OBJECTIVES[objective], "trainer.resume=auto"))
+    resumed = {m["step"]: m["loss"] for m in read_metrics(tmp_path) if "loss" in m}
+    reference = {m["step"]: m["loss"] for m in read_metrics(runs[objective, config]) if "loss" in m}
+    assert sorted(resumed) == [1, 2, 3, 4, 5]
+    assert [resumed[s] for s in range(1, 6)] == pytest.approx([reference[s] for s in range(1, 6)], abs=1e-6)
 
 
 def test_a_non_finite_loss_under_zero2_is_skipped_and_counted_with_the_weights_unchanged(runs, tmp_path):

@@ -42,7 +42,8 @@ def list_checkpoints(out_dir: str | Path) -> list[Path]:
 
 
 def remove_stale_temps(out_dir: str | Path) -> list[Path]:
-    """Delete the temp directories of saves that were interrupted (a kill, a full disk); returns what it removed."""
+    """Delete the temp directories of saves and deletions that were interrupted (a kill, a full disk); returns what
+    it removed."""
     root = Path(out_dir) / CHECKPOINT_DIR
     stale = sorted(root.glob(".tmp_step_*")) + sorted(root.glob(".old_step_*")) if root.is_dir() else []
     for path in stale:
@@ -163,7 +164,10 @@ def save_checkpoint(accelerator, out_dir: str | Path, step: int, keep: int) -> P
         tmp.rename(final)
         shutil.rmtree(stale, ignore_errors=True)
         for old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            trash = root / f".old_{old.name}"  # out of the readers' view first: a kill mid-delete leaves no half
+            old.rename(trash)
+            fault_point("checkpoint_rotating", step)
+            shutil.rmtree(trash, ignore_errors=True)
     accelerator.wait_for_everyone()
     fault_point("checkpoint_saved", step)
     return final

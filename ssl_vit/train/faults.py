@@ -2,11 +2,13 @@
 process SIGKILLs itself when it reaches that point at that step, exactly as a node failure or an OOM killer would.
 
 Points: `step_done` (after the optimizer step and its log line, before any checkpoint), `checkpoint_written` (the
-checkpoint is complete in its temp directory, not yet renamed into place), `checkpoint_saved` (renamed into place,
-before encoder.safetensors is written). And one that is not a kill: `nan_loss@<step>` makes that step's loss NaN
-on rank 0, to test that the update is skipped under every strategy; `eval_error@<step>` makes the main
-process's evaluation at that step raise, to test that every rank stops; and `sigint@<step>` makes the last rank
-send itself SIGINT at `step_done`, as a Ctrl-C would (the other ranks get none: they must stop with it).
+checkpoint is complete in its temp directory, not yet renamed into place), `checkpoint_rotating` (in place, the
+oldest beyond trainer.keep_checkpoints renamed out of the way, not yet deleted), `checkpoint_saved` (renamed into
+place, old ones deleted, before encoder.safetensors is written). And one that is not a kill: `nan_loss@<step>`
+makes that step's loss NaN on rank 0, to test that the update is skipped under every strategy; `eval_error@<step>`
+makes the main process's evaluation at that step raise, to test that every rank stops; and `sigint@<step>`
+(`sigterm@`, `sigusr1@`, any signal's lower-case name) makes the last rank send itself that signal at `step_done`,
+as a Ctrl-C or a scheduler would (the other ranks get none: they must stop with it).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ def fault_point(name: str, step: int) -> None:
     if _FAULT is not None and _FAULT == f"{name}@{step}":
         os.kill(os.getpid(), signal.SIGKILL)
     last_rank = int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1
-    if _FAULT is not None and name == "step_done" and _FAULT == f"sigint@{step}" and last_rank:
-        os.kill(os.getpid(), signal.SIGINT)
+    if _FAULT is not None and name == "step_done" and _FAULT.startswith("sig") and _FAULT.endswith(f"@{step}"):
+        if last_rank:
+            os.kill(os.getpid(), signal.Signals[_FAULT.split("@")[0].upper()])
 
 
 def poisoned(loss, step: int):

@@ -1,11 +1,14 @@
-"""Stopping a run cleanly on request: Ctrl-C (SIGINT), or SIGTERM (what a launcher sends its workers when it is
-itself interrupted, and what a scheduler sends before a time limit).
+"""Stopping a run cleanly on request: Ctrl-C (SIGINT), or a preemption signal (`trainer.preempt_signals`, by
+default SIGTERM, what SLURM and torchrun send before a time limit or a preemption, and SIGUSR1, what
+`sbatch --signal=USR1@<seconds>` sends ahead of it).
 
 The first signal asks the run to stop after the current optimizer step: the trainer then writes a checkpoint and
-the encoder and prints the command that resumes it. A second signal of the same kind stops at once
-(KeyboardInterrupt). The handler only sets a flag, so no step, collective or file write is cut in half. The ranks of
-a launch agree on the step they stop at (one all-reduce of the flag, every step in one process and every log step
-in several), so no rank waits in a collective alone.
+the encoder, prints the command that resumes it and exits with `stop_status`: 130 after Ctrl-C, EXIT_PREEMPTED (75,
+"temporary failure: try again") after a preemption signal, so a job script can requeue on it. A second signal of
+the same kind stops at once (KeyboardInterrupt); one within SAME_REQUEST_S of the first is taken as the same request
+(a scheduler signals every process and the launcher forwards it again). The handler only sets a flag, so no step,
+collective or file write is cut in half. The ranks of a launch agree on the step they stop at and on the signal
+(one all-reduce every step in one process and every log step in several), so no rank waits in a collective alone.
 """
 
 from __future__ import annotations
@@ -16,24 +19,36 @@ import shlex
 import signal
 import sys
 import threading
+import time
 
 import torch
 
 log = logging.getLogger("ssl_vit")
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+EXIT_PREEMPTED, EXIT_INTERRUPTED = 75, 130  # 75: EX_TEMPFAIL of sysexits.h
+SAME_REQUEST_S = 2.0
+
+
+def stop_status(signal_name: str | None) -> int:
+    """The exit status of a run that stopped on `signal_name` after saving; 0 for None (it finished)."""
+    if signal_name is None:
+        return 0
+    return EXIT_INTERRUPTED if signal_name == "SIGINT" else EXIT_PREEMPTED
 
 
 class StopRequests:
-    """A context: while inside, the stop signals set `requested` (the signal's name) instead of ending the process."""
+    """A context: while inside, SIGINT and the preemption signals set `requested` (the signal's name) instead of
+    ending the process."""
 
-    def __init__(self, announce: bool = True):
+    def __init__(self, preempt_signals=("SIGTERM", "SIGUSR1"), announce: bool = True):
+        self.signals = [signal.SIGINT, *(signal.Signals[str(getattr(s, "value", s))] for s in preempt_signals)]
         self.requested: str | None = None
+        self.requested_at = 0.0
         self.announce, self.previous = announce, {}
 
     def __enter__(self) -> StopRequests:
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
-            self.previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.signals}
         return self
 
     def __exit__(self, *exc) -> None:
@@ -43,20 +58,27 @@ class StopRequests:
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
+        if self.requested is not None and time.monotonic() - self.requested_at < SAME_REQUEST_S:
+            return  # the same request reaching this process twice (scheduler and launcher)
         if self.requested == name:  # the second of the same kind: stop now
             signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
             raise KeyboardInterrupt
-        self.requested = self.requested or name
+        if self.requested is not None:
+            return  # another kind while stopping (e.g. SIGTERM after SIGUSR1): the checkpoint is on its way
+        self.requested, self.requested_at = name, time.monotonic()
         if self.announce and int(os.environ.get("RANK", "0")) == 0:
             print(f"\nssl-vit: {name}: stopping after this step with a checkpoint ({name} again: stop now, "
                   "losing the steps since the last checkpoint)", file=sys.stderr, flush=True)
 
-    def agreed(self, accelerator) -> bool:
-        """Whether any rank was asked to stop (collective when there are several ranks)."""
+    def agreed(self, accelerator) -> str | None:
+        """The signal any rank was asked to stop by (the same name on every rank; collective when there are
+        several ranks), or None."""
         if accelerator.num_processes == 1:
-            return self.requested is not None
-        flag = torch.tensor([float(self.requested is not None)], device=accelerator.device)
-        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+            return self.requested
+        number = signal.Signals[self.requested].value if self.requested else 0
+        flag = torch.tensor([float(number)], device=accelerator.device)
+        number = int(accelerator.reduce(flag, reduction="max").item())
+        return signal.Signals(number).name if number else None
 
 
 def resume_command(out_dir) -> str:

@@ -44,7 +44,7 @@ from ssl_vit.train.evaluation import PeriodicEvaluation
 from ssl_vit.train.faults import fault_point, injected_error, poisoned
 from ssl_vit.train.guard import DivergenceAdvice, UpdateGuard
 from ssl_vit.train.outputs import OutputError, RunOutputs, check_writable
-from ssl_vit.train.stop_requests import StopRequests, resume_command
+from ssl_vit.train.stop_requests import StopRequests, resume_command, stop_status
 from ssl_vit.train.strategy import (
     StrategySettings,
     check_compile,
@@ -271,7 +271,7 @@ class Trainer:
         self.run_start = self.interval_start = time.perf_counter()
         self.interval_step, error = self.state.step, None
         try:
-            with StopRequests() as requests:
+            with StopRequests(self.settings.preempt_signals) as requests:
                 while self.state.step < self.end_step:
                     logged = self.step()
                     progress.update(1)
@@ -280,8 +280,8 @@ class Trainer:
                         if self.is_main and not self.settings.progress:  # no bar: the log line says it
                             log.info("step %d/%d: %s", self.state.step, self.end_step,
                                      ", ".join(f"{k} {v}" for k, v in self.log_line.items()))
-                    if (logged or self.accelerator.num_processes == 1) and requests.agreed(self.accelerator):
-                        self.stopped_by = requests.requested or "a stop signal on another rank"
+                    if (logged or self.accelerator.num_processes == 1) and (stop := requests.agreed(self.accelerator)):
+                        self.stopped_by = stop
                         if self.saved_step != self.state.step:
                             self.save(self.state.step)
                         break
@@ -467,7 +467,8 @@ class Trainer:
             "preprocess": asdict(self.run.preprocess),
             "cuda_peak_memory_gib": (torch.cuda.max_memory_allocated(accelerator.device) / 2**30
                                      if accelerator.device.type == "cuda" else None),  # this process
-            "stopped_by": self.stopped_by,  # a stop signal's name (SIGINT, SIGTERM), or None
+            "stopped_by": self.stopped_by,  # the stop signal's name (SIGINT, SIGTERM, SIGUSR1), or None
+            "exit_status": stop_status(self.stopped_by) if error is None else None,  # 75: preempted, requeue
             "compiled_blocks": self.compiled_blocks,
             # this process, recompiles included
             "compile_s": compile_seconds() - self.compile_start if self.compiled_blocks else None,
@@ -484,8 +485,9 @@ class Trainer:
                 log.info("done: %d steps, %.1f images/s; encoder at %s", state.step, summary["images_per_s"] or 0,
                          summary["encoder"])
             elif error is None:
-                log.info("stopped at step %d of %d%s, checkpoint and encoder saved; continue with:\n  %s", state.step,
-                         settings.max_steps, f" ({self.stopped_by})" if self.stopped_by else "",
+                status = f", exit status {summary['exit_status']}" if summary["exit_status"] else ""
+                log.info("stopped at step %d of %d%s, checkpoint and encoder saved%s; continue with:\n  %s",
+                         state.step, settings.max_steps, f" ({self.stopped_by})" if self.stopped_by else "", status,
                          resume_command(self.out_dir))
         return summary
 

@@ -1,0 +1,41 @@
+"""Preemption signals (ssl_vit.train.stop_requests): which signals stop a run after its step, the window in which a
+repeated signal is the same request, a second one stopping at once, and the exit statuses. The launches (SIGTERM to
+2-process DDP and ZeRO-3 runs, then trainer.resume=auto) are in test_strategies; Ctrl-C in test_first_hour."""
+
+import os
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from ssl_vit.train import stop_requests
+from ssl_vit.train.stop_requests import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopRequests, stop_status
+
+ONE_PROCESS = SimpleNamespace(num_processes=1)
+
+
+def test_the_configured_signals_stop_after_the_step_and_others_keep_their_handlers():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopRequests(["SIGUSR1"], announce=False) as requests:
+        assert signal.getsignal(signal.SIGTERM) is before  # not configured: left alone
+        assert requests.agreed(ONE_PROCESS) is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert requests.requested == "SIGUSR1" and requests.agreed(ONE_PROCESS) == "SIGUSR1"
+    assert signal.getsignal(signal.SIGUSR1) is not requests._handle  # restored on leaving
+
+
+def test_a_repeat_within_the_window_is_the_same_request_and_a_later_one_stops_at_once(monkeypatch):
+    with StopRequests(["SIGTERM", "SIGUSR1"], announce=False) as requests:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher forwarding what the scheduler also sent
+        assert requests.requested == "SIGTERM"
+        monkeypatch.setattr(stop_requests, "SAME_REQUEST_S", 0.0)
+        os.kill(os.getpid(), signal.SIGUSR1)  # another kind while stopping: the checkpoint is on its way
+        assert requests.requested == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_exit_statuses_tell_a_preempted_run_from_an_interrupted_and_a_finished_one():
+    assert (stop_status(None), stop_status("SIGINT"), stop_status("SIGTERM"), stop_status("SIGUSR1")) == (
+        0, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_PREEMPTED) == (0, 130, 75, 75)
