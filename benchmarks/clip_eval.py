@@ -68,7 +68,7 @@ def _pretrain(cfg) -> dict:
 def train_for(name: str, overrides: list[str], minutes: float, shards: Path, out_root: Path) -> dict:
     """Measure the rate over 12 steps, then train for `minutes` (global batch 64)."""
     probe = _pretrain(_config(out_root / f"{name}-rate", shards, *overrides, "trainer.max_steps=12",
-                              "trainer.tensorboard=false"))
+                              "trainer.trackers=[]"))
     steps = max(20, int(minutes * 60 * probe["images_per_s"] / 64))
     start = time.perf_counter()
     summary = _pretrain(_config(out_root / name, shards, *overrides, f"trainer.max_steps={steps}",

@@ -57,7 +57,7 @@ def _pretrain(cfg) -> dict:
 
 def pretrain_for(name: str, minutes: float, out_root: Path) -> tuple[Path, dict]:
     probe = _pretrain(_config(out_root / f"{name}-rate", *OBJECTIVES[name], "trainer.max_steps=12",
-                              "trainer.tensorboard=false"))
+                              "trainer.trackers=[]"))
     steps = max(20, int(minutes * 60 * probe["images_per_s"] / 64))
     start = time.perf_counter()
     summary = _pretrain(_config(out_root / name, *OBJECTIVES[name], f"trainer.max_steps={steps}",

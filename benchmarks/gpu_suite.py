@@ -357,7 +357,7 @@ def quality_section(args, device: torch.device, work: Path) -> dict:
     model = (["model=vit_test", "data.img_size=16"] if args.tiny else
              ["model=vit_ti16", "model.patch_size=4", "data.img_size=32"])
     base = [*model, "data=fashion_mnist", "data.batch_size=64", "trainer.progress=false", "trainer.log_every=50",
-            "trainer.tensorboard=false", "trainer.checkpoint_every=1000000",
+            "trainer.trackers=[]", "trainer.checkpoint_every=1000000",
             f"data.num_workers={0 if args.tiny else min(8, os.cpu_count() or 1)}"]
     max_samples = 400 if args.tiny else None
     train_set = limit_samples(FashionMNIST(split="train"), max_samples)

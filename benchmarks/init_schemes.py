@@ -34,7 +34,7 @@ def run(model: str, scheme: str, seed: int, steps: int, work: Path) -> dict:
         cfg = compose("pretrain", overrides=[
             f"model={model}", f"model.weight_init={scheme}", f"seed={seed}", f"trainer.max_steps={steps}",
             "trainer.log_every=10", f"trainer.eval_every={steps}", "trainer.progress=false",
-            "trainer.tensorboard=false", f"trainer.checkpoint_every={steps}",
+            "trainer.trackers=[]", f"trainer.checkpoint_every={steps}",
             f"output_dir={work / scheme / str(seed)}"])
     start = time.perf_counter()
     pretrain(cfg)

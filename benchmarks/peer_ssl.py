@@ -59,7 +59,7 @@ def compose_config(out_dir: Path, args, method: str, photometric: str = "workers
             *METHODS[method], "model=vit_tiny", "data=fashion_mnist", "data.img_size=32",
             f"data.batch_size={args.batch}", "data.num_workers=1", f"trainer.max_steps={args.steps}",
             f"trainer.log_every={max(1, args.steps // 5)}", f"trainer.checkpoint_every={args.steps}",
-            "trainer.tensorboard=false", f"data.multicrop_photometric={photometric}", f"output_dir={out_dir}"])
+            "trainer.trackers=[]", f"data.multicrop_photometric={photometric}", f"output_dir={out_dir}"])
 
 
 class LightlyViews(torch.utils.data.Dataset):

@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    cfg = OmegaConf.create({"trainer": {"precision": args.precision, "grad_accum_steps": 1, "tensorboard": False},
+    cfg = OmegaConf.create({"trainer": {"precision": args.precision, "grad_accum_steps": 1},
                             "data": {"batch_size": args.batch}, "optim": {"grad_clip": 1.0}})
     Path(args.out).mkdir(parents=True, exist_ok=True)
     accelerator = make_accelerator(StrategySettings.from_config(cfg), args.out)

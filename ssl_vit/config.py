@@ -143,7 +143,8 @@ class TrainerConfig:
     eval_evaluators: list[str] = field(default_factory=lambda: ["knn"])
     eval_max_samples: int = checked(2000, ge=1)  # per split, a stratified subset of the train / test sets
     progress: bool = True
-    tensorboard: bool = True
+    # accelerate's trackers: tensorboard (into <run>/tb), mlflow, wandb, comet_ml, aim, clearml, dvclive, ...; []: none
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
 
 
 @dataclass

@@ -188,7 +188,7 @@ def test_training_on_a_folder_with_bad_files_counts_them(tmp_path):
         cfg = compose("pretrain", overrides=[
             "model=vit_test", "data=folder", f"data.root={tmp_path / 'images'}", "data.num_workers=0",
             "data.batch_size=4", "trainer.max_steps=6", "trainer.log_every=3", "trainer.progress=false",
-            "trainer.tensorboard=false", f"output_dir={tmp_path / 'run'}"])
+            "trainer.trackers=[]", f"output_dir={tmp_path / 'run'}"])
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
         summary = pretrain(cfg)

@@ -144,7 +144,7 @@ def _train(tmp_path, name, *overrides):
 
     cfg = _config("objective=clip_tiny", *[f"objective.{k}={v}" for k, v in TOWERS.items()], "model=vit_test",
                   "data.num_samples=64", "trainer.max_steps=2", "trainer.log_every=1", "trainer.progress=false",
-                  "trainer.tensorboard=false", "optim.warmup_steps=0", f"output_dir={tmp_path / name}", *overrides)
+                  "trainer.trackers=[]", "optim.warmup_steps=0", f"output_dir={tmp_path / name}", *overrides)
     pretrain(cfg)
     return read_metrics(tmp_path / name)
 
@@ -202,7 +202,7 @@ def clip_run(tmp_path_factory):
     pretrain(_config("objective=clip_tiny", "model=vit_tiny", "model.depth=2", "data.img_size=24",
                      "data.num_samples=8192", "trainer.max_steps=300", "optim.lr=3e-3", "objective.embed_dim=32",
                      "objective.text_width=32", "objective.text_heads=2", "objective.context_length=16",
-                     "trainer.progress=false", "trainer.tensorboard=false", f"output_dir={out}"))
+                     "trainer.progress=false", "trainer.trackers=[]", f"output_dir={out}"))
     return out
 
 

@@ -254,7 +254,7 @@ def test_accumulation_updates_the_teacher_once_per_optimizer_step(tmp_path, monk
         cfg = compose("pretrain", overrides=[
             "objective=dino_tiny", "objective.out_dim=64", "objective.hidden_dim=32", "objective.bottleneck_dim=16",
             "objective.local_crops=2", "model=vit_test", "data.batch_size=4", "data.num_samples=64",
-            "trainer.grad_accum_steps=2", "trainer.max_steps=3", "trainer.progress=false", "trainer.tensorboard=false",
+            "trainer.grad_accum_steps=2", "trainer.max_steps=3", "trainer.progress=false", "trainer.trackers=[]",
             "data.multicrop_photometric=device", f"output_dir={tmp_path}"])
     summary = pretrain(cfg)
     assert summary["step"] == 3
@@ -275,7 +275,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
                 "objective.bottleneck_dim=16", "objective.local_crops=2", "objective.teacher_temp=0.07",
                 "model=vit_test", "data.batch_size=4", "data.num_samples=64", "trainer.max_steps=4",
                 "trainer.log_every=1", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=0",
-                "trainer.progress=false", "trainer.tensorboard=false", f"output_dir={out}", *overrides])
+                "trainer.progress=false", "trainer.trackers=[]", f"output_dir={out}", *overrides])
         pretrain(cfg)
         AcceleratorState._reset_state(reset_partial_state=True)
         return {m["step"]: m["loss"] for m in read_metrics(out)}
@@ -307,7 +307,7 @@ def test_a_short_dinov2_run_gives_a_teacher_whose_knn_beats_a_random_encoder(tmp
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
         cfg = compose("pretrain", overrides=[
             "objective=dinov2_tiny", "objective.local_crops=2", "model=vit_tiny", "data.batch_size=32",
-            "trainer.max_steps=100", "optim.lr=5e-4", "trainer.progress=false", "trainer.tensorboard=false",
+            "trainer.max_steps=100", "optim.lr=5e-4", "trainer.progress=false", "trainer.trackers=[]",
             "trainer.log_every=50", f"output_dir={tmp_path}"])
     pretrain(cfg)
     set_seed(cfg.seed)

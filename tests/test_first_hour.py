@@ -5,6 +5,7 @@ closest names and exit 2, Ctrl-C saving a checkpoint that resumes exactly, and q
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from ssl_vit.train.checkpoint import resolve_resume
 CONFIGS = str(ROOT / "configs")
 PRETRAIN = [sys.executable, str(ROOT / "scripts" / "pretrain.py")]
 STEPS2 = ["model=vit_test", "data.num_samples=16", "data.batch_size=8", "trainer.max_steps=2",
-          "trainer.progress=false", "trainer.tensorboard=false"]
+          "trainer.progress=false", "trainer.trackers=[]"]
 
 
 def _compose(*overrides, choices=False):
@@ -100,7 +101,7 @@ def test_unlabelled_images_in_any_layout_train_the_objectives_that_need_no_label
              "objective.local_crops=2"] if objective == "dino_tiny" else ["objective.decoder_depth=1"]
     cfg = _compose(f"objective={objective}", *heads, "model=vit_test", "data=folder", f"data.root={root}",
                    "data.img_size=16", "data.batch_size=4", "data.num_workers=0", "trainer.max_steps=2",
-                   "trainer.progress=false", "trainer.tensorboard=false", f"output_dir={tmp_path / 'run'}")
+                   "trainer.progress=false", "trainer.trackers=[]", f"output_dir={tmp_path / 'run'}")
     summary = pretrain(cfg)
     assert summary["finished"] and summary["skipped_samples"] == 0
     saved = (tmp_path / "run" / "config.yaml").read_text()
@@ -146,7 +147,7 @@ def test_commands_take_an_output_group_and_use_its_newest_run(tmp_path, capsys):
         assert card.startswith("# vit_test pre-trained with supervised (32 wide, 2 blocks, ")
         assert "- steps: 2 of 2, 16 images seen (global batch 8); strategy single on 1 process" in card
         assert f"| synthetic | knn | accuracy | {knn:.4f} |" in card and "- img_size: 16" in card
-        assert f"python scripts/pretrain.py {' '.join(STEPS2)}" in card
+        assert f"python scripts/pretrain.py {shlex.join(STEPS2)}" in card  # quoted for the shell
         load = {"hf": "transformers.AutoModel.from_pretrained(", "timm": "timm.create_model('local-dir:",
                 "onnx": "onnxruntime.InferenceSession(", "safetensors": "ssl_vit.artifacts.load_encoder("}
         assert load[target] in card

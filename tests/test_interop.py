@@ -473,7 +473,7 @@ def test_init_from_starts_training_from_imported_weights_in_every_format(tmp_pat
         with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
             cfg = compose("pretrain", overrides=[
                 "model=vit_test", "objective=masked_patch", "data.batch_size=8", "trainer.max_steps=1",
-                "trainer.progress=false", "trainer.tensorboard=false", "trainer.log_every=1",
+                "trainer.progress=false", "trainer.trackers=[]", "trainer.log_every=1",
                 f"output_dir={tmp_path / ('run_' + name)}", *([f"model.init_from={spec}"] if spec else [])])
         pretrain(cfg)
         AcceleratorState._reset_state(reset_partial_state=True)

@@ -32,7 +32,7 @@ def _config(tmp_path, *overrides):
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
         return compose("pretrain", overrides=[
             "model=vit_test", "data.batch_size=8", "trainer.log_every=1",
-            "trainer.progress=false", "trainer.tensorboard=false", f"output_dir={tmp_path}", *overrides])
+            "trainer.progress=false", "trainer.trackers=[]", f"output_dir={tmp_path}", *overrides])
 
 
 def _strict_json_rows(path):

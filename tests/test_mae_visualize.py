@@ -35,7 +35,7 @@ def _run(tmp_path, objective, *options):
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
         cfg = compose("pretrain", overrides=[
             f"objective={objective}", "model=vit_test", "trainer.max_steps=3", "data.batch_size=8",
-            "trainer.progress=false", "trainer.tensorboard=false", f"output_dir={tmp_path}", *options])
+            "trainer.progress=false", "trainer.trackers=[]", f"output_dir={tmp_path}", *options])
     pretrain(cfg)
     return tmp_path
 

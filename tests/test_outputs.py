@@ -33,7 +33,7 @@ def _error_line(proc) -> str:
 
 def test_a_full_disk_stops_with_the_cause_keeps_complete_checkpoints_and_read_only_is_one_line(small_disk):
     run = small_disk / "run"
-    args = [*TINY, "trainer.tensorboard=false", "trainer.resume=auto", f"hydra.run.dir={run}"]
+    args = [*TINY, "trainer.trackers=[]", "trainer.resume=auto", f"hydra.run.dir={run}"]
     check_ok(launch(*args, "trainer.max_steps=10"))
     free = shutil.disk_usage(small_disk).free
     (small_disk / "filler").write_bytes(b"\0" * (free - 64 * 1024))  # leave 64 KiB: less than one checkpoint
@@ -61,7 +61,7 @@ def _limit_file_size():
 
 
 def test_a_file_size_limit_is_reported_with_its_cause(tmp_path):
-    proc = launch(*TINY, "trainer.max_steps=10", "trainer.tensorboard=false", f"hydra.run.dir={tmp_path}",
+    proc = launch(*TINY, "trainer.max_steps=10", "trainer.trackers=[]", f"hydra.run.dir={tmp_path}",
                   preexec_fn=_limit_file_size)
     assert proc.returncode != 0
     assert "cannot write checkpoint step_00000010" in _error_line(proc)

@@ -55,7 +55,7 @@ def test_linear_probe_on_pretrained_encoder_beats_a_random_encoder(tmp_path, obj
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
         cfg = compose("pretrain", overrides=[
             f"objective={objective}", "model=vit_test", "data.img_size=32", "trainer.max_steps=120",
-            "trainer.progress=false", "trainer.tensorboard=false", "trainer.log_every=50", f"output_dir={tmp_path}",
+            "trainer.progress=false", "trainer.trackers=[]", "trainer.log_every=50", f"output_dir={tmp_path}",
             "model.weight_init=timm", *options])
     pretrain(cfg)
     views = read_preprocess(tmp_path / "encoder.safetensors").view_builder(("image",))

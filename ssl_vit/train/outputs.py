@@ -22,10 +22,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import OmegaConf
-from torch.utils.tensorboard.summary import hparams as hparams_summary
 
 from ssl_vit.artifacts import ENCODER_FILE, HEADS_FILE, read_metadata, save_encoder_state, save_heads
 from ssl_vit.run_dirs import METRICS_FILE, SUMMARY_FILE
+from ssl_vit.train.trackers import Trackers
 
 
 class OutputError(RuntimeError):
@@ -146,36 +146,36 @@ def write_summary(out_dir: Path, summary: dict) -> None:
 class RunOutputs:
     """The main process's writer of one run's outputs; on other ranks every method does nothing."""
 
-    def __init__(self, accelerator, out_dir: Path, tensorboard: bool):
+    def __init__(self, accelerator, out_dir: Path, trackers=("tensorboard",)):
         self.accelerator, self.out_dir = accelerator, out_dir
         self.active = accelerator.is_main_process
-        self.tensorboard = tensorboard and self.active
+        self.tracker_names, self.trackers = list(trackers), None
 
     def open(self, step: int, config, hparams: dict) -> int:
-        """Start (or continue at `step`) a run: drop metrics rows past it, save the config, start TensorBoard with
-        `purge_step` so that events a killed run logged past the checkpoint are hidden. Returns rows dropped."""
+        """Start (or continue at `step`) a run: drop metrics rows past it, save the config, start the trackers
+        (TensorBoard with `purge_step`, so that events a killed run logged past the checkpoint are hidden). Returns
+        the rows dropped."""
         if not self.active:
             return 0
         dropped = drop_metrics_after(self.out_dir, step)
         with writing(self.out_dir / "config.yaml", "the config"):
             OmegaConf.save(config, self.out_dir / "config.yaml", resolve=True)
-        if self.tensorboard:
-            self.accelerator.init_trackers("tb", init_kwargs={"tensorboard": {"purge_step": step + 1}})
-            # The hyperparameters go into the run's own event file: accelerate's store_init_configuration (via
-            # SummaryWriter.add_hparams) would start another TensorBoard run in a time-stamped subdirectory.
-            writer = self.accelerator.get_tracker("tensorboard", unwrap=True)
-            for summary in hparams_summary(hparams, {}):
-                writer.file_writer.add_summary(summary)
+        self.trackers = Trackers(self.tracker_names, self.out_dir, step, hparams)
         return dropped
 
-    def log(self, row: dict, tensorboard_prefix: str = "") -> None:
-        """One metrics.jsonl row (with its "step") and the same scalars in TensorBoard."""
+    def log(self, row: dict, tracker_prefix: str = "") -> None:
+        """One metrics.jsonl row (with its "step") and its numbers in every tracker."""
         if not self.active:
             return
         append_metrics(self.out_dir, row)
-        if self.tensorboard:
-            self.accelerator.log({f"{tensorboard_prefix}{k}": v for k, v in row.items() if k != "step"},
-                                 step=row["step"])
+        if self.trackers is not None:
+            self.trackers.log({f"{tracker_prefix}{k}": v for k, v in row.items() if k != "step"}, row["step"])
+
+    def close(self, summary: dict | None) -> None:
+        """The summary to the trackers, which then end."""
+        if self.active and self.trackers is not None:
+            self.trackers.finish(summary)
+            self.trackers = None
 
     @property
     def encoder_path(self) -> Path:

@@ -53,7 +53,6 @@ class StrategySettings:
     micro_batch: int
     grad_accum_steps: int = 1
     grad_clip: float | None = None
-    tensorboard: bool = False
     ema_teacher: bool = False
     tf32: bool = True
     collective_timeout_s: int = 1800
@@ -61,7 +60,7 @@ class StrategySettings:
     @classmethod
     def from_config(cls, cfg, ema_teacher: bool = False) -> StrategySettings:
         return cls(Precision(cfg.trainer.precision), cfg.data.batch_size, cfg.trainer.grad_accum_steps,
-                   cfg.optim.grad_clip, cfg.trainer.tensorboard, ema_teacher, cfg.trainer.get("tf32", True),
+                   cfg.optim.grad_clip, ema_teacher, cfg.trainer.get("tf32", True),
                    cfg.trainer.get("collective_timeout_s", 1800))
 
 
@@ -80,7 +79,6 @@ def make_accelerator(settings: StrategySettings, out_dir) -> Accelerator:
         # Under DeepSpeed both come from its JSON, which `configure_deepspeed` fills from our config.
         mixed_precision=None if deepspeed else ("bf16" if settings.precision == Precision.bf16 else "no"),
         gradient_accumulation_steps=settings.grad_accum_steps,
-        log_with="tensorboard" if settings.tensorboard else None,
         project_dir=str(out_dir),
         kwargs_handlers=[InitProcessGroupKwargs(backend=backend,
                                                 timeout=timedelta(seconds=settings.collective_timeout_s))],

@@ -221,7 +221,7 @@ class Trainer:
         check_dtypes(self.objective, parameter_dtype(accelerator, settings.precision), self.objective.fp32_buffers)
         self.state = TrainState()
         accelerator.register_for_checkpointing(self.state)
-        self.outputs = RunOutputs(accelerator, out_dir, settings.tensorboard)
+        self.outputs = RunOutputs(accelerator, out_dir, settings.trackers)
         self.end_step = min(settings.max_steps, settings.stop_at_step or settings.max_steps)
         self.meter = Meter()
         self.stopped_by: str | None = None
@@ -477,6 +477,7 @@ class Trainer:
             self.outputs.summary(summary)
         except OutputError as write_error:
             log.error("%s", write_error)
+        self.outputs.close(summary if error is None else None)
         accelerator.end_training()
         if self.is_main:
             if summary["replicas_in_sync"] is False:
