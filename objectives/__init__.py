@@ -77,6 +77,21 @@ def load_trained(run, image_text: bool = False) -> Objective:
     """The objective a run trained, rebuilt from its encoder.safetensors and heads.safetensors (which record the
     objective's name and config), in eval mode; ValueError naming what is missing. `image_text`: refuse, before
     building anything, a run whose objective is not an image-text model (zero-shot, retrieval, open_clip)."""
+    model, backbone, heads, heads_path = _rebuild(run, image_text)
+    missing, unexpected = model.load_state_dict(model.state_from_artifacts(backbone.state_dict(), heads), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{heads_path} does not fit its objective config: missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}")
+    return model.eval()
+
+
+def rebuild_untrained(run) -> Objective:
+    """The objective of a run, built from what its artifacts record but holding none of its weights beyond the
+    encoder's (for filling from a checkpoint: scripts/consolidate.py)."""
+    return _rebuild(run, False)[0]
+
+
+def _rebuild(run, image_text: bool):
     encoder_path, heads_path = run_files(run)
     if not (encoder_path.is_file() and heads_path.is_file()):
         raise ValueError(f"{str(run)!r} is not a run directory with encoder.safetensors and heads.safetensors")
@@ -94,13 +109,8 @@ def load_trained(run, image_text: bool = False) -> Objective:
     else:  # written before it was recorded: image-text runs, which need no class count
         data = DataInfo(0, backbone.patch_embed.img_size[0], *((preprocess.mean, preprocess.std) if preprocess else
                                                               ([], [])))
-    model = cls(backbone, cfg, data)
-    missing, unexpected = model.load_state_dict(model.state_from_artifacts(backbone.state_dict(), heads), strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{heads_path} does not fit its objective config: missing {missing[:5]}, unexpected "
-                         f"{unexpected[:5]}")
-    return model.eval()
+    return cls(backbone, cfg, data), backbone, heads, heads_path
 
 
 __all__ = ["OBJECTIVES", "Artifacts", "DataInfo", "Objective", "ObjectiveConfig", "Requirements", "build_objective",
-           "load_trained", "objective_class", "typed_config"]
+           "load_trained", "objective_class", "rebuild_untrained", "typed_config"]

@@ -192,7 +192,9 @@ def test_resume_refuses_what_cannot_continue_the_run_exactly(tmp_path, caplog):
     cases = {"empty": lambda d: [p.unlink() for p in d.iterdir()],
              "garbage": lambda d: (d / "model.safetensors").write_bytes(b"\x13" * 999),
              "truncated": lambda d: (d / "optimizer.bin").write_bytes((d / "optimizer.bin").read_bytes()[:500]),
-             "no_rng": lambda d: (d / "random_states_0.pkl").unlink()}
+             "no_rng": lambda d: (d / "random_states_0.pkl").unlink(),
+             # a whole (one-process / DDP) checkpoint of 2 processes on 1: weights and optimizer whole, RNG not
+             "two_ranks": lambda d: shutil.copy(d / "random_states_0.pkl", d / "random_states_1.pkl")}
     for name, damage in cases.items():
         shutil.copytree(good, tmp_path / name)
         damage(tmp_path / name)
@@ -202,6 +204,8 @@ def test_resume_refuses_what_cannot_continue_the_run_exactly(tmp_path, caplog):
         "garbage": r"model.safetensors is unreadable \(SafetensorError",
         "truncated": r"truncated cannot be loaded \(RuntimeError: PytorchStreamReader",
         "no_rng": r"lacks random_states_0.pkl .* set trainer.allow_inexact_resume=true",
+        "two_ranks": r"was written by 2 processes \(this run has 1: the other ranks' RNG states are unused\), so "
+                     r"the run cannot continue exactly; set trainer.allow_inexact_resume=true",
     }
     for name, pattern in expected.items():
         with pytest.raises(ConfigError, match=pattern):
@@ -212,6 +216,7 @@ def test_resume_refuses_what_cannot_continue_the_run_exactly(tmp_path, caplog):
     summary = attempt(f"trainer.resume={tmp_path / 'no_rng'}", "trainer.allow_inexact_resume=true")
     assert summary["finished"] and summary["step"] == 6
     assert "RESUME IS NOT EXACT" in caplog.text and "random_states_0.pkl" in caplog.text
+    assert attempt(f"trainer.resume={tmp_path / 'two_ranks'}", "trainer.allow_inexact_resume=true")["finished"]
     summary = attempt(f"trainer.resume={tmp_path / 'run'}")  # a run directory: its newest checkpoint
     assert summary["steps_this_run"] == 2
 

@@ -268,6 +268,64 @@ def test_sigterm_stops_every_rank_with_a_checkpoint_and_resume_auto_gives_the_un
     assert [resumed[s] for s in range(1, 6)] == pytest.approx([reference[s] for s in range(1, 6)], abs=1e-6)
 
 
+def _consolidate_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("consolidate_script", ROOT / "scripts" / "consolidate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("config", ["zero2_cpu2", "zero3_cpu2", "fsdp2_cpu2"])
+def test_consolidate_turns_a_2_process_checkpoint_into_the_runs_own_files_and_1_process_resume_is_refused(
+        runs, tmp_path, config):
+    """scripts/consolidate.py on the final DINOv2 checkpoint written by 2 processes (DeepSpeed's zero_to_fp32, DCP's
+    dcp_to_torch_save), in this one process: encoder.safetensors and heads.safetensors equal the run's own exactly
+    (the teacher, the student's and teacher's heads, the centres), training_state.pt holds the full state and step;
+    resuming those shards on 1 process is refused in one line naming consolidate.py."""
+    run = runs["dinov2", config]
+    checkpoint = run / "checkpoints" / "step_00000005"
+    assert _consolidate_script().main([str(run), "--out", str(tmp_path / "whole")]) == 0  # the run: its newest
+    for name in ("encoder.safetensors", "heads.safetensors"):
+        ours, theirs = load_file(tmp_path / "whole" / name), load_file(run / name)
+        assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs), name
+    state = torch.load(tmp_path / "whole" / "training_state.pt", weights_only=False)
+    assert state["train_state"]["step"] == 5 and state["world_size"] == 2
+    assert (state["optimizer"] is not None) == (config == "fsdp2_cpu2")  # zero_to_fp32: weights, not moments
+    teacher = load_file(run / "encoder.safetensors")
+    assert torch.equal(state["model"]["teacher.backbone.cls_token"], teacher["cls_token"])
+    if config == "zero3_cpu2":  # the real CLI on one process
+        proc = launch("model=vit_test", *TINY, *EVAL, *OBJECTIVES["dinov2"], f"trainer.resume={checkpoint}",
+                      f"out={tmp_path / 'one'}")
+        assert proc.returncode != 0
+        assert (f"ssl-vit: error: trainer.resume: {checkpoint} was written by 2 processes and this run has 1: its "
+                f"DeepSpeed ZeRO shards resume only on 2; python scripts/consolidate.py {checkpoint} --out DIR"
+                in proc.stderr), proc.stderr[-2000:]
+
+
+def test_two_machines_on_localhost_train_as_two_ddp_processes(runs, tmp_path):
+    """Two `accelerate launch` processes, machine_rank 0 and 1 (a two-node job on one machine, gloo, one process
+    per node, one shared run directory), as scripts/slurm/pretrain.sbatch starts them: DDP's losses and encoder."""
+    procs = [subprocess.Popen(
+        [*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "configs" / "accelerate" / "ddp_cpu2.yaml"),
+         "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip",
+         "127.0.0.1", "--main_process_port", "29563", str(ROOT / "scripts" / "pretrain.py"), "trainer.progress=false",
+         "model=vit_test", *TINY, *EVAL, *OBJECTIVES["masked_patch"], f"hydra.run.dir={tmp_path}",
+         "trainer.cpu_threads=1"],  # as DDP's 2 local ranks on 2 cores (each launch here sees 1 local rank)
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["replicas_in_sync"]
+    reference = runs["masked_patch", "ddp_cpu2"]
+    losses = [m["loss"] for m in read_metrics(tmp_path) if "loss" in m]
+    assert losses == pytest.approx([m["loss"] for m in read_metrics(reference) if "loss" in m], abs=1e-6)
+    for name, value in load_encoder(reference / "encoder.safetensors").state_dict().items():
+        torch.testing.assert_close(load_encoder(tmp_path / "encoder.safetensors").state_dict()[name], value,
+                                   atol=1e-6, rtol=0, msg=name)
+
+
 def test_a_non_finite_loss_under_zero2_is_skipped_and_counted_with_the_weights_unchanged(runs, tmp_path):
     check_ok(_run("zero2_cpu2", tmp_path, *OBJECTIVES["masked_patch"], "trainer.checkpoint_every=1",
                   "trainer.keep_checkpoints=0", env={"SSL_VIT_FAULT": "nan_loss@3"}))

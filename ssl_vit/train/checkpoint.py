@@ -26,6 +26,22 @@ CHECKPOINT_DIR = CHECKPOINTS
 _NAME = re.compile(r"^step_(\d+)$")
 MODEL_FILE = "model.safetensors"
 TRAIN_STATE_FILE = "custom_checkpoint_0.pkl"  # accelerate's name for the first registered object (TrainState)
+DEEPSPEED_DIR = "pytorch_model"  # accelerate's DeepSpeed tag: <checkpoint>/pytorch_model/zero_pp_rank_*
+FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # torch.distributed.checkpoint's shards of FSDP2's model
+
+
+def checkpoint_format(path: Path) -> str | None:
+    """"deepspeed" (ZeRO shards), "dcp" (FSDP2's torch.distributed.checkpoint), "whole" (DDP, one process)."""
+    if (path / DEEPSPEED_DIR).is_dir():
+        return "deepspeed"
+    if (path / FSDP_MODEL_DIR / ".metadata").is_file():
+        return "dcp"
+    return "whole" if (path / MODEL_FILE).is_file() else None
+
+
+def written_by(path: Path) -> int:
+    """How many processes wrote the checkpoint (one RNG state each)."""
+    return sum(1 for _ in Path(path).glob("random_states_*.pkl"))
 
 
 def rng_file(rank: int) -> str:
@@ -95,7 +111,14 @@ def resolve_resume(resume: str | None, out_dir: str | Path) -> Path | None:
 def check_checkpoint(path: Path, model, world_size: int, allow_inexact: bool) -> None:
     """Refuse, with the reason, a checkpoint that cannot resume this run exactly: unreadable files, another model's
     weights, or a missing RNG state (unless allow_inexact, which warns instead). Sharded checkpoints (DeepSpeed's
-    pytorch_model/, FSDP's) are checked by their own loaders."""
+    pytorch_model/, FSDP's) are checked by their own loaders; one written by another number of processes is
+    refused, naming scripts/consolidate.py (their shards load only as they were cut)."""
+    wrote, kind = written_by(path), checkpoint_format(path)
+    if wrote and wrote != world_size and kind in ("deepspeed", "dcp"):
+        raise ConfigError(f"trainer.resume: {path} was written by {wrote} processes and this run has {world_size}: "
+                          f"its {'DeepSpeed ZeRO' if kind == 'deepspeed' else 'FSDP2'} shards resume only on "
+                          f"{wrote}; python scripts/consolidate.py {path} --out DIR writes its weights as whole "
+                          "files (encoder, heads, training state) on any machine")
     _check_rng_states(path, world_size, allow_inexact)
     if not (path / MODEL_FILE).is_file():
         return
@@ -119,14 +142,19 @@ def check_checkpoint(path: Path, model, world_size: int, allow_inexact: bool) ->
 
 def _check_rng_states(path: Path, world_size: int, allow_inexact: bool) -> None:
     missing = [rng_file(rank) for rank in range(world_size) if not (path / rng_file(rank)).is_file()]
-    if missing and not allow_inexact:
-        raise ConfigError(f"trainer.resume: {path} lacks {', '.join(missing)} (the RNG state of "
-                          f"{'that rank' if len(missing) == 1 else 'those ranks'}: written by fewer processes, or "
-                          f"damaged), so the run cannot continue exactly; set trainer.allow_inexact_resume=true to "
-                          f"continue anyway")
+    wrote = written_by(path)
     if missing:
-        log.warning("RESUME IS NOT EXACT: %s lacks %s; those ranks start from fresh random states, so this run will "
-                    "not reproduce an uninterrupted one (trainer.allow_inexact_resume=true)", path, ", ".join(missing))
+        reason = (f"lacks {', '.join(missing)} (the RNG state of {'that rank' if len(missing) == 1 else 'those ranks'}"
+                  ": written by fewer processes, or damaged)")
+    elif wrote > world_size:
+        reason = f"was written by {wrote} processes (this run has {world_size}: the other ranks' RNG states are unused)"
+    else:
+        return
+    if not allow_inexact:
+        raise ConfigError(f"trainer.resume: {path} {reason}, so the run cannot continue exactly; set "
+                          "trainer.allow_inexact_resume=true to continue anyway")
+    log.warning("RESUME IS NOT EXACT: %s %s; this run will not reproduce an uninterrupted one "
+                "(trainer.allow_inexact_resume=true)", path, reason)
 
 
 def load_checkpoint(accelerator, path: Path, model, allow_inexact: bool = False) -> None:
