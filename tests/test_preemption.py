@@ -39,3 +39,22 @@ def test_a_repeat_within_the_window_is_the_same_request_and_a_later_one_stops_at
 def test_exit_statuses_tell_a_preempted_run_from_an_interrupted_and_a_finished_one():
     assert (stop_status(None), stop_status("SIGINT"), stop_status("SIGTERM"), stop_status("SIGUSR1")) == (
         0, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_PREEMPTED) == (0, 130, 75, 75)
+
+
+def test_loader_workers_survive_the_stop_signals_that_a_scheduler_sends_to_every_process():
+    """SLURM signals every process of a job step, loader workers included: they ignore it (the training process
+    stops after its step), so the loader keeps serving batches until the trainer has its checkpoint."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ssl_vit.data.workers import ignore_stop_signals
+
+    loader = DataLoader(TensorDataset(torch.arange(64.0)), batch_size=4, num_workers=1, persistent_workers=True,
+                        worker_init_fn=ignore_stop_signals)
+    batches = iter(loader)
+    assert next(batches)[0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    (worker,) = batches._workers
+    for name in ("SIGTERM", "SIGUSR1", "SIGINT"):
+        os.kill(worker.pid, signal.Signals[name])
+    assert [next(batches)[0][0].item() for _ in range(3)] == [4.0, 8.0, 12.0] and worker.is_alive()
+    del batches

@@ -53,3 +53,17 @@ def test_an_unknown_or_missing_tracker_is_one_line_with_the_choices_or_the_pip_c
     monkeypatch.setattr("ssl_vit.train.trackers.get_available_trackers", lambda: ["tensorboard"])
     with pytest.raises(ConfigError, match=r"^trainer.trackers: mlflow is not installed; pip install mlflow$"):
         check_trackers(["tensorboard", "mlflow"])
+
+
+def test_a_tracker_that_cannot_start_is_one_line_and_the_started_ones_are_finished(tmp_path, monkeypatch):
+    from accelerate.tracking import TensorBoardTracker
+
+    from ssl_vit.train.trackers import Trackers
+
+    finished = []
+    monkeypatch.setattr(TensorBoardTracker, "finish", lambda self: finished.append(self.name))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://tracking")
+    with pytest.raises(ConfigError, match=r"^trainer.trackers: mlflow could not start \(\w+"):
+        Trackers(["tensorboard", "mlflow"], tmp_path, 0, {"optim/lr": 0.1})
+    assert finished == ["tensorboard"] and not (tmp_path / "trackers.json").exists()
+    assert mlflow.active_run() is None

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ssl_vit.data.errors import BadSampleError, NoUsableSamplesError, SkipLog
 from ssl_vit.data.shards import ShardStream
+from ssl_vit.data.workers import ignore_stop_signals
 
 log = logging.getLogger(__name__)
 MAX_SUBSTITUTE_SEARCH = 64  # how many following indices a bad sample's substitute is looked for among
@@ -147,6 +148,7 @@ def build_loader(dataset: Dataset, views, batch_size: int, *, rank: int = 0, wor
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
+        worker_init_fn=ignore_stop_signals,
         generator=torch.Generator().manual_seed(seed),  # keep the global RNG untouched (exact resume)
     )
 

@@ -45,6 +45,7 @@ from webdataset.tariterators import base_plus_ext, valid_sample
 from ssl_vit.data.config import DataConfig, DatasetKind
 from ssl_vit.data.decode import decode_rgb
 from ssl_vit.data.errors import BadSampleError, MissingKeyError, NoUsableShardsError, SkipLog
+from ssl_vit.data.workers import ignore_stop_signals
 from ssl_vit.schema import checked
 
 log = logging.getLogger(__name__)
@@ -456,7 +457,7 @@ class ShardStream:
         start."""
         pipeline, _ = self.pipeline(views, batch_size, seed * 1_000_003 + start, need_label, need_text)
         return DataLoader(pipeline, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
-                          persistent_workers=num_workers > 0)
+                          persistent_workers=num_workers > 0, worker_init_fn=ignore_stop_signals)
 
 
 @dataclass

@@ -193,7 +193,12 @@ def save_checkpoint(accelerator, out_dir: str | Path, step: int, keep: int) -> P
         shutil.rmtree(stale, ignore_errors=True)
         for old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
             trash = root / f".old_{old.name}"  # out of the readers' view first: a kill mid-delete leaves no half
-            old.rename(trash)
+            shutil.rmtree(trash, ignore_errors=True)  # an earlier deletion's leftover
+            try:
+                old.rename(trash)
+            except OSError as err:  # e.g. leftovers a network filesystem still holds: keep it, say so
+                log.warning("could not remove the old checkpoint %s (%s); it stays", old, err)
+                continue
             fault_point("checkpoint_rotating", step)
             shutil.rmtree(trash, ignore_errors=True)
     accelerator.wait_for_everyone()

@@ -55,8 +55,12 @@ def full_state(path: Path) -> tuple[dict, dict | None]:
     if kind == "deepspeed":
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # heavy: DeepSpeed only
 
-        with contextlib.redirect_stdout(io.StringIO()):  # its per-shard progress lines
-            return dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_DIR)), None
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # its per-shard progress lines
+                return dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_DIR)), None
+        except (ValueError, KeyError, RuntimeError) as err:  # e.g. ZeRO-1 in bf16: DeepSpeed's BF16_Optimizer
+            raise ValueError(f"{path}: DeepSpeed's zero_to_fp32 cannot read this checkpoint ({type(err).__name__}: "
+                             f"{str(err).strip().splitlines()[0] if str(err).strip() else ''})") from err
     if kind == "dcp":
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # only for FSDP2 checkpoints
 

@@ -58,15 +58,16 @@ class Trackers:
                         tracker.writer.file_writer.add_summary(summary)
                 elif not (name == "mlflow" and "mlflow" in ids):  # MLflow refuses to change a logged parameter
                     tracker.store_init_configuration(hparams)
-            except ConfigError:
-                raise
             except Exception as err:  # the tracker's own failure (an unreachable server, a missing store)
+                self.finish()  # the ones already started (MLflow's active run is process-global)
                 raise ConfigError(f"trainer.trackers: {name} could not start ({type(err).__name__}: "
                                   f"{str(err).strip().splitlines()[0] if str(err).strip() else ''})") from err
             self.trackers.append(tracker)
             ids.update(_run_id(name, tracker))
         if ids:
-            ids_path.write_text(json.dumps(ids, indent=2) + "\n")
+            tmp = ids_path.with_name(f".{ids_path.name}.tmp")
+            tmp.write_text(json.dumps(ids, indent=2) + "\n")
+            os.replace(tmp, ids_path)
 
     def _make(self, name: str, step: int, run_name: str, ids: dict):
         cls = LOGGER_TYPE_TO_CLASS[name]

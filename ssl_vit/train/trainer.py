@@ -243,7 +243,8 @@ class Trainer:
         else:
             set_seed(seed + accelerator.process_index)  # from here on, ranks draw different masks / dropout
         removed = remove_stale_temps(self.out_dir) if self.is_main else []
-        dropped = self.outputs.open(self.state.step, config, _flat_hparams(config))
+        # a tracker that cannot start fails on the main process alone: every rank must stop with it
+        dropped = on_main_process(accelerator, self.outputs.open, self.state.step, config, _flat_hparams(config))
         world = accelerator.num_processes
         self.threads, self.start_step = threads, self.state.step
         self.workers = loader_workers(data, accelerator.device.type,
@@ -468,7 +469,7 @@ class Trainer:
             "cuda_peak_memory_gib": (torch.cuda.max_memory_allocated(accelerator.device) / 2**30
                                      if accelerator.device.type == "cuda" else None),  # this process
             "stopped_by": self.stopped_by,  # the stop signal's name (SIGINT, SIGTERM, SIGUSR1), or None
-            "exit_status": stop_status(self.stopped_by) if error is None else None,  # 75: preempted, requeue
+            "exit_status": stop_status(self.stopped_by) if error is None else 1,  # 75: preempted, requeue
             "compiled_blocks": self.compiled_blocks,
             # this process, recompiles included
             "compile_s": compile_seconds() - self.compile_start if self.compiled_blocks else None,
