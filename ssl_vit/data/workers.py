@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import signal
 
-STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")  # trainer.preempt_signals' choices
+from ssl_vit.config import PreemptSignal
+
+STOP_SIGNALS = ("SIGINT", *(choice.value for choice in PreemptSignal))  # Ctrl-C and trainer.preempt_signals' choices
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:
