@@ -45,10 +45,11 @@ from ssl_vit.schema import ConfigError, closest_names
 from ssl_vit.train.build import requirements
 from ssl_vit.train.guard import TrainingDiverged
 from ssl_vit.train.outputs import OutputError, check_writable, describe_write_failure
+from ssl_vit.train.stop_requests import EXIT_FAILED, EXIT_INTERRUPTED
 from ssl_vit.train.strategy import MainProcessFailed
 from ssl_vit.vit import PRESETS, VisionTransformer
 
-EXIT_STOPPED, EXIT_CONFIG, EXIT_INTERRUPTED = 1, 2, 130
+EXIT_STOPPED, EXIT_CONFIG = EXIT_FAILED, 2
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from ssl_vit.run_dirs import ENCODER_FILE, METRICS_FILE, SUMMARY_FILE
+from ssl_vit.artifacts import run_files
+from ssl_vit.run_dirs import METRICS_FILE, SUMMARY_FILE
 
 CARD_FILE = "README.md"
 ARCHITECTURE_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_dim", "mlp_ratio",
@@ -23,9 +24,9 @@ ARCHITECTURE_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads"
 
 def run_of(source: str) -> Path | None:
     """The run directory behind an export's source (a run, or its encoder file), or None for an import."""
-    path = Path(source).expanduser()
-    run = path.parent if path.is_file() else path
-    return run if (run / ENCODER_FILE).is_file() and (run / "config.yaml").is_file() else None
+    encoder_file, _ = run_files(source)
+    run = encoder_file.parent
+    return run if encoder_file.is_file() and (run / "config.yaml").is_file() else None
 
 
 def write_model_card(out_dir: str | Path, source: str, target: str, how_to_load: str, encoder, preprocess) -> Path:

@@ -25,7 +25,7 @@ import torch
 
 log = logging.getLogger("ssl_vit")
 
-EXIT_PREEMPTED, EXIT_INTERRUPTED = 75, 130  # 75: EX_TEMPFAIL of sysexits.h
+EXIT_FAILED, EXIT_PREEMPTED, EXIT_INTERRUPTED = 1, 75, 130  # 75: EX_TEMPFAIL of sysexits.h
 SAME_REQUEST_S = 2.0
 
 

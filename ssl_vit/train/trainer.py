@@ -44,7 +44,7 @@ from ssl_vit.train.evaluation import PeriodicEvaluation
 from ssl_vit.train.faults import fault_point, injected_error, poisoned
 from ssl_vit.train.guard import DivergenceAdvice, UpdateGuard
 from ssl_vit.train.outputs import OutputError, RunOutputs, check_writable
-from ssl_vit.train.stop_requests import StopRequests, resume_command, stop_status
+from ssl_vit.train.stop_requests import EXIT_FAILED, StopRequests, resume_command, stop_status
 from ssl_vit.train.strategy import (
     StrategySettings,
     check_compile,
@@ -469,7 +469,7 @@ class Trainer:
             "cuda_peak_memory_gib": (torch.cuda.max_memory_allocated(accelerator.device) / 2**30
                                      if accelerator.device.type == "cuda" else None),  # this process
             "stopped_by": self.stopped_by,  # the stop signal's name (SIGINT, SIGTERM, SIGUSR1), or None
-            "exit_status": stop_status(self.stopped_by) if error is None else 1,  # 75: preempted, requeue
+            "exit_status": stop_status(self.stopped_by) if error is None else EXIT_FAILED,  # 75: preempted, requeue
             "compiled_blocks": self.compiled_blocks,
             # this process, recompiles included
             "compile_s": compile_seconds() - self.compile_start if self.compiled_blocks else None,
