@@ -117,8 +117,9 @@ class Teacher(nn.Module):
 class DINO(Objective):
     config_class = DINOConfig
     needs = Requirements(views=("crops",), ema_teacher=True)
-    # everything but the backbones, to continue training from: heads, the mask token, the centres
-    saved_heads = ("head.", "patch_head.", "teacher.head.", "teacher.patch_head.", "mask_token", "centre",
+    # everything but the encoder (the teacher's backbone), to continue training from: the student's backbone, both
+    # networks' heads, the mask token, the centres
+    saved_heads = ("backbone.", "head.", "patch_head.", "teacher.head.", "teacher.patch_head.", "mask_token", "centre",
                    "patch_centre")
     fp32_buffers = ("centre", "patch_centre")  # EMAs of batch means: bf16 would round every update away
 

@@ -83,10 +83,14 @@ class ModelConfig:
     # open_clip:<dir> (ssl_vit.interop.sources); the architecture is the source's, position embeddings resampled
     # to data.img_size as the source library does it.
     init_from: str | None = None
+    # With init_from: also the objective's weights beyond the encoder that the source holds (our runs'
+    # heads.safetensors; DINO / DINOv2 training checkpoints), so a run continues with the heads, teacher and centres
+    # it had. Refused by name where a name or shape does not fit the objective.
+    init_heads: bool = False
 
 
-MODEL_OVERRIDE_FIELDS = tuple(f.name for f in fields(ModelConfig)
-                              if f.name not in ("name", "grad_checkpointing", "checkpoint_policy", "init_from"))
+MODEL_OVERRIDE_FIELDS = tuple(f.name for f in fields(ModelConfig) if f.name not in (
+    "name", "grad_checkpointing", "checkpoint_policy", "init_from", "init_heads"))
 
 
 @dataclass
@@ -129,6 +133,7 @@ class TrainerConfig:
     # Resuming needs every rank's RNG state for an exact continuation; true accepts a checkpoint without them (e.g.
     # written by a different number of processes) with a warning that the run no longer reproduces.
     allow_inexact_resume: bool = False
+    record_sample_keys: bool = False  # sample_keys/rank_<r>.jsonl: the samples each step trained on, per rank
     stop_at_step: int | None = checked(None, ge=1)  # end this invocation early (a job time limit); resume continues
     # Signals that stop the run after the step with a checkpoint and exit 75 (requeue); Ctrl-C always stops (130).
     preempt_signals: list[PreemptSignal] = field(default_factory=lambda: [PreemptSignal.SIGTERM,

@@ -20,7 +20,9 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 TRACKER_IDS_FILE = "trackers.json"  # the MLflow / W&B run ids, so that a resumed run continues their runs
 # What a training run leaves in its directory; any of them makes a directory a run (Hydra's .hydra/ too)
-RUN_OUTPUTS = (CHECKPOINTS, METRICS_FILE, SUMMARY_FILE, ENCODER_FILE, HEADS_FILE, "tb", TRACKER_IDS_FILE, "wandb")
+SAMPLE_KEYS_DIR = "sample_keys"
+RUN_OUTPUTS = (CHECKPOINTS, METRICS_FILE, SUMMARY_FILE, ENCODER_FILE, HEADS_FILE, "tb", TRACKER_IDS_FILE, "wandb",
+               SAMPLE_KEYS_DIR)
 
 
 def is_run(path: Path) -> bool:

@@ -288,6 +288,45 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
         torch.testing.assert_close(resumed_heads[name], value, atol=1e-6, rtol=0, msg=name)
 
 
+def test_init_from_a_dinov2_run_with_its_heads_starts_where_that_run_stopped(tmp_path):
+    """model.init_from=<run> model.init_heads=true: the new run's student, teacher, heads and centres are the run's
+    last checkpoint's, so its step-0 loss on a batch equals the loss the run would continue with; a head that does
+    not fit is refused by name."""
+    register_configs()
+    small = ["objective=dinov2_tiny", "objective.out_dim=64", "objective.ibot_out_dim=48", "objective.hidden_dim=32",
+             "objective.bottleneck_dim=16", "objective.local_crops=2", "objective.centering=centre",  # centres move
+             "model=vit_test", "data.batch_size=4",
+             "data.num_samples=64", "trainer.progress=false", "trainer.trackers=[]"]
+
+    def config(*overrides):
+        with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+            return compose("pretrain", overrides=[*small, *overrides])
+
+    pretrain(config("trainer.max_steps=3", "trainer.log_every=1", f"output_dir={tmp_path / 'first'}"))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    continuing, dataset, views, _ = build_components(config("output_dir=x"))
+    checkpoint = load_file(tmp_path / "first" / "checkpoints" / "step_00000003" / "model.safetensors")
+    continuing.load_state_dict(checkpoint)
+    assert continuing.centre.abs().sum() > 0 and continuing.patch_centre.abs().sum() > 0  # moved in 3 steps
+    started, *_ = build_components(config("output_dir=y", f"model.init_from={tmp_path / 'first'}",
+                                          "model.init_heads=true"))
+    for name, value in continuing.state_dict().items():
+        torch.testing.assert_close(started.state_dict()[name], value, atol=0, rtol=0, msg=name)
+    batch = next(iter(make_loader(dataset, views, 4, seed=5)))
+    batch.pop("skipped"), batch.pop("key")
+    losses = []
+    for model in (continuing, started):
+        torch.manual_seed(0)
+        losses.append(model.train()(batch)["loss"].item())
+    assert losses[0] == losses[1]
+    fresh, *_ = build_components(config("output_dir=z", f"model.init_from={tmp_path / 'first'}"))
+    assert not torch.equal(fresh.teacher.head.last_layer.weight_v, started.teacher.head.last_layer.weight_v)
+    with pytest.raises(ConfigError, match=r"do not fit objective=dinov2: centre is \(1, 64\) there, \(1, 32\) "
+                                          r"here; head.last_layer.weight_v is \(64, 16\) there, \(32, 16\) here"):
+        build_components(config("output_dir=w", "objective.out_dim=32", f"model.init_from={tmp_path / 'first'}",
+                                "model.init_heads=true"))
+
+
 def _colour_features(encoder, seed: int, count: int, views):
     data = SyntheticShapes(count, 32, seed=seed)
     colours = sorted({data[i]["text"].split()[2] for i in range(count)})

@@ -11,6 +11,7 @@ from conftest import check_ok as _ok
 from safetensors.torch import load_file
 
 from ssl_vit.artifacts import load_encoder
+from ssl_vit.data import StepBatchSampler
 from ssl_vit.vit import sincos_pos_embed_2d
 
 
@@ -35,14 +36,19 @@ def test_tiny_supervised_run_lowers_the_loss_and_writes_its_outputs(reference_ru
 
 
 def test_a_stopped_and_resumed_run_reproduces_the_uninterrupted_losses(reference_run, tmp_path):
-    _ok(launch(*TINY, "trainer.max_steps=30", "trainer.stop_at_step=10", f"hydra.run.dir={tmp_path}"))
+    keys = "trainer.record_sample_keys=true"
+    _ok(launch(*TINY, "trainer.max_steps=30", "trainer.stop_at_step=10", keys, f"hydra.run.dir={tmp_path}"))
     assert json.loads((tmp_path / "summary.json").read_text())["finished"] is False
-    _ok(launch(*TINY, "trainer.max_steps=30", "trainer.resume=auto", f"hydra.run.dir={tmp_path}"))
+    _ok(launch(*TINY, "trainer.max_steps=30", "trainer.resume=auto", keys, f"hydra.run.dir={tmp_path}"))
     resumed = {m["step"]: m["loss"] for m in read_metrics(tmp_path)}
     reference = {m["step"]: m["loss"] for m in read_metrics(reference_run)}
     assert sorted(resumed) == list(range(1, 31))
     for step in range(1, 31):
         assert resumed[step] == pytest.approx(reference[step], abs=1e-6), step
+    # map-style data: each step's recorded indices are the step-indexed sampler's (seed 0, 32 samples, batch 16)
+    rows = [json.loads(line) for line in (tmp_path / "sample_keys" / "rank_0.jsonl").open()]
+    sampler = iter(StepBatchSampler(32, 16, seed=0))
+    assert rows == [{"step": step, "keys": [index for index, _ in next(sampler)]} for step in range(1, 31)]
 
 
 def test_two_workers_that_do_not_join_one_group_are_stopped(tmp_path):

@@ -6,11 +6,11 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, launch, read_metrics, write_tar
+from conftest import ROOT, check_ok, launch, read_metrics, write_tar
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from ssl_vit.data import Digits, FashionMNIST, NoUsableShardsError, ShardStream, SyntheticShapes
+from ssl_vit.data import Digits, FashionMNIST, NoUsableShardsError, ShardStream, SyntheticShapes, ViewBuilder
 from ssl_vit.data.real import read_idx
 from ssl_vit.data.shards import expand_urls, write_shards
 from ssl_vit.data.sources import open_source
@@ -71,6 +71,40 @@ def test_resampled_streams_differ_between_workers_and_ranks(tmp_path, monkeypatc
     assert [_keys(b) for _, b in zip(range(3), pipeline, strict=False)] == streams[1]  # deterministic per seed
 
 
+@pytest.mark.parametrize("resampled", [True, False])
+def test_a_resumed_stream_continues_exactly_on_2_ranks_x_2_workers(tmp_path, monkeypatch, resampled):
+    """Stopped inside a shard with a part-full shuffle buffer, then resumed from the saved loader state (through a
+    file, as a checkpoint holds it): each rank's batches, their keys and their random augmentation equal the
+    uninterrupted stream's."""
+    _synthetic_shards(tmp_path / "shards", count=70, per_shard=9)  # 8 shards, the last one short
+    stream = ShardStream(str(tmp_path / "shards"), resampled=resampled, shuffle_buffer=6)
+    views = ViewBuilder(("image", "label"), 16, mean=(0.5,) * 3, std=(0.5,) * 3, augment=True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        whole = stream.loader(views, 5, seed=4, num_workers=2, need_label=True)
+        expected = [batch for _, batch in zip(range(11), whole, strict=False)]  # over an epoch (resampled=False)
+        first = stream.loader(views, 5, seed=4, num_workers=2, need_label=True)
+        taken = [batch for _, batch in zip(range(5), first, strict=False)]  # worker 0 is ahead: 3 batches vs 2
+        torch.save(first.state_dict(), tmp_path / f"position_{rank}.pt")
+        resumed = stream.loader(views, 5, seed=4, start=5, num_workers=2, need_label=True)  # as the trainer makes it
+        resumed.load_state_dict(torch.load(tmp_path / f"position_{rank}.pt", weights_only=True))
+        got = taken + [batch for _, batch in zip(range(6), resumed, strict=False)]
+        assert [batch["key"] for batch in got] == [batch["key"] for batch in expected]
+        assert all(torch.equal(a["image"], b["image"]) for a, b in zip(got, expected, strict=True))
+        positions = list(_stream_positions(first.state_dict()))
+        assert len(positions) == 2 and all(p["offset"] > 0 and len(p["buffer"]) == 5 for p in positions), positions
+
+
+def _stream_positions(state):
+    """The WorkerStream states inside a StatefulDataLoader state."""
+    if isinstance(state, dict):
+        if "offset" in state and "buffer" in state:
+            yield state
+        for value in state.values():
+            yield from _stream_positions(value)
+
+
 def _png(colour=(10, 200, 30), size=8):
     buffer = io.BytesIO()
     Image.new("RGB", (size, size), colour).save(buffer, format="PNG")
@@ -110,15 +144,29 @@ def test_missing_or_empty_shards_fail_at_start_up(tmp_path):
         expand_urls(str(tmp_path / "nothing"))
 
 
-def test_pretraining_on_shards_through_the_cli(tmp_path):
-    _synthetic_shards(tmp_path / "shards", count=64, img_size=16)
-    out = tmp_path / "run"
-    proc = launch("objective=supervised", "model=vit_test", "data=wds", f"data.urls={tmp_path / 'shards'}",
-                  "data.num_classes=8", "data.num_workers=1", "data.batch_size=16", "trainer.max_steps=6",
-                  "trainer.log_every=2", f"hydra.run.dir={out}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics = read_metrics(out)
-    assert [m["step"] for m in metrics] == [2, 4, 6] and metrics[-1]["skipped_samples"] == 0
+def test_a_killed_shard_run_resumes_with_the_samples_of_an_uninterrupted_one(tmp_path):
+    """2 processes x 2 loader workers on shards read once per epoch: killed after step 5 (checkpoint at 4, inside
+    the epoch), resumed: every rank's per-step sample keys and the losses equal the uninterrupted run's."""
+    _synthetic_shards(tmp_path / "shards", count=70, per_shard=9, img_size=16)
+    args = ["objective=supervised", "model=vit_test", "data=wds", f"data.urls={tmp_path / 'shards'}",
+            "data.resampled=false", "data.shuffle_buffer=6", "data.num_classes=8", "data.num_workers=2",
+            "data.batch_size=4", "trainer.max_steps=6", "trainer.log_every=1", "trainer.checkpoint_every=2",
+            "trainer.record_sample_keys=true", "trainer.cpu_threads=1"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    check_ok(launch(*args, f"hydra.run.dir={whole}", config="ddp_cpu2"))
+    killed = launch(*args, f"hydra.run.dir={parts}", config="ddp_cpu2", env={"SSL_VIT_FAULT": "step_done@5"})
+    assert killed.returncode != 0 and (parts / "checkpoints" / "step_00000004").is_dir()
+    resumed = check_ok(launch(*args, f"hydra.run.dir={parts}", "trainer.resume=auto", config="ddp_cpu2"))
+    assert "at step 4" in resumed.stdout + resumed.stderr
+    for rank in (0, 1):
+        rows, expected = ([json.loads(line) for line in (run / "sample_keys" / f"rank_{rank}.jsonl").open()]
+                          for run in (parts, whole))
+        assert [row["step"] for row in rows] == list(range(1, 7)) and all(len(row["keys"]) == 4 for row in rows)
+        assert rows == expected
+    assert (parts / "sample_keys" / "rank_0.jsonl").read_text() != (parts / "sample_keys" / "rank_1.jsonl").read_text()
+    losses = {run: [m["loss"] for m in read_metrics(run)] for run in (whole, parts)}
+    assert losses[parts] == pytest.approx(losses[whole], abs=1e-6) and len(losses[whole]) == 6
+    assert read_metrics(parts)[-1]["skipped_samples"] == 0
     from hydra import compose, initialize_config_dir
 
     from ssl_vit.cli import register_configs

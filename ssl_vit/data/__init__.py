@@ -12,7 +12,7 @@ from ssl_vit.data.folder import FolderDataset
 from ssl_vit.data.loader import StepBatchSampler, build_loader, make_loader
 from ssl_vit.data.real import Digits, FashionMNIST
 from ssl_vit.data.registry import DATASETS, build_dataset, dataset_kind, eval_datasets, loader_workers
-from ssl_vit.data.shards import ShardStream
+from ssl_vit.data.shard_stream import ShardStream
 from ssl_vit.data.synthetic import SyntheticShapes
 from ssl_vit.data.views import VIEW_KINDS, ViewBuilder
 

@@ -7,8 +7,8 @@ same with any number of workers and a resumed run continues exactly where an uni
 A sample that cannot be read or used (a corrupt or empty image file, no caption for the text view: `BadSampleError`)
 is replaced by the next readable index, augmented under the bad sample's seed, and marked `skipped=1`; the batch
 stays full and remains a pure function of (seed, m, rank). Every sample carries `skipped` (0 or 1), so the batch's
-`skipped` tensor counts them; the training loop sums and pops it. The first few bad files of each process are
-logged by path.
+`skipped` tensor counts them, and `key`, the index read; the training loop pops both. The first few bad files of
+each process are logged by path.
 """
 
 from __future__ import annotations
@@ -20,18 +20,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ssl_vit.data.errors import BadSampleError, NoUsableSamplesError, SkipLog
-from ssl_vit.data.shards import ShardStream
+from ssl_vit.data.seeds import sample_seed
+from ssl_vit.data.shard_stream import ShardStream
 from ssl_vit.data.workers import ignore_stop_signals
 
 log = logging.getLogger(__name__)
 MAX_SUBSTITUTE_SEARCH = 64  # how many following indices a bad sample's substitute is looked for among
-_MIX = 0x9E3779B97F4A7C15  # large odd constant to spread (seed, epoch, index) over the 63-bit seed space
-
-
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    return ((seed * _MIX) ^ (epoch * 1_000_003 + index) * 6364136223846793005) % (2**63 - 1)
-
-
 class StepBatchSampler(Sampler):
     """Infinite batch sampler yielding lists of (index, sample_seed) for one rank, from micro-step `start`.
 
@@ -130,6 +124,7 @@ class SeededViews(Dataset):
                     self.skip_log(f"{err} (replaced by the next readable sample)")
                     continue
                 out["skipped"] = int(offset > 0)
+                out["key"] = position  # the index read (trainer.record_sample_keys)
                 out["seed"] = seed  # for batch-level augmentation (ViewBuilder.collate removes it)
                 return out
         describe = getattr(self.dataset, "describe", lambda: type(self.dataset).__name__)()

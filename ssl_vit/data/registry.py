@@ -12,7 +12,7 @@ from ssl_vit.data.captions import CAPTIONS, TUXPAINT
 from ssl_vit.data.config import DatasetKind
 from ssl_vit.data.folder import FOLDER
 from ssl_vit.data.real import DIGITS, FASHION_MNIST
-from ssl_vit.data.shards import SHARDS
+from ssl_vit.data.shard_stream import SHARDS
 from ssl_vit.data.subset import limit_samples
 from ssl_vit.data.synthetic import SYNTHETIC
 from ssl_vit.schema import ConfigError

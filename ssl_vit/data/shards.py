@@ -1,14 +1,13 @@
-"""WebDataset shards: writing them from any sample source, and streaming them into training batches.
+"""WebDataset shards: writing them from any sample source, and reading and decoding them.
 
 A sample in a shard: `<key>.png` or `<key>.jpg` (the image), `<key>.cls` (class index, when labelled),
 `<key>.txt` (caption, when there is one) and `<key>.json` (source metadata). This is the layout open_clip and
 img2dataset use, so their shards read here too. Beside the shards, `sizes.json` maps each shard's file name to its
 number of samples (open_clip's convention), so a reader can tell how many samples a broken shard lost.
 
-Reading (`ShardStream`): `resampled=True` draws shards with replacement for step-based training, seeded per
-rank and per worker so no two workers feed the same sample order; `resampled=False` reads every shard once per
-epoch (split over ranks and workers, reshuffled each epoch) and starts the next epoch by itself, so both are
-endless. A shuffle buffer mixes samples. Nothing is lost silently:
+Reading: `read_shard` yields one shard's samples and `DecodeAndCount` turns them into views; the stream over many
+shards (drawing, shuffling, batching, its position for exact resumes) is `ssl_vit.data.shard_stream.ShardStream`.
+Nothing is lost silently:
 - corrupt or undecodable samples and samples missing a key the objective needs are skipped and counted;
 - a truncated or corrupt tar (read errors, and Python's tarfile ending an archive quietly at an invalid header) is
   logged by name and its lost samples counted: expected (sizes.json) minus delivered, else 1 per broken shard;
@@ -22,31 +21,22 @@ from __future__ import annotations
 
 import glob
 import io
-import itertools
 import json
 import logging
 import os
-import random
 import tarfile
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import webdataset as wds
 from braceexpand import braceexpand
-from omegaconf import MISSING
 from PIL import Image
-from torch.utils.data import DataLoader, default_collate
 from webdataset.tariterators import base_plus_ext, valid_sample
 
-from ssl_vit.data.config import DataConfig, DatasetKind
 from ssl_vit.data.decode import decode_rgb
 from ssl_vit.data.errors import BadSampleError, MissingKeyError, NoUsableShardsError, SkipLog
-from ssl_vit.data.workers import ignore_stop_signals
-from ssl_vit.schema import checked
 
 log = logging.getLogger(__name__)
 IMAGE_KEYS = ("png", "jpg", "jpeg", "webp", "ppm", "bmp", "tif", "tiff", "gif")
@@ -236,9 +226,11 @@ def _end_problem(tar: tarfile.TarFile, watch: _TailWatch) -> str | None:
     return None
 
 
-def read_shard(url: str, expected: int | None = None, skip_log: SkipLog | None = None) -> Iterator[dict]:
+def read_shard(url: str, expected: int | None = None, skip_log: SkipLog | None = None,
+               skip: int = 0) -> Iterator[dict]:
     """The samples of one shard (dicts of {"__key__", "__url__", extension: bytes}, grouped by key as webdataset
-    does), then a SHARD_END marker {SHARD_END: url, "delivered", "lost", "error"}.
+    does), then a SHARD_END marker {SHARD_END: url, "delivered", "lost", "error"}. `skip`: read past the first
+    samples without yielding them (a resumed stream; they count as delivered).
 
     Never raises for a broken shard: a read error or an early end is reported in the marker (and logged), with
     `lost` = expected - delivered when the shard's size is known, else 1 (at least one sample is cut off)."""
@@ -258,7 +250,8 @@ def read_shard(url: str, expected: int | None = None, skip_log: SkipLog | None =
                     continue  # no extension, or webdataset's __meta__ files
                 if current is None or prefix != current["__key__"]:
                     if valid_sample(current):
-                        yield current
+                        if delivered >= skip:
+                            yield current
                         delivered += 1
                     current = {"__key__": prefix, "__url__": url}
                 current.setdefault(suffix.lower(), data)  # a duplicate file of a key: the first one wins
@@ -269,7 +262,8 @@ def read_shard(url: str, expected: int | None = None, skip_log: SkipLog | None =
         if raw is not None:
             raw.close()
     if valid_sample(current):  # the files of the last key read (before any error): if it lacks a file the objective
-        yield current          # needs, decoding skips and counts it
+        if delivered >= skip:  # needs, decoding skips and counts it
+            yield current
         delivered += 1
     if expected is not None:
         lost = max(expected - delivered, 0)
@@ -307,10 +301,12 @@ def decode_sample(sample: dict, need_label: bool, need_text: bool) -> dict:
 
 
 class DecodeAndCount:
-    """Pipeline stage: decode every sample; skip and count the bad ones, and the samples lost in broken shards
-    (SHARD_END markers). Each good sample carries `skipped`, the number of bad or lost samples since the previous
-    good one (so totals survive worker processes); `skipped` and `trailing` on this object hold the in-process
-    totals (num_workers=0). `max_consecutive_bad` bad samples in a row raise NoUsableShardsError."""
+    """Stream stage: decode every sample and make its views under its own seed; skip and count the bad ones, and the
+    samples lost in broken shards (SHARD_END markers). Its input: markers and (seed, raw sample) pairs. Each good
+    sample carries `seed`, `key` (when the views drop the sample's own: "<shard file name>/<key>") and `skipped`,
+    the number of bad or lost samples since the previous good one (so totals survive worker processes); `skipped`
+    and `trailing` on this object hold the in-process totals (num_workers=0). `max_consecutive_bad` bad samples in a
+    row raise NoUsableShardsError."""
 
     def __init__(self, views, need_label: bool, need_text: bool, max_consecutive_bad: int = MAX_CONSECUTIVE_BAD):
         self.views, self.need_label, self.need_text = views, need_label, need_text
@@ -320,13 +316,17 @@ class DecodeAndCount:
 
     def __call__(self, samples: Iterator[dict]) -> Iterator[dict]:
         pending = in_a_row = 0
-        for sample in samples:
-            if SHARD_END in sample:
-                pending += sample["lost"]
-                self.skipped += sample["lost"]
+        for item in samples:
+            if isinstance(item, dict):  # a SHARD_END marker
+                pending += item["lost"]
+                self.skipped += item["lost"]
                 continue
+            seed, sample = item
             try:
-                out = self.views(decode_sample(sample, self.need_label, self.need_text))
+                decoded = decode_sample(sample, self.need_label, self.need_text)
+                with torch.random.fork_rng(devices=[]):
+                    torch.default_generator.manual_seed(seed)  # the CPU generator alone (see loader.SeededViews)
+                    out = self.views(decoded)
             except BadSampleError as err:
                 pending += 1
                 self.skipped += 1
@@ -338,140 +338,8 @@ class DecodeAndCount:
                         "data.urls, and that the shards hold what the objective needs (labels: 'cls', captions: "
                         "'txt')") from None
                 continue
-            out["skipped"] = pending
+            out.setdefault("key", f"{os.path.basename(sample['__url__'])}/{sample['__key__']}")
+            out["seed"], out["skipped"] = seed, pending
             pending = in_a_row = 0
             yield out
         self.trailing = pending
-
-
-def _worker_seed(seed: int) -> int:
-    rank, _, worker, _ = wds.utils.pytorch_worker_info()
-    return seed * 1_000_003 + rank * 1000 + worker
-
-
-def _shuffle(samples: Iterator, buffer_size: int, seed: int) -> Iterator:
-    """Shuffle through a buffer, seeded per rank and worker (webdataset's own shuffle seeds all workers alike).
-    SHARD_END markers pass straight through (they carry counts, not data)."""
-    rng = random.Random(_worker_seed(seed))
-    buffer = []
-    for sample in samples:
-        if SHARD_END in sample:
-            yield sample
-            continue
-        buffer.append(sample)
-        if len(buffer) >= buffer_size:
-            yield buffer.pop(rng.randrange(len(buffer)))
-    rng.shuffle(buffer)
-    yield from buffer
-
-
-def _examples(errors: dict[str, str], limit: int = 3) -> str:
-    shown = "; ".join(f"{url}: {error}" for url, error in list(errors.items())[:limit])
-    return shown + (f"; and {len(errors) - limit} more" if len(errors) > limit else "")
-
-
-class ShardStream:
-    """Training batches from WebDataset shards (see the module docstring)."""
-
-    def __init__(self, urls, num_classes: int | None = None, resampled: bool = True, shuffle_buffer: int = 1000,
-                 max_consecutive_bad: int = MAX_CONSECUTIVE_BAD):
-        self.urls = expand_urls(urls)
-        self.sizes = read_sizes(self.urls)
-        self.classes = tuple(range(num_classes)) if num_classes else ()
-        self.resampled, self.shuffle_buffer = resampled, shuffle_buffer
-        self.max_consecutive_bad = max_consecutive_bad
-
-    def _read(self, url: str, skip_log: SkipLog) -> Iterator[dict]:
-        yield from read_shard(url, self.sizes.get(url), skip_log)
-
-    def _resampled(self, seed: int) -> Iterator[dict]:
-        """Shards drawn with replacement, seeded per rank and worker; NoUsableShardsError once every distinct shard
-        has failed (delivered nothing) since the last sample that came through."""
-        rng, skip_log = random.Random(_worker_seed(seed)), SkipLog(log, "shard")
-        distinct, failed = set(self.urls), {}
-        while True:
-            url = rng.choice(self.urls)
-            for item in self._read(url, skip_log):
-                if SHARD_END in item and item["delivered"] == 0:
-                    failed[url] = item["error"] or "no samples"
-                elif SHARD_END not in item:
-                    failed.clear()
-                yield item
-            if len(failed) == len(distinct):
-                raise NoUsableShardsError(f"none of the {len(distinct)} shard(s) of data.urls delivered a sample: "
-                                          f"{_examples(failed)}")
-
-    def _epochs(self, seed: int, epochs: int | None) -> Iterator[dict]:
-        """Every shard once per epoch, split over ranks then workers after a per-epoch shuffle that all of them share;
-        endless when epochs is None. NoUsableShardsError if this worker's share of an epoch delivers nothing."""
-        rank, world, worker, workers = wds.utils.pytorch_worker_info()
-        skip_log = SkipLog(log, "shard")
-        for epoch in itertools.count() if epochs is None else range(epochs):
-            order = list(self.urls)
-            random.Random(seed * 1_000_003 + epoch).shuffle(order)
-            of_rank = order[rank::world]
-            if not of_rank:
-                raise NoUsableShardsError(
-                    f"data.resampled=false splits the {len(order)} shard(s) over {world} ranks, and rank {rank} got "
-                    f"none (each rank needs at least one shard, each of its {workers} worker(s) one too to be busy); "
-                    "set data.resampled=true (shards drawn with replacement) or write more shards")
-            share = of_rank[worker::workers]
-            if not share:
-                log.warning("data.resampled=false: rank %d has %d shard(s) for %d workers; worker %d idles (set "
-                            "data.resampled=true or write more shards)", rank, len(of_rank), workers, worker)
-                return
-            delivered, errors = 0, {}
-            for url in share:
-                for item in self._read(url, skip_log):
-                    if SHARD_END in item:
-                        delivered += item["delivered"]
-                        if item["error"]:
-                            errors[url] = item["error"]
-                    yield item
-            if delivered == 0:
-                raise NoUsableShardsError(
-                    f"epoch {epoch}: none of the {len(share)} shard(s) of rank {rank} worker {worker} delivered a "
-                    f"sample ({_examples(errors) or 'they hold no samples'})")
-
-    def pipeline(self, views, batch_size: int | None, seed: int = 0, need_label: bool = False,
-                 need_text: bool = False, epochs: int | None = None) -> tuple[wds.DataPipeline, DecodeAndCount]:
-        """The sample (batch_size None) or batch stream; endless unless `epochs` (resampled=False only) is given."""
-        if epochs is not None and self.resampled:
-            raise ValueError("epochs applies to resampled=False only (resampled draws have no epochs)")
-        decode = DecodeAndCount(views, need_label, need_text, self.max_consecutive_bad)
-        if self.resampled:
-            stages = [lambda: self._resampled(seed)]
-        else:
-            stages = [lambda: self._epochs(seed, epochs)]
-        if self.shuffle_buffer > 1:
-            stages.append(lambda samples: _shuffle(samples, self.shuffle_buffer, seed))
-        stages.append(decode)
-        if batch_size:
-            stages.append(wds.batched(batch_size, collation_fn=getattr(views, "collate", default_collate),
-                                      partial=epochs is not None))
-        return wds.DataPipeline(*stages), decode
-
-    def loader(self, views, batch_size: int, *, seed: int = 0, start: int = 0, num_workers: int = 0,
-               pin_memory: bool = False, need_label: bool = False, need_text: bool = False) -> DataLoader:
-        """Endless batches. A resumed run continues with fresh draws (seeded by the step) rather than replaying the
-        start."""
-        pipeline, _ = self.pipeline(views, batch_size, seed * 1_000_003 + start, need_label, need_text)
-        return DataLoader(pipeline, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
-                          persistent_workers=num_workers > 0, worker_init_fn=ignore_stop_signals)
-
-
-@dataclass
-class ShardDataConfig(DataConfig):
-    name: str = "wds"
-    urls: Any = checked(MISSING, example="data.urls=data/shapes (a directory of .tar shards)")
-    num_classes: int | None = checked(None, ge=2)  # for objectives that use labels (shards carry no class list)
-    resampled: bool = True  # draw shards with replacement (step-based training, as open_clip)
-    shuffle_buffer: int = checked(1000, ge=0)
-
-
-SHARDS = DatasetKind(
-    name="wds", config=ShardDataConfig,
-    build=lambda cfg, img_size: ShardStream(cfg.urls, cfg.num_classes, cfg.resampled, cfg.shuffle_buffer),
-    eval_refusal="a shard stream has no held-out split: write the shards' images to a folder for data=folder",
-    # captions: the samples that have a `txt` (the others are skipped and counted)
-    captioned=True, stream=True, cpu_workers=2)

@@ -16,10 +16,14 @@ and DINOv2 bicubic without it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-from ssl_vit.artifacts import ENCODER_FILE, file_fingerprint, load_encoder, read_preprocess
+import torch
+
+from ssl_vit.artifacts import ENCODER_FILE, file_fingerprint, load_encoder, load_heads, read_preprocess, run_files
 from ssl_vit.interop.hf import load_hf_dir
 from ssl_vit.interop.open_clip import load_open_clip_spec
 from ssl_vit.interop.timm import load_timm_spec
@@ -37,6 +41,9 @@ class Pretrained:
     encoder: VisionTransformer
     preprocess: Preprocess | None  # the source's own preprocessing, when it records one
     identity: dict  # what makes the weights unique (for the feature cache)
+    # The objective's weights beyond the encoder, by its state-dict names, and the objective's name: read when asked
+    # (model.init_heads); None where the source has none (timm, transformers, open_clip encoders).
+    heads: Callable[[], tuple[dict[str, torch.Tensor], str]] | None = None
 
 
 def load_pretrained(spec: str) -> Pretrained:
@@ -59,4 +66,11 @@ def _from_ours(spec: str) -> Pretrained:
     except Exception as err:  # safetensors' own errors for truncated / foreign files, bad metadata
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         raise ValueError(f"{spec!r} is not a readable ssl_vit encoder file ({first})") from err
-    return Pretrained(encoder, read_preprocess(path), file_fingerprint(path))
+    heads_path = run_files(path)[1]
+    return Pretrained(encoder, read_preprocess(path), file_fingerprint(path),
+                      partial(_our_heads, heads_path) if heads_path.is_file() else None)
+
+
+def _our_heads(path: Path) -> tuple[dict[str, torch.Tensor], str]:
+    heads, meta = load_heads(path)
+    return heads, meta.get("objective", "?")

@@ -156,13 +156,53 @@ def load_module_by_module(module: torch.nn.Module, state: dict) -> None:
     if expected != set(state):
         raise ValueError(f"weights do not fit the model: missing {sorted(expected - set(state))[:5]}, unexpected "
                          f"{sorted(set(state) - expected)[:5]}")
+    load_entries(module, state)
+
+
+def load_entries(module: torch.nn.Module, state: dict) -> None:
+    """Copy the entries of `state` (state-dict names of `module`, all of which exist) into its parameters and
+    buffers, one submodule's own parameters at a time (gathered under ZeRO-3)."""
     for prefix, submodule in module.named_modules():
-        own = dict(submodule.named_parameters(recurse=False))
-        if not own:
-            continue
+        def key(name: str, prefix: str = prefix) -> str:
+            return f"{prefix}.{name}" if prefix else name
+
+        own = {name: p for name, p in submodule.named_parameters(recurse=False) if key(name) in state}
         with writable(*own.values()), torch.no_grad():
             for name, param in own.items():
-                param.copy_(state[f"{prefix}.{name}" if prefix else name])
+                param.copy_(state[key(name)])
+        with torch.no_grad():
+            for name, buffer in submodule.named_buffers(recurse=False):
+                if buffer is not None and key(name) in state:
+                    buffer.copy_(state[key(name)])
+
+
+def load_source_heads(objective: Objective, source: Pretrained | None, spec: str | None) -> None:
+    """model.init_heads: the source's weights beyond the encoder (its heads, and for DINO its student and centres)
+    into the built objective, with the source's encoder where the objective keeps it (`state_from_artifacts`:
+    DINO's teacher). Every name must be the objective's and every shape fit; the objective's other weights keep
+    their initialisation (logged)."""
+    if source is None:
+        raise ConfigError("model.init_heads=true needs model.init_from (the run or checkpoint to take them from)")
+    if source.heads is None:
+        raise ConfigError(f"model.init_heads: model.init_from={spec} is an encoder without heads; heads come from "
+                          f"our run directories (heads.safetensors) and DINO / DINOv2 training checkpoints (valid "
+                          f"forms: {list(SOURCES)})")
+    heads, trained_by = source.heads()
+    state = objective.state_from_artifacts(source.encoder.state_dict(), heads)
+    shapes = {name: tuple(getattr(t, "ds_shape", t.shape))  # ZeRO-3 partitions: their full shape
+              for name, t in (*objective.named_parameters(), *objective.named_buffers())}
+    problems = [f"{k} is not in objective={objective.cfg.name}" for k in state if k not in shapes]
+    problems += [f"{k} is {tuple(v.shape)} there, {shapes[k]} here" for k, v in state.items()
+                 if k in shapes and tuple(v.shape) != shapes[k]]
+    if problems:
+        more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
+        raise ConfigError(f"model.init_heads: the weights of {spec} (objective={trained_by}) do not fit "
+                          f"objective={objective.cfg.name}: {'; '.join(problems[:4])}{more}")
+    load_entries(objective, state)
+    fresh = [name for name in shapes if name not in state]
+    log.info("model.init_heads: %d tensors from %s (objective=%s)%s", len(state), spec, trained_by,
+             f"; {len(fresh)} keep their initialisation: {', '.join(fresh[:4])}{' ...' if len(fresh) > 4 else ''}"
+             if fresh else "")
 
 
 def build_data(cfg, needs: Requirements, img_size: int):
@@ -214,6 +254,8 @@ def build_components(cfg, source: Pretrained | None = None, device_type: str = "
         raise
     except ValueError as err:
         raise ConfigError(f"objective={cfg.objective.name}: {err}") from err
+    if cfg.model.get("init_heads"):
+        load_source_heads(objective, source, cfg.model.init_from)
     augment = augment_kind(cfg.data)
     if augment == "augreg" and mixes(cfg.data.augreg) and cfg.data.batch_size % 2:
         raise ConfigError(f"data.batch_size={cfg.data.batch_size}: Mixup / CutMix (data.augment=augreg) pair each "

@@ -2,7 +2,8 @@
 checks that make resuming either exact or a clear error.
 
 Layout under the run's output directory:
-    checkpoints/step_00000100/   model, optimizer, RNG states of every rank, the train state (step, counters)
+    checkpoints/step_00000100/   model, optimizer, RNG states and data stream positions of every rank, the train
+                                 state (step, counters)
     encoder.safetensors          the latest encoder alone, for evaluation and export
 """
 
@@ -13,6 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 
 from ssl_vit.run_dirs import CHECKPOINTS, RUN_OUTPUTS, previous_outputs, resolve_run
@@ -167,9 +169,42 @@ def load_checkpoint(accelerator, path: Path, model, allow_inexact: bool = False)
                           f"{_other_checkpoints(path)}") from err
 
 
-def save_checkpoint(accelerator, out_dir: str | Path, step: int, keep: int) -> Path:
-    """Collective: every rank must call it. Returns the final checkpoint directory. A failed write (disk full,
-    read-only) removes the temp directory, keeps every complete checkpoint and raises OutputError."""
+def data_position_file(rank: int) -> str:
+    return f"data_position_{rank}.pt"
+
+
+def read_data_position(path: Path, rank: int, world_size: int, num_workers: int, allow_inexact: bool) -> dict | None:
+    """The data loader state rank `rank` saved in checkpoint `path` (`save_checkpoint`'s data_position), or None
+    when it cannot continue the stream exactly (none saved, or saved by another number of processes or loader
+    workers): refused then, unless allow_inexact (the stream continues with fresh draws, with a warning)."""
+    file = path / data_position_file(rank)
+    saved = None
+    if file.is_file():
+        try:
+            saved = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as err:  # a truncated or foreign file: pickle / zip errors
+            raise ConfigError(f"trainer.resume: {file} is unreadable ({type(err).__name__}: {_first_line(err)}); "
+                              f"{_other_checkpoints(path)}") from err
+    if saved is None:
+        reason = f"holds no data stream position for rank {rank} ({file.name}; written by an older version?)"
+    elif (saved["world_size"], saved["num_workers"]) != (world_size, num_workers):
+        reason = (f"holds the data stream position of {saved['world_size']} process(es) x {saved['num_workers']} "
+                  f"loader worker(s) and this run has {world_size} x {num_workers} (data.num_workers="
+                  f"{saved['num_workers']} gives that run's workers)")
+    else:
+        return saved["loader"]
+    if not allow_inexact:
+        raise ConfigError(f"trainer.resume: {path} {reason}, so the run cannot continue its data stream exactly; set "
+                          "trainer.allow_inexact_resume=true to continue with fresh draws")
+    log.warning("RESUME IS NOT EXACT: %s %s; the data stream continues with fresh draws "
+                "(trainer.allow_inexact_resume=true)", path, reason)
+    return None
+
+
+def save_checkpoint(accelerator, out_dir: str | Path, step: int, keep: int, data_position: dict | None = None) -> Path:
+    """Collective: every rank must call it. Returns the final checkpoint directory. `data_position`: this rank's
+    data loader state ({"world_size", "num_workers", "loader"}), saved beside its RNG state. A failed write (disk
+    full, read-only) removes the temp directory, keeps every complete checkpoint and raises OutputError."""
     root = Path(out_dir) / CHECKPOINT_DIR
     final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
     try:
@@ -178,6 +213,8 @@ def save_checkpoint(accelerator, out_dir: str | Path, step: int, keep: int) -> P
             tmp.mkdir(parents=True)
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp))
+        if data_position is not None:
+            torch.save(data_position, tmp / data_position_file(accelerator.process_index))
         accelerator.wait_for_everyone()
     except Exception as err:  # OSError, torch's RuntimeError, safetensors' own error type
         shutil.rmtree(tmp, ignore_errors=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ssl_vit.artifacts import ENCODER_FILE, HEADS_FILE, read_metadata, save_encoder_state, save_heads
-from ssl_vit.run_dirs import METRICS_FILE, SUMMARY_FILE
+from ssl_vit.run_dirs import METRICS_FILE, SAMPLE_KEYS_DIR, SUMMARY_FILE
 from ssl_vit.train.trackers import Trackers
 
 
@@ -114,8 +114,13 @@ def append_metrics(out_dir: Path, row: dict) -> None:
 
 def drop_metrics_after(out_dir: Path, step: int) -> int:
     """Keep the rows of metrics.jsonl up to `step` (rows a killed run logged past its last checkpoint go);
-    returns how many rows were dropped. The rewrite is atomic."""
-    path = out_dir / METRICS_FILE
+    returns how many rows were dropped."""
+    return drop_rows_after(out_dir / METRICS_FILE, step, "metrics")
+
+
+def drop_rows_after(path: Path, step: int, what: str) -> int:
+    """Keep the JSON lines of `path` whose "step" is at most `step`, and none cut by a kill; returns how many were
+    dropped. The rewrite is atomic."""
     if not path.exists():
         return 0
     lines = path.read_text().splitlines()
@@ -129,7 +134,7 @@ def drop_metrics_after(out_dir: Path, step: int) -> int:
             kept.append(line)
     if len(kept) != len(lines):
         tmp = path.with_name(f".{path.name}.tmp")
-        with writing(path, "metrics"):
+        with writing(path, what):
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, path)
     return len(lines) - len(kept)
@@ -141,6 +146,23 @@ def write_summary(out_dir: Path, summary: dict) -> None:
     with writing(path, "the summary"):
         tmp.write_text(json.dumps(json_safe(summary), indent=2) + "\n")
         os.replace(tmp, path)
+
+
+class SampleKeys:
+    """`sample_keys/rank_<r>.jsonl` (trainer.record_sample_keys): one {"step", "keys"} line per step, the keys of the
+    samples this rank trained that step on (shard streams: "<shard file>/<key>"; map-style data: the index), to
+    audit a loss spike or check an exact resume. A resumed run first drops the lines past the step it resumes from.
+    """
+
+    def __init__(self, out_dir: Path, rank: int, step: int):
+        self.path = out_dir / SAMPLE_KEYS_DIR / f"rank_{rank}.jsonl"
+        with writing(self.path, "the sample keys"):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        drop_rows_after(self.path, step, "the sample keys")
+
+    def write(self, step: int, keys: list) -> None:
+        with writing(self.path, "the sample keys"), open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, "keys": keys}) + "\n")
 
 
 class RunOutputs:

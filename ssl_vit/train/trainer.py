@@ -36,6 +36,7 @@ from ssl_vit.train.checkpoint import (
     claim_run_dir,
     list_checkpoints,
     load_checkpoint,
+    read_data_position,
     remove_stale_temps,
     resolve_resume,
     save_checkpoint,
@@ -43,7 +44,7 @@ from ssl_vit.train.checkpoint import (
 from ssl_vit.train.evaluation import PeriodicEvaluation
 from ssl_vit.train.faults import fault_point, injected_error, poisoned
 from ssl_vit.train.guard import DivergenceAdvice, UpdateGuard
-from ssl_vit.train.outputs import OutputError, RunOutputs, check_writable
+from ssl_vit.train.outputs import OutputError, RunOutputs, SampleKeys, check_writable
 from ssl_vit.train.stop_requests import EXIT_FAILED, StopRequests, resume_command, stop_status
 from ssl_vit.train.strategy import (
     StrategySettings,
@@ -256,10 +257,18 @@ class Trainer:
                      f"resumed from {resume_dir} at step {self.state.step}" if resume_dir else "new run",
                      f" ({dropped} metrics rows past it, {len(removed)} unfinished checkpoint(s) removed)"
                      if dropped or removed else "")
-        self.batches = iter(make_loader(
+        self.loader = make_loader(
             self.run.dataset, self.run.views, data.batch_size, rank=accelerator.process_index, world_size=world,
             seed=seed, start=self.state.step * settings.grad_accum_steps, num_workers=self.workers,
-            pin_memory=accelerator.device.type == "cuda", repeats=self.run.repeats))
+            pin_memory=accelerator.device.type == "cuda", repeats=self.run.repeats)
+        if resume_dir is not None and hasattr(self.loader, "load_state_dict"):  # a stream: its position was saved
+            position = read_data_position(resume_dir, accelerator.process_index, world, self.workers,
+                                          settings.allow_inexact_resume)
+            if position is not None:
+                self.loader.load_state_dict(position)
+        self.batches = iter(self.loader)
+        self.sample_keys = (SampleKeys(self.out_dir, accelerator.process_index, self.state.step)
+                            if settings.record_sample_keys else None)
         self.guard = UpdateGuard(self.model.parameters(), settings.max_param_norm_growth,
                                  partial(parameter_norm, accelerator))
         self.skips_on_device = skips_on_device(accelerator, self.optimizer)
@@ -336,12 +345,16 @@ class Trainer:
         return logged
 
     def _micro_batches(self) -> list[dict]:
-        batches = []
+        batches, keys = [], []
         for _ in range(self.settings.grad_accum_steps):
             batch = next(self.batches)
             if "skipped" in batch:
                 self.state.skipped_samples += int(batch.pop("skipped").sum())
+            key = batch.pop("key", [])
+            keys.extend(key.tolist() if isinstance(key, torch.Tensor) else key)
             batches.append(self.run.views.on_device(_to_device(batch, self.accelerator.device)))
+        if self.sample_keys is not None:
+            self.sample_keys.write(self.state.step + 1, keys)
         return batches
 
     def _check(self, micro: MicroSteps) -> None:
@@ -402,7 +415,9 @@ class Trainer:
 
     def save(self, step: int) -> Path:
         """Checkpoint (collective), then the artifacts; returns the checkpoint directory."""
-        checkpoint = save_checkpoint(self.accelerator, self.out_dir, step, self.settings.keep_checkpoints)
+        position = ({"world_size": self.accelerator.num_processes, "num_workers": self.workers,
+                     "loader": self.loader.state_dict()} if hasattr(self.loader, "state_dict") else None)
+        checkpoint = save_checkpoint(self.accelerator, self.out_dir, step, self.settings.keep_checkpoints, position)
         self.save_artifacts(step)
         self.saved_step = step
         return checkpoint
