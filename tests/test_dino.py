@@ -3,13 +3,16 @@ when the teacher is bf16), the schedules, the student's forward per resolution, 
 warnings and multi-crop batches from every dataset kind. Strategies: tests/test_strategies.py; the losses'
 formulas: tests/test_distillation.py."""
 
+import argparse
 import logging
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
 from conftest import read_metrics
@@ -18,6 +21,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from test_loop import CONFIGS, _fresh_accelerator_state  # noqa: F401  (fixture)
 from test_shards import _synthetic_shards, _write_idx
+from torch import nn
 
 from objectives import DataInfo, build_objective
 from objectives.dino import DINOConfig, DINOv2Config
@@ -325,6 +329,91 @@ def test_init_from_a_dinov2_run_with_its_heads_starts_where_that_run_stopped(tmp
                                           r"here; head.last_layer.weight_v is \(64, 16\) there, \(32, 16\) here"):
         build_components(config("output_dir=w", "objective.out_dim=32", f"model.init_from={tmp_path / 'first'}",
                                 "model.init_heads=true"))
+
+
+def _reference_head(in_dim: int, out_dim: int, parametrized: bool) -> nn.Module:
+    """DINO's / DINOv2's DINOHead as their code builds it (3 layers, GELU, a weight-normalised last layer), with
+    torch's weight_norm (the old hook, or the parametrization newer code gets) and a learned, non-unit gain."""
+    head = nn.Module()
+    head.mlp = nn.Sequential(nn.Linear(in_dim, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16))
+    linear = nn.Linear(16, out_dim, bias=False)
+    head.last_layer = (nn.utils.parametrizations.weight_norm(linear) if parametrized else nn.utils.weight_norm(linear))
+    with torch.no_grad():
+        for name, param in head.last_layer.named_parameters():
+            if name in ("weight_g", "parametrizations.weight.original0"):
+                param.uniform_(0.5, 1.5)
+    return head
+
+
+def _reference_checkpoint(path, kind: str):
+    """A training checkpoint in the reference layout, from real modules: timm ViTs as the backbones (DINOv2's
+    adds its mask token and block chunks), reference heads, centres as the loss modules register them."""
+    import timm
+
+    def backbone():
+        model = timm.create_model("vit_base_patch16_224", pretrained=False, img_size=16, patch_size=4, embed_dim=32,
+                                  depth=2, num_heads=2, num_classes=0).eval()
+        state = dict(model.state_dict())
+        if kind == "dinov2":
+            state = {re.sub(r"^blocks\.", "blocks.0.", k): v for k, v in state.items()}  # block_chunks=1
+            state["mask_token"] = torch.zeros(1, 32)
+        return model, state
+
+    networks = {}
+    for role in ("student", "teacher"):
+        model, state = backbone()
+        heads = {"dino_head": _reference_head(32, 64, kind == "dinov2")}
+        if kind == "dinov2":
+            heads["ibot_head"] = _reference_head(32, 48, True)
+        networks[role] = (model, state, heads)
+    if kind == "dino":
+        def wrapped(role, prefix):
+            model, state, heads = networks[role]
+            return {**{f"{prefix}backbone.{k}": v for k, v in state.items()},
+                    **{f"{prefix}head.{k}": v for k, v in heads["dino_head"].state_dict().items()}}
+        saved = {"student": wrapped("student", "module."), "teacher": wrapped("teacher", ""), "epoch": 3,
+                 "dino_loss": {"center": torch.randn(1, 64)}, "args": argparse.Namespace(arch="vit_test")}
+    else:
+        model = {"dino_loss.center": torch.randn(1, 64), "ibot_patch_loss.center": torch.randn(1, 1, 48)}
+        for role, (_, state, heads) in networks.items():
+            model.update({f"{role}.backbone.{k}": v for k, v in state.items()})
+            for name, head in heads.items():
+                model.update({f"{role}.{name}.{k}": v for k, v in head.state_dict().items()})
+        saved = {"model": model, "optimizer": {}, "iteration": 7}
+    torch.save(saved, path)
+    return networks, saved
+
+
+@pytest.mark.parametrize("kind", ["dino", "dinov2"])
+def test_init_from_a_reference_training_checkpoint_continues_with_its_student_teacher_heads_and_centres(
+        tmp_path, kind):
+    networks, saved = _reference_checkpoint(tmp_path / "checkpoint.pth", kind)
+    register_configs()
+    small = [f"objective={kind}_tiny", "objective.out_dim=64", "objective.hidden_dim=32", "objective.bottleneck_dim=16",
+             "objective.norm_last_layer=false", "model=vit_test", "data.batch_size=4", "data.num_samples=16",
+             f"model.init_from={kind}:{tmp_path / 'checkpoint.pth'}", "output_dir=x"]
+    small += ["objective.ibot_out_dim=48"] if kind == "dinov2" else []
+    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+        objective, *_ = build_components(compose("pretrain", overrides=[*small, "model.init_heads=true"]))
+        with pytest.raises(ConfigError, match=r"head.last_layer.weight_g is not in objective="):
+            build_components(compose("pretrain", overrides=[*small, "model.init_heads=true",
+                                                            "objective.norm_last_layer=true"]))
+    images, features = torch.randn(2, 3, 16, 16), torch.randn(5, 32)
+    ours = {"student": (objective.backbone, objective.head, objective.patch_head),
+            "teacher": (objective.teacher.backbone, objective.teacher.head, objective.teacher.patch_head)}
+    with torch.no_grad():
+        for role, (model, _, heads) in networks.items():
+            backbone, head, patch_head = ours[role]
+            torch.testing.assert_close(backbone.eval().forward_features(images), model.forward_features(images),
+                                       atol=1e-5, rtol=1e-5)
+            pairs = [(head, heads["dino_head"])] + ([(patch_head, heads["ibot_head"])] if kind == "dinov2" else [])
+            for mine, theirs in pairs:
+                expected = theirs.last_layer(F.normalize(theirs.mlp(features), dim=-1))
+                torch.testing.assert_close(mine(features), expected, atol=1e-5, rtol=1e-5)
+    centre = saved["dino_loss"]["center"] if kind == "dino" else saved["model"]["dino_loss.center"]
+    torch.testing.assert_close(objective.centre, centre, atol=0, rtol=0)
+    if kind == "dinov2":
+        torch.testing.assert_close(objective.patch_centre, saved["model"]["ibot_patch_loss.center"].reshape(1, 48))
 
 
 def _colour_features(encoder, seed: int, count: int, views):

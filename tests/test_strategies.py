@@ -302,6 +302,16 @@ def test_consolidate_turns_a_2_process_checkpoint_into_the_runs_own_files_and_1_
         assert (f"ssl-vit: error: trainer.resume: {checkpoint} was written by 2 processes and this run has 1: its "
                 f"DeepSpeed ZeRO shards resume only on 2; python scripts/consolidate.py {checkpoint} --out DIR"
                 in proc.stderr), proc.stderr[-2000:]
+        # A new ZeRO-3 run from the run's files with its heads (model.init_heads), loaded into partitioned
+        # parameters: one step that moves nothing (lr 1e-12, teacher momentum 1) saves what it started from.
+        check_ok(_run(config, tmp_path / "continued", *OBJECTIVES["dinov2"], f"model.init_from={run}",
+                      "model.init_heads=true", "trainer.max_steps=1", "optim.lr=1e-12", "optim.min_lr=0",
+                      "optim.warmup_steps=0", "objective.teacher_momentum=1"))
+        for name in ("encoder.safetensors", "heads.safetensors"):
+            ours, theirs = load_file(tmp_path / "continued" / name), load_file(run / name)
+            assert set(ours) == set(theirs), name
+            for key, value in theirs.items():
+                torch.testing.assert_close(ours[key], value, atol=1e-6, rtol=0, msg=f"{name}: {key}")
 
 
 def test_two_machines_on_localhost_train_as_two_ddp_processes(runs, tmp_path):

@@ -8,6 +8,9 @@
     hf:<dir>                                   transformers ViTModel / Dinov2Model / CLIPVisionModel / SiglipVisionModel
     open_clip:<dir>                            an open_clip model directory (open_clip_config.json; our --to open_clip)
     open_clip:<model name>:<file>              an open_clip checkpoint file for a named open_clip architecture
+    dino:<file>, dinov2:<file>                 a training checkpoint of the reference DINO / DINOv2 code: the
+                                               teacher, and with model.init_heads the student, heads and centres
+                                               (ssl_vit.interop.dino; the architecture is model='s)
 
 Each import keeps its library's position-embedding resampling for other image sizes (recorded in the encoder's
 config, used by `set_img_size` and on the fly): timm and open_clip resample bicubic with antialiasing, transformers
@@ -24,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ssl_vit.artifacts import ENCODER_FILE, file_fingerprint, load_encoder, load_heads, read_preprocess, run_files
+from ssl_vit.interop.dino import load_reference_checkpoint
 from ssl_vit.interop.hf import load_hf_dir
 from ssl_vit.interop.open_clip import load_open_clip_spec
 from ssl_vit.interop.timm import load_timm_spec
@@ -32,7 +36,8 @@ from ssl_vit.run_dirs import resolve_run
 from ssl_vit.vit import VisionTransformer
 
 SOURCES = ("<encoder file or run dir>", "timm:<name>[:<file>]", "timm:<dir>", "hf:<dir>", "open_clip:<dir>",
-           "open_clip:<name>:<file>")
+           "open_clip:<name>:<file>", "dino:<checkpoint.pth>", "dinov2:<checkpoint.pth>")
+REFERENCE_CHECKPOINTS = ("dino", "dinov2")  # training checkpoints of the reference code (ssl_vit.interop.dino)
 LIBRARIES = {"timm": load_timm_spec, "hf": load_hf_dir, "open_clip": load_open_clip_spec}
 
 
@@ -46,9 +51,15 @@ class Pretrained:
     heads: Callable[[], tuple[dict[str, torch.Tensor], str]] | None = None
 
 
-def load_pretrained(spec: str) -> Pretrained:
-    """The encoder a spec names (see the module docstring); ValueError / FileNotFoundError naming the problem."""
+def load_pretrained(spec: str, architecture: Callable[[], dict] | None = None) -> Pretrained:
+    """The encoder a spec names (see the module docstring); ValueError / FileNotFoundError naming the problem.
+    `architecture`: the encoder config for sources that record none (the reference DINO / DINOv2 checkpoints)."""
     library, _, rest = spec.partition(":")
+    if library in REFERENCE_CHECKPOINTS:
+        if architecture is None:
+            raise ValueError(f"{spec}: a {library} training checkpoint records no architecture; it starts a "
+                             "pre-training run (model.init_from with the model= preset it was trained with)")
+        return Pretrained(*load_reference_checkpoint(library, rest, architecture()))
     if library in LIBRARIES:
         return Pretrained(*LIBRARIES[library](rest))
     return _from_ours(spec)

@@ -68,9 +68,17 @@ def init_source(cfg) -> Pretrained | None:
     try:
         # building the source model must not move the run's seed, nor be partitioned by transformers' ZeRO-3 hook
         with torch.random.fork_rng(devices=[]), without_transformers_zero3():
-            return load_pretrained(spec)
+            return load_pretrained(spec, architecture=lambda: preset_config(cfg.model.name))
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as err:
         raise ConfigError(f"model.init_from: {err} (valid forms: {list(SOURCES)})") from err
+
+
+def preset_config(name: str) -> dict:
+    """The encoder config of a `model=` preset (built on the meta device: no memory, no random draws)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; valid choices: {sorted(PRESETS)}")
+    with torch.device("meta"):
+        return build_vit(name).config
 
 
 @contextlib.contextmanager
