@@ -7,6 +7,7 @@ import argparse
 import logging
 import math
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ from torch import nn
 from objectives import DataInfo, build_objective
 from objectives.dino import DINOConfig, DINOv2Config
 from ssl_vit import ema as ema_module
-from ssl_vit.artifacts import load_encoder, read_preprocess
+from ssl_vit.artifacts import load_encoder, load_heads, read_preprocess, save_heads
 from ssl_vit.cli import register_configs
 from ssl_vit.data import SyntheticShapes, ViewBuilder, build_dataset, make_loader
 from ssl_vit.ema import EMA
@@ -329,6 +330,19 @@ def test_init_from_a_dinov2_run_with_its_heads_starts_where_that_run_stopped(tmp
                                           r"here; head.last_layer.weight_v is \(64, 16\) there, \(32, 16\) here"):
         build_components(config("output_dir=w", "objective.out_dim=32", f"model.init_from={tmp_path / 'first'}",
                                 "model.init_heads=true"))
+    # at another size the student's position embeddings are resampled as the encoder's (the teacher's) are
+    larger, *_ = build_components(config("output_dir=v", "data.img_size=24", f"model.init_from={tmp_path / 'first'}",
+                                         "model.init_heads=true"))
+    assert larger.backbone.pos_embed.shape == larger.teacher.backbone.pos_embed.shape == (1, 37, 32)
+    assert torch.equal(larger.backbone.pos_embed[:, :1], checkpoint["backbone.pos_embed"][:, :1])
+    # heads of another step than the encoder's (a kill between the two writes) are refused
+    apart = tmp_path / "apart"
+    apart.mkdir()
+    shutil.copy(tmp_path / "first" / "encoder.safetensors", apart)
+    heads, meta = load_heads(tmp_path / "first" / "heads.safetensors")
+    save_heads(heads, apart / "heads.safetensors", **{**meta, "step": 2})
+    with pytest.raises(ConfigError, match=r"heads.safetensors is of step 2 and encoder.safetensors of step 3"):
+        build_components(config("output_dir=u", f"model.init_from={apart}", "model.init_heads=true"))
 
 
 def _reference_head(in_dim: int, out_dim: int, parametrized: bool) -> nn.Module:
@@ -356,7 +370,7 @@ def _reference_checkpoint(path, kind: str):
         state = dict(model.state_dict())
         if kind == "dinov2":
             state = {re.sub(r"^blocks\.", "blocks.0.", k): v for k, v in state.items()}  # block_chunks=1
-            state["mask_token"] = torch.zeros(1, 32)
+            state["mask_token"] = torch.randn(1, 32)  # iBOT's, trained in the student
         return model, state
 
     networks = {}
@@ -414,6 +428,7 @@ def test_init_from_a_reference_training_checkpoint_continues_with_its_student_te
     torch.testing.assert_close(objective.centre, centre, atol=0, rtol=0)
     if kind == "dinov2":
         torch.testing.assert_close(objective.patch_centre, saved["model"]["ibot_patch_loss.center"].reshape(1, 48))
+        torch.testing.assert_close(objective.mask_token.reshape(1, 32), saved["model"]["student.backbone.mask_token"])
 
 
 def _colour_features(encoder, seed: int, count: int, views):

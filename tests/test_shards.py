@@ -92,6 +92,13 @@ def test_a_resumed_stream_continues_exactly_on_2_ranks_x_2_workers(tmp_path, mon
         got = taken + [batch for _, batch in zip(range(6), resumed, strict=False)]
         assert [batch["key"] for batch in got] == [batch["key"] for batch in expected]
         assert all(torch.equal(a["image"], b["image"]) for a, b in zip(got, expected, strict=True))
+        if rank == 0:  # a position of other shards is refused, naming both
+            other = ShardStream(str(tmp_path / "shards" / "shard-00000[0-6].tar"), resampled=resampled,
+                                shuffle_buffer=6).loader(views, 5, seed=4, num_workers=2, need_label=True)
+            state = torch.load(tmp_path / f"position_{rank}.pt", weights_only=True)
+            with pytest.raises(ValueError, match=r"of another stream: 8 shards .* this one has 7"):
+                other.load_state_dict({**state})
+                next(iter(other))
         positions = list(_stream_positions(first.state_dict()))
         assert len(positions) == 2 and all(p["offset"] > 0 and len(p["buffer"]) == 5 for p in positions), positions
 

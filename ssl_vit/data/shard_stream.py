@@ -23,6 +23,7 @@ import itertools
 import logging
 import random
 import warnings
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -110,8 +111,14 @@ class WorkerStream:
         self.base, self.seed = base, base * 1_000_003 + self.rank * 1000 + self.worker
 
     # ----- position -----
+    def _stream_settings(self) -> list:
+        """What the position refers to: the shard list (a checksum), resampling, the buffer size."""
+        return [zlib.crc32("\n".join(self.stream.urls).encode()), len(self.stream.urls), self.stream.resampled,
+                self.stream.shuffle_buffer]
+
     def state_dict(self) -> dict:
-        return {"where": [self.rank, self.world, self.worker, self.workers], "base": self.base, "draws": self.draws,
+        return {"where": [self.rank, self.world, self.worker, self.workers], "stream": self._stream_settings(),
+                "base": self.base, "draws": self.draws,
                 "offset": self.offset, "buffer": [ref for ref, _ in self.buffer], "rng": self.rng.getstate()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -120,6 +127,13 @@ class WorkerStream:
             raise ValueError(f"the saved shard-stream position is of rank {state['where'][0]} of {state['where'][1]}, "
                              f"worker {state['where'][2]} of {state['where'][3]}; this stream is rank {where[0]} of "
                              f"{where[1]}, worker {where[2]} of {where[3]}")
+        saved, now = list(state["stream"]), self._stream_settings()
+        if saved != now:
+            raise ValueError(f"the saved shard-stream position is of another stream: {saved[1]} shards (checksum "
+                             f"{saved[0]}), resampled={saved[2]}, shuffle_buffer={saved[3]}; this one has {now[1]} "
+                             f"(checksum {now[0]}), resampled={now[2]}, shuffle_buffer={now[3]}: resume with that "
+                             "run's data.urls, data.resampled and data.shuffle_buffer, or start a new run from its "
+                             "files (model.init_from=<run> model.init_heads=true)")
         self._seed_from(int(state["base"]))  # the seed the stream began with, not this loader's (seeded by the step)
         self._epoch_shares = {}
         self.draws, self.offset = int(state["draws"]), int(state["offset"])

@@ -2,15 +2,15 @@
 
     dino:<checkpoint.pth>     facebookresearch/dino's checkpoint: {"student", "teacher", "dino_loss", ...}
     dinov2:<file>             facebookresearch/dinov2's model_<iteration>.rank_0.pth ({"model": ...}) written by one
-                              process (FSDP's per-rank files of several hold flat shards, refused by shape), or its
-                              eval/<tag>/teacher_checkpoint.pth ({"teacher": ...})
+                              process with full tensors (FSDP's per-rank files hold flat shards: refused), or
+                              its eval/<tag>/teacher_checkpoint.pth ({"teacher": ...}: the teacher alone)
 
 The encoder is the teacher's backbone, as the reference evaluates it; with `model.init_heads=true` the rest
 (student backbone, DINO and iBOT heads of both, centres) comes under our DINO objective's state names, mapped by
-NAME_TABLE. The checkpoints do not record the architecture: it is the `model=` preset's, at the checkpoint's grid
-(then resampled to data.img_size). The backbones go through timm's own filter for these layouts (DINOv2's mask
-token, registers and SwiGLU names) into a timm ViT of that architecture, then into ours, so a key or shape that
-does not fit is refused by name.
+NAME_TABLE. The checkpoints do not record the architecture: it is the run's `model=` (preset and model.* options),
+at the checkpoint's grid (then resampled to data.img_size). The backbones go through timm's own filter for these
+layouts (DINOv2's mask token, registers and SwiGLU names) into a timm ViT of that architecture, then into ours, so a
+key or shape that does not fit is refused by name.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 # (the reference's name prefix, ours): DINO's checkpoint flattened as "<top-level key>.<name>" (its student is
 # DDP-wrapped: "module."; its teacher only with batch norms), DINOv2's "model" state dict as it is. Longest first.
 NAME_TABLE = (
-    ("student.module.backbone.", "backbone."), ("student.module.head.", "head."),
+    ("student.module.backbone.", "backbone."), ("student.module.head.", "head."), ("student.head.", "head."),
     ("teacher.module.backbone.", "teacher.backbone."), ("teacher.module.head.", "teacher.head."),
     ("teacher.backbone.", "teacher.backbone."), ("teacher.head.", "teacher.head."),
     ("dino_loss.center", "centre"),
@@ -49,9 +49,9 @@ TOP_LEVEL = {"dino": {"student": "student.", "teacher": "teacher.", "dino_loss":
 _PARAMETRIZED = {"parametrizations.weight.original0": "weight_g", "parametrizations.weight.original1": "weight_v"}
 
 
-def load_reference_checkpoint(kind: str, file: str, architecture: dict):
-    """(teacher encoder, None, identity, heads loader) of `dino:<file>` / `dinov2:<file>`; `architecture`: our
-    encoder config of the `model=` preset."""
+def load_reference_checkpoint(kind: str, file: str, architecture: dict, heads: bool = False):
+    """(teacher encoder, None, identity, the rest by our names and the kind, or None unless `heads`) of
+    `dino:<file>` / `dinov2:<file>`; `architecture`: our encoder config of the run's `model=`."""
     path = Path(file).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"{kind}:{file}: no such checkpoint file")
@@ -72,25 +72,28 @@ def load_reference_checkpoint(kind: str, file: str, architecture: dict):
     if not teacher:
         raise ValueError(f"{kind}:{file} holds no teacher backbone (keys: {sorted(entries)[:4]})")
     encoder = _backbone(teacher, architecture, f"{kind}:{file} (teacher backbone)")
-
-    def heads() -> tuple[dict[str, torch.Tensor], str]:
-        rest = {k: v for k, v in state.items() if not k.startswith(("teacher.backbone.", "backbone."))}
-        student = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
-        if student:
-            converted = _backbone(student, architecture, f"{kind}:{file} (student backbone)").state_dict()
-            rest.update({f"backbone.{k}": v for k, v in converted.items()})
-        return _heads_as_ours(rest, kind), kind
-
-    return encoder, None, file_fingerprint(path) | {"reference": kind}, heads
+    identity = file_fingerprint(path) | {"reference": kind}
+    if not heads:
+        return encoder, None, identity, None
+    rest = {k: v for k, v in state.items() if not k.startswith(("teacher.backbone.", "backbone."))}
+    student = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+    if "mask_token" in student:  # DINOv2 keeps iBOT's mask token in the student backbone (1, D); ours is (1, 1, D)
+        rest["mask_token"] = student["mask_token"].reshape(1, 1, -1)
+    if student:
+        converted = _backbone(student, architecture, f"{kind}:{file} (student backbone)").state_dict()
+        rest.update({f"backbone.{k}": v for k, v in converted.items()})
+    return encoder, None, identity, (_heads_as_ours(rest, kind), kind)
 
 
 def _flatten(kind: str, path: Path) -> dict[str, torch.Tensor]:
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):  # DINO saves its argparse arguments
-            raw = torch.load(path, map_location="cpu", weights_only=True)
+            raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # the optimizer stays on disk
     except Exception as err:  # pickle / zip errors, or objects beyond tensors and DINO's arguments
         raise ValueError(f"{kind}:{path}: not a readable checkpoint ({type(err).__name__}: "
-                         f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''})") from err
+                         f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}); "
+                         f"{kind} files of several FSDP processes hold sharded tensors: use a one-process checkpoint"
+                         + (" or eval/<tag>/teacher_checkpoint.pth" if kind == "dinov2" else "")) from err
     tops = {key: prefix for key, prefix in TOP_LEVEL[kind].items() if isinstance(raw, dict) and key in raw}
     if not tops:
         found = sorted(raw)[:6] if isinstance(raw, dict) else type(raw).__name__
@@ -141,7 +144,9 @@ def _heads_as_ours(state: dict[str, torch.Tensor], kind: str) -> dict[str, torch
         if name.endswith("last_layer.weight_g") and torch.all(value == 1):
             continue
         out[name] = value.reshape(1, -1) if name == "patch_centre" else value
-    if kind == "dinov2" and "patch_centre" in out and not any(k.startswith("patch_head.") for k in out):
+    centres = {"centre", "patch_centre"} & set(out)
+    shared = not any(k.startswith(("patch_head.", "teacher.patch_head.")) for k in out)
+    if kind == "dinov2" and shared and centres != {"centre"}:  # iBOT on (its centre), or no centres saved at all
         log.info("dinov2: iBOT shares the DINO head in this checkpoint; both heads start from it")
         for network in ("", "teacher."):
             out.update({f"{network}patch_head.{k.removeprefix(network + 'head.')}": v for k, v in list(out.items())

@@ -21,12 +21,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
 
-from ssl_vit.artifacts import ENCODER_FILE, file_fingerprint, load_encoder, load_heads, read_preprocess, run_files
+from ssl_vit.artifacts import (
+    ENCODER_FILE,
+    file_fingerprint,
+    load_encoder,
+    load_heads,
+    read_metadata,
+    read_preprocess,
+    run_files,
+)
 from ssl_vit.interop.dino import load_reference_checkpoint
 from ssl_vit.interop.hf import load_hf_dir
 from ssl_vit.interop.open_clip import load_open_clip_spec
@@ -46,26 +53,29 @@ class Pretrained:
     encoder: VisionTransformer
     preprocess: Preprocess | None  # the source's own preprocessing, when it records one
     identity: dict  # what makes the weights unique (for the feature cache)
-    # The objective's weights beyond the encoder, by its state-dict names, and the objective's name: read when asked
-    # (model.init_heads); None where the source has none (timm, transformers, open_clip encoders).
-    heads: Callable[[], tuple[dict[str, torch.Tensor], str]] | None = None
+    # The objective's weights beyond the encoder by its state-dict names, and the objective that trained them: read
+    # when asked (load_pretrained's `heads`, for model.init_heads); None otherwise, or where the source has none.
+    heads: tuple[dict[str, torch.Tensor], str] | None = None
+    architecture_given: bool = False  # built to the run's model= config (a source that records no architecture)
 
 
-def load_pretrained(spec: str, architecture: Callable[[], dict] | None = None) -> Pretrained:
+def load_pretrained(spec: str, architecture: Callable[[], dict] | None = None, heads: bool = False) -> Pretrained:
     """The encoder a spec names (see the module docstring); ValueError / FileNotFoundError naming the problem.
-    `architecture`: the encoder config for sources that record none (the reference DINO / DINOv2 checkpoints)."""
+    `architecture`: the encoder config for sources that record none (the reference DINO / DINOv2 checkpoints);
+    `heads`: also read the weights beyond the encoder (None where the source has none)."""
     library, _, rest = spec.partition(":")
     if library in REFERENCE_CHECKPOINTS:
         if architecture is None:
             raise ValueError(f"{spec}: a {library} training checkpoint records no architecture; it starts a "
                              "pre-training run (model.init_from with the model= preset it was trained with)")
-        return Pretrained(*load_reference_checkpoint(library, rest, architecture()))
+        encoder, preprocess, identity, rest_of_it = load_reference_checkpoint(library, rest, architecture(), heads)
+        return Pretrained(encoder, preprocess, identity, rest_of_it, architecture_given=True)
     if library in LIBRARIES:
         return Pretrained(*LIBRARIES[library](rest))
-    return _from_ours(spec)
+    return _from_ours(spec, heads)
 
 
-def _from_ours(spec: str) -> Pretrained:
+def _from_ours(spec: str, heads: bool = False) -> Pretrained:
     path = Path(resolve_run(spec)).expanduser()  # an output group: its newest run
     if path.is_dir():
         path = path / ENCODER_FILE
@@ -79,9 +89,14 @@ def _from_ours(spec: str) -> Pretrained:
         raise ValueError(f"{spec!r} is not a readable ssl_vit encoder file ({first})") from err
     heads_path = run_files(path)[1]
     return Pretrained(encoder, read_preprocess(path), file_fingerprint(path),
-                      partial(_our_heads, heads_path) if heads_path.is_file() else None)
+                      _our_heads(heads_path, path) if heads and heads_path.is_file() else None)
 
 
-def _our_heads(path: Path) -> tuple[dict[str, torch.Tensor], str]:
+def _our_heads(path: Path, encoder_path: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """heads.safetensors, which must be of the encoder's step (a kill between the two writes leaves them apart)."""
     heads, meta = load_heads(path)
+    steps = meta.get("step"), read_metadata(encoder_path).get("step")
+    if steps[0] != steps[1]:
+        raise ValueError(f"{path} is of step {steps[0]} and {encoder_path.name} of step {steps[1]} (a kill between "
+                         f"the two writes?); resume that run (trainer.resume=auto) to write both again")
     return heads, meta.get("objective", "?")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +26,7 @@ from ssl_vit.interop.sources import SOURCES, Pretrained, load_pretrained
 from ssl_vit.optim import build_optimizer, schedule, weight_decay_schedule
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
 from ssl_vit.schema import ConfigError
-from ssl_vit.vit import CHECKPOINTING, PRESETS, VisionTransformer, build_vit
+from ssl_vit.vit import CHECKPOINTING, PRESETS, VisionTransformer, build_vit, resample_pos_embed
 
 log = logging.getLogger("ssl_vit")
 
@@ -68,17 +69,19 @@ def init_source(cfg) -> Pretrained | None:
     try:
         # building the source model must not move the run's seed, nor be partitioned by transformers' ZeRO-3 hook
         with torch.random.fork_rng(devices=[]), without_transformers_zero3():
-            return load_pretrained(spec, architecture=lambda: preset_config(cfg.model.name))
+            return load_pretrained(spec, architecture=lambda: preset_config(cfg.model.name, model_kwargs(cfg.model)),
+                                   heads=bool(cfg.model.get("init_heads")))
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as err:
         raise ConfigError(f"model.init_from: {err} (valid forms: {list(SOURCES)})") from err
 
 
-def preset_config(name: str) -> dict:
-    """The encoder config of a `model=` preset (built on the meta device: no memory, no random draws)."""
+def preset_config(name: str, overrides: dict) -> dict:
+    """The encoder config of a `model=` preset with model.* overrides (built on the meta device: no memory, no
+    random draws)."""
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; valid choices: {sorted(PRESETS)}")
     with torch.device("meta"):
-        return build_vit(name).config
+        return build_vit(name, **overrides).config
 
 
 @contextlib.contextmanager
@@ -135,7 +138,7 @@ def _backbone_from(source: Pretrained, cfg, img_size: int) -> VisionTransformer:
     does), its weights, and the run's regularisation settings."""
     overrides = model_kwargs(cfg.model)
     conflicts = {k: v for k, v in overrides.items() if k not in INIT_FROM_ADJUSTABLE}
-    if conflicts:
+    if conflicts and not source.architecture_given:  # else they shaped it already
         raise ConfigError(f"model.init_from={cfg.model.init_from}: the architecture is the source's; remove "
                           f"{', '.join(f'model.{k}={v}' for k, v in conflicts.items())} (adjustable: "
                           f"{list(INIT_FROM_ADJUSTABLE)})")
@@ -184,6 +187,21 @@ def load_entries(module: torch.nn.Module, state: dict) -> None:
                     buffer.copy_(state[key(name)])
 
 
+def _resample_backbone_pos_embed(objective: Objective, state: dict) -> None:
+    """The source's encoder was resampled to data.img_size (`_backbone_from`); a backbone among its heads (DINO's
+    student) is resampled the same way (a square grid)."""
+    backbone = objective.backbone
+    prefix = next(name for name, module in objective.named_modules() if module is backbone)
+    key = f"{prefix}.pos_embed" if prefix else "pos_embed"
+    if key not in state or not hasattr(backbone, "pos_embed"):
+        return
+    value, target = state[key], tuple(getattr(backbone.pos_embed, "ds_shape", backbone.pos_embed.shape))
+    side = math.isqrt(value.shape[1] - backbone.num_pos_prefix)
+    if tuple(value.shape) != target and side * side == value.shape[1] - backbone.num_pos_prefix:
+        state[key] = resample_pos_embed(value, backbone.grid_size, (side, side), backbone.num_pos_prefix,
+                                        mode=backbone.pos_embed_interp, antialias=backbone.pos_embed_antialias)
+
+
 def load_source_heads(objective: Objective, source: Pretrained | None, spec: str | None) -> None:
     """model.init_heads: the source's weights beyond the encoder (its heads, and for DINO its student and centres)
     into the built objective, with the source's encoder where the objective keeps it (`state_from_artifacts`:
@@ -195,8 +213,9 @@ def load_source_heads(objective: Objective, source: Pretrained | None, spec: str
         raise ConfigError(f"model.init_heads: model.init_from={spec} is an encoder without heads; heads come from "
                           f"our run directories (heads.safetensors) and DINO / DINOv2 training checkpoints (valid "
                           f"forms: {list(SOURCES)})")
-    heads, trained_by = source.heads()
+    heads, trained_by = source.heads
     state = objective.state_from_artifacts(source.encoder.state_dict(), heads)
+    _resample_backbone_pos_embed(objective, state)
     shapes = {name: tuple(getattr(t, "ds_shape", t.shape))  # ZeRO-3 partitions: their full shape
               for name, t in (*objective.named_parameters(), *objective.named_buffers())}
     problems = [f"{k} is not in objective={objective.cfg.name}" for k in state if k not in shapes]

@@ -182,6 +182,8 @@ def read_data_position(path: Path, rank: int, world_size: int, num_workers: int,
     if file.is_file():
         try:
             saved = torch.load(file, map_location="cpu", weights_only=True)
+            if not (isinstance(saved, dict) and {"world_size", "num_workers", "loader"} <= set(saved)):
+                raise ValueError("not a data stream position ({world_size, num_workers, loader})")
         except Exception as err:  # a truncated or foreign file: pickle / zip errors
             raise ConfigError(f"trainer.resume: {file} is unreadable ({type(err).__name__}: {_first_line(err)}); "
                               f"{_other_checkpoints(path)}") from err
