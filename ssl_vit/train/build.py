@@ -195,9 +195,9 @@ def _resample_backbone_pos_embed(objective: Objective, state: dict) -> None:
     key = f"{prefix}.pos_embed" if prefix else "pos_embed"
     if key not in state or not hasattr(backbone, "pos_embed"):
         return
-    value, target = state[key], tuple(getattr(backbone.pos_embed, "ds_shape", backbone.pos_embed.shape))
+    value, shape = state[key], tuple(getattr(backbone.pos_embed, "ds_shape", backbone.pos_embed.shape))
     side = math.isqrt(value.shape[1] - backbone.num_pos_prefix)
-    if tuple(value.shape) != target and side * side == value.shape[1] - backbone.num_pos_prefix:
+    if tuple(value.shape) != shape and side * side == value.shape[1] - backbone.num_pos_prefix:
         state[key] = resample_pos_embed(value, backbone.grid_size, (side, side), backbone.num_pos_prefix,
                                         mode=backbone.pos_embed_interp, antialias=backbone.pos_embed_antialias)
 
