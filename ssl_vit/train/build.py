@@ -190,9 +190,7 @@ def load_entries(module: torch.nn.Module, state: dict) -> None:
 def _resample_backbone_pos_embed(objective: Objective, state: dict) -> None:
     """The source's encoder was resampled to data.img_size (`_backbone_from`); a backbone among its heads (DINO's
     student) is resampled the same way (a square grid)."""
-    backbone = objective.backbone
-    prefix = next(name for name, module in objective.named_modules() if module is backbone)
-    key = f"{prefix}.pos_embed" if prefix else "pos_embed"
+    backbone, key = objective.backbone, "backbone.pos_embed"  # the contract's attribute (Objective.__init__)
     if key not in state or not hasattr(backbone, "pos_embed"):
         return
     value, shape = state[key], tuple(getattr(backbone.pos_embed, "ds_shape", backbone.pos_embed.shape))
