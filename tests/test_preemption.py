@@ -41,9 +41,13 @@ def test_exit_statuses_tell_a_preempted_run_from_an_interrupted_and_a_finished_o
         0, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_PREEMPTED) == (0, 130, 75, 75)
 
 
-def test_loader_workers_survive_the_stop_signals_that_a_scheduler_sends_to_every_process():
+def test_loader_workers_ignore_stop_signals_from_outside_and_end_on_their_parents():
     """SLURM signals every process of a job step, loader workers included: they ignore it (the training process
-    stops after its step), so the loader keeps serving batches until the trainer has its checkpoint."""
+    stops after its step), so the loader keeps serving batches until the trainer has its checkpoint. A SIGTERM from
+    the parent still ends a worker: a script that exits while it holds a loader would otherwise wait for ever."""
+    import subprocess
+    import sys
+
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -54,7 +58,14 @@ def test_loader_workers_survive_the_stop_signals_that_a_scheduler_sends_to_every
     batches = iter(loader)
     assert next(batches)[0].tolist() == [0.0, 1.0, 2.0, 3.0]
     (worker,) = batches._workers
-    for name in ("SIGTERM", "SIGUSR1", "SIGINT"):
-        os.kill(worker.pid, signal.Signals[name])
+    for name in ("SIGTERM", "SIGUSR1", "SIGINT"):  # sent by another process, as slurmstepd or a terminal does
+        subprocess.run(["kill", f"-{name.removeprefix('SIG')}", str(worker.pid)], check=True)
     assert [next(batches)[0][0].item() for _ in range(3)] == [4.0, 8.0, 12.0] and worker.is_alive()
     del batches
+    script = ("import torch; from torch.utils.data import DataLoader, TensorDataset\n"
+              "from ssl_vit.data.workers import ignore_stop_signals\n"
+              "loader = DataLoader(TensorDataset(torch.arange(64.0)), batch_size=4, num_workers=2,\n"
+              "                    persistent_workers=True, worker_init_fn=ignore_stop_signals)\n"
+              "batches = iter(loader); next(batches); print('took a batch')\n")  # exits with its loader and workers
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "took a batch\n", done.stderr
