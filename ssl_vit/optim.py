@@ -21,8 +21,8 @@ def _layer_id(name: str, num_layers: int) -> int:
 def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None = None,
                  num_layers: int | None = None) -> list[dict]:
     """Groups keyed by (decay or not, layer, frozen steps). Each group carries `lr_scale`, `wd_scale` and
-    `frozen_until` (lr 0 before that step: the model's `frozen_parameters()`, e.g. DINO's last layer) for the
-    schedules.
+    `frozen_until` (left out of the optimizer steps before that step: the model's `frozen_parameters()`, e.g. DINO's
+    last layer; see `AdamW`) for the schedules.
 
     With `layer_decay`, block i gets lr_scale = layer_decay ** (num_layers + 1 - layer_id) (BEiT / MAE fine-tuning).
     """
@@ -48,24 +48,40 @@ def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | Non
     return list(groups.values())
 
 
-def build_optimizer(model: nn.Module, cfg, num_layers: int | None = None, fused: bool = False) -> torch.optim.AdamW:
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW, except that the groups `apply_schedule` marks `frozen` for this step are left out of it: their
+    gradients are dropped, so their moments and step count begin when they unfreeze, as after DINO's
+    `cancel_gradients_last_layer` (a zero lr alone would feed the frozen steps' gradients into Adam's moments). It
+    holds under DeepSpeed too, whose ZeRO optimizers step this one on their flat per-group partitions."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if group.get("frozen"):
+                for param in group["params"]:
+                    param.grad = None
+        return super().step(closure)
+
+
+def build_optimizer(model: nn.Module, cfg, num_layers: int | None = None, fused: bool = False) -> AdamW:
     """AdamW over `param_groups`; `fused`: one fused kernel per step (for CUDA, where it is the fastest)."""
     if cfg.name != "adamw":
         raise ValueError(f"unknown optimizer {cfg.name!r}; valid choices: ['adamw']")
     groups = param_groups(model, cfg.weight_decay, cfg.layer_decay, num_layers)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, fused=fused or None)
+    return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                 fused=fused or None)
 
 
 def schedule(base: float, final: float, total_steps: int, warmup_steps: int = 0, kind: str = "cosine",
              warmup_start: float = 0.0) -> np.ndarray:
-    """Value at every step: linear warmup from `warmup_start` to `base`, then cosine/linear decay to `final`."""
+    """Value at every step, as DINO's `utils.cosine_scheduler` builds it: a linear warm-up from `warmup_start` that
+    reaches `base` at its last step (an inclusive linspace), then a decay with progress k / n over its n steps (the
+    cosine, or a straight line, heads for `final` and stops one step short of it)."""
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
     warmup_steps = min(warmup_steps, total_steps)
-    warmup = np.linspace(warmup_start, base, warmup_steps, endpoint=False)
+    warmup = np.linspace(warmup_start, base, warmup_steps)
     decay_steps = total_steps - warmup_steps
-    progress = np.arange(decay_steps) / max(decay_steps - 1, 1)
+    progress = np.arange(decay_steps) / max(decay_steps, 1)
     if kind == "cosine":
         decay = final + 0.5 * (base - final) * (1 + np.cos(math.pi * progress))
     elif kind == "linear":
@@ -78,15 +94,16 @@ def schedule(base: float, final: float, total_steps: int, warmup_steps: int = 0,
 
 
 def weight_decay_schedule(cfg, total_steps: int) -> np.ndarray:
-    """Weight decay at every step: constant `cfg.weight_decay`, or with `cfg.weight_decay_end` a cosine from it to
-    that value over the run, no warmup (DINO's schedule)."""
+    """Weight decay at every step: constant `cfg.weight_decay`, or with `cfg.weight_decay_end` a cosine from it
+    towards that value over the run, no warmup (DINO's schedule)."""
     if cfg.weight_decay_end is None:
         return np.full(total_steps, cfg.weight_decay)
     return schedule(cfg.weight_decay, cfg.weight_decay_end, total_steps, 0, "cosine")
 
 
 def apply_schedule(optimizer: torch.optim.Optimizer, lr: float, weight_decay: float, step: int = 0) -> None:
-    """Set every group's lr and weight decay for optimizer step `step` (0-based)."""
+    """Set every group's lr and weight decay for optimizer step `step` (0-based), and whether it is `frozen`."""
     for group in optimizer.param_groups:
-        group["lr"] = 0.0 if step < group.get("frozen_until", 0) else lr * group.get("lr_scale", 1.0)
+        group["frozen"] = step < group.get("frozen_until", 0)
+        group["lr"] = 0.0 if group["frozen"] else lr * group.get("lr_scale", 1.0)
         group["weight_decay"] = weight_decay * group.get("wd_scale", 1.0)

@@ -43,15 +43,29 @@ def test_layer_decay_scales_learning_rate_by_depth():
     assert scale["blocks.1.mlp.fc1.weight"] == 0.5 and scale["norm.weight"] == 1.0
 
 
+def _dino_cosine_scheduler(base_value, final_value, total_iters, warmup_iters=0, start_warmup_value=0.0):
+    """facebookresearch/dino `utils.cosine_scheduler`, written here from its code (epochs x iterations flattened)."""
+    warmup_schedule = np.array([])
+    if warmup_iters > 0:
+        warmup_schedule = np.linspace(start_warmup_value, base_value, warmup_iters)
+    iters = np.arange(total_iters - warmup_iters)
+    decay = final_value + 0.5 * (base_value - final_value) * (1 + np.cos(np.pi * iters / len(iters)))
+    return np.concatenate((warmup_schedule, decay))
+
+
+@pytest.mark.parametrize(("total", "warmup", "start"), [(12, 2, 0.0), (100, 10, 1e-6), (7, 0, 0.0), (1, 0, 0.0)])
+def test_the_cosine_schedule_is_dinos_array(total, warmup, start):
+    values = schedule(5e-4, 1e-6, total_steps=total, warmup_steps=warmup, warmup_start=start)
+    np.testing.assert_allclose(values, _dino_cosine_scheduler(5e-4, 1e-6, total, warmup, start), rtol=1e-12, atol=0)
+
+
 def test_warmup_then_cosine_schedule():
-    values = schedule(1.0, 0.1, total_steps=12, warmup_steps=2, kind="cosine")
+    values = schedule(1.0, 0.1, total_steps=12, warmup_steps=3, kind="cosine")
     assert len(values) == 12
-    np.testing.assert_allclose(values[:3], [0.0, 0.5, 1.0])
-    assert values[-1] == pytest.approx(0.1)
-    middle = 2 + 9 / 2  # the cosine's midpoint: halfway between base and final
-    np.testing.assert_allclose(np.interp(middle, np.arange(12), values), 0.55, atol=1e-6)
-    assert np.all(np.diff(values[2:]) <= 0)
-    np.testing.assert_allclose(schedule(1.0, 0.0, 5, 0, "linear"), [1, 0.75, 0.5, 0.25, 0])
+    np.testing.assert_allclose(values[:4], [0.0, 0.5, 1.0, 1.0])  # the peak at the last warm-up step and the next
+    assert values[-1] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 8 / 9)))  # one step short of the end
+    assert np.all(np.diff(values[3:]) <= 0)
+    np.testing.assert_allclose(schedule(1.0, 0.0, 5, 0, "linear"), [1, 0.8, 0.6, 0.4, 0.2])
     with pytest.raises(ValueError, match="valid choices"):
         schedule(1.0, 0.0, 5, 0, "step")
 
@@ -70,4 +84,4 @@ def test_weight_decay_schedule_is_constant_or_a_cosine_to_its_end():
     np.testing.assert_allclose(weight_decay_schedule(constant, 4), [0.05] * 4)
     dino = OmegaConf.structured(OptimConfig(weight_decay=0.04, weight_decay_end=0.4))
     values = weight_decay_schedule(dino, 11)
-    np.testing.assert_allclose(values, [0.4 - 0.18 * (1 + math.cos(math.pi * k / 10)) for k in range(11)])
+    np.testing.assert_allclose(values, [0.4 - 0.18 * (1 + math.cos(math.pi * k / 11)) for k in range(11)])
