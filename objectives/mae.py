@@ -98,7 +98,8 @@ class MAE(Objective):
         return {"mask_token"}
 
     def num_visible(self, num_patches: int) -> int:
-        return round(num_patches * (1 - self.cfg.mask_ratio))
+        """int(N * (1 - mask_ratio)), as MAE's `random_masking` (25 of 64 patches at 0.6, 9 of 100 at 0.9)."""
+        return int(num_patches * (1 - self.cfg.mask_ratio))
 
     def encode_visible(self, images: torch.Tensor):
         """Encode a random subset of each image's patches. Returns (encoded tokens, mask with 1 = hidden in

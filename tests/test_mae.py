@@ -53,13 +53,15 @@ def test_sincos_on_a_non_square_grid_encodes_columns_then_rows():
         np.testing.assert_allclose(embed[index].numpy(), expected, atol=1e-6)
 
 
-@pytest.mark.parametrize("ratio, visible", [(0.75, 4), (0.6, 6), (0.5, 8), (0.0, 16)])
-def test_exactly_round_n_times_one_minus_ratio_tokens_reach_the_encoder(ratio, visible):
-    objective = _mae(mask_ratio=ratio)
+@pytest.mark.parametrize(("ratio", "size", "visible"), [(0.75, 16, 4), (0.6, 32, 25), (0.9, 40, 9), (0.0, 16, 16)])
+def test_the_encoder_gets_maes_count_of_visible_tokens(ratio, size, visible):
+    """MAE's `random_masking` keeps `int(L * (1 - mask_ratio))` patches: 25 of 64 at 0.6 and 9 of 100 at 0.9
+    (1 - 0.9 is 0.09999... in floating point), where rounding would keep 26 and 10."""
+    objective = _mae(mask_ratio=ratio, img_size=size)
     seen = []
     objective.backbone.blocks[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
-    objective({"image": torch.randn(3, 3, 16, 16)})
-    assert seen == [1 + visible]  # class token + visible patches (16 patches in all)
+    objective({"image": torch.randn(2, 3, size, size)})
+    assert seen == [1 + visible]  # class token + visible patches
 
 
 def test_encoder_sees_the_visible_patches_and_the_decoder_gets_them_back_in_order():
