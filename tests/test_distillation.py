@@ -159,13 +159,65 @@ def test_masked_patch_loss_reads_only_masked_patches():
 
 def test_block_masks_are_rectangles_up_to_the_target_count():
     generator = torch.Generator().manual_seed(0)
-    for target in (1, 4, 20, 50, 98):
+    for target in (1, 4, 20, 50, 98):  # a block has 4 patches or more, unless fewer are left: at most the target
         mask = block_mask((14, 14), target, generator)
-        assert 0.75 * target <= int(mask.sum()) <= target, (target, int(mask.sum()))
+        assert (0.75 * target if target >= 20 else 0) <= int(mask.sum()) <= target, (target, int(mask.sum()))
         if target >= 20:  # blocks, not scattered patches: almost every masked patch has a masked neighbour
             padded = torch.nn.functional.pad(mask.float()[None, None], (1, 1, 1, 1))[0, 0]
             neighbours = padded[:-2, 1:-1] + padded[2:, 1:-1] + padded[1:-1, :-2] + padded[1:-1, 2:]
             assert float((neighbours[mask] > 0).float().mean()) > 0.95
+
+
+def _dinov2_masking_generator(rows, cols, num_masking, rng, min_num_patches=4, min_aspect=0.3):
+    """DINOv2's `MaskingGenerator` (dinov2/data/masking.py, max_num_patches half the grid as its train.py sets),
+    written here from its code with a numpy generator."""
+    def uniform(a, b):  # Python's random.uniform, which DINOv2 calls: reversed bounds are allowed
+        return a + (b - a) * rng.random()
+
+    log_aspect = (math.log(min_aspect), math.log(1 / min_aspect))
+    mask = np.zeros((rows, cols), dtype=bool)
+    count = 0
+    while count < num_masking:
+        max_mask_patches = min(num_masking - count, 0.5 * rows * cols)
+        delta = 0
+        for _ in range(10):
+            target_area = uniform(min_num_patches, max_mask_patches)
+            aspect = math.exp(uniform(*log_aspect))
+            h, w = int(round(math.sqrt(target_area * aspect))), int(round(math.sqrt(target_area / aspect)))
+            if w < cols and h < rows:
+                top, left = rng.integers(0, rows - h + 1), rng.integers(0, cols - w + 1)
+                fresh = h * w - mask[top:top + h, left:left + w].sum()
+                if 0 < fresh <= max_mask_patches:
+                    delta = int(fresh)
+                    mask[top:top + h, left:left + w] = True
+                    break
+        if delta == 0:
+            break
+        count += delta
+    return mask
+
+
+def _block_statistics(masks):
+    """Mean masked patches, connected blocks (4-neighbour) and bounding-box area per block, over masked images."""
+    from scipy import ndimage
+
+    counts, blocks, boxes = [], [], []
+    for mask in masks:
+        labels, n = ndimage.label(mask)
+        counts.append(mask.sum())
+        blocks.append(n)
+        boxes += [(s[0].stop - s[0].start) * (s[1].stop - s[1].start) for s in ndimage.find_objects(labels)]
+    return np.mean(counts), np.mean(blocks), np.mean(boxes)
+
+
+def test_block_masks_have_the_statistics_of_dinov2s_masking_generator():
+    """On DINOv2's 14x14 grid with its per-image counts (int(196 * r), r spread over 0.1-0.5), 2,000 images each:
+    masked patches, connected blocks per image and block sizes agree with DINOv2's generator."""
+    rng, generator = np.random.default_rng(0), torch.Generator().manual_seed(0)
+    targets = [int(196 * r) for r in np.linspace(0.1, 0.5, 2000)]
+    ours = _block_statistics([block_mask((14, 14), t, generator).numpy() for t in targets])
+    reference = _block_statistics([_dinov2_masking_generator(14, 14, t, rng) for t in targets])
+    np.testing.assert_allclose(ours, reference, rtol=0.03)
 
 
 def test_ibot_masks_half_the_images_with_ratios_in_range():

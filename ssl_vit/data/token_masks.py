@@ -14,11 +14,14 @@ import torch
 
 
 def block_mask(grid: tuple[int, int], num_masked: int, generator: torch.Generator, min_block: int = 4,
-               max_aspect: float = 1 / 0.3, attempts: int = 10) -> torch.Tensor:
-    """BEiT's block masking (used by iBOT and DINOv2): rectangles of random area (at least `min_block` patches)
-    and log-uniform aspect ratio are added until `num_masked` patches are masked or no rectangle fits what is left.
-    Returns a (rows, cols) bool mask with at most `num_masked` patches set."""
+               max_aspect: float = 1 / 0.3, attempts: int = 10, max_block: int | None = None) -> torch.Tensor:
+    """BEiT's block masking as DINOv2's `MaskingGenerator` draws it: rectangles of area uniform between `min_block`
+    and what is left to mask (at most `max_block`; DINOv2 caps it at half the patches) and log-uniform aspect ratio,
+    narrower and lower than the grid, are added until `num_masked` patches are masked or 10 draws in a row fail.
+    With fewer than `min_block` patches left the area is drawn between the two (the uniform of reversed bounds),
+    so the last block is not a tiny filler. Returns a (rows, cols) bool mask with at most `num_masked` set."""
     rows, cols = grid
+    max_block = (rows * cols) // 2 if max_block is None else max_block
     mask = torch.zeros(rows, cols, dtype=torch.bool)
 
     def uniform(low, high):
@@ -26,13 +29,13 @@ def block_mask(grid: tuple[int, int], num_masked: int, generator: torch.Generato
 
     count = 0
     while count < num_masked:
-        left = num_masked - count
+        left = min(num_masked - count, max_block)
         added = 0
         for _ in range(attempts):
-            area = uniform(min(min_block, left), left)
+            area = uniform(min_block, left)
             aspect = math.exp(uniform(-math.log(max_aspect), math.log(max_aspect)))
             h, w = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
-            if not (1 <= h <= rows and 1 <= w <= cols):
+            if not (h < rows and w < cols):
                 continue
             top = int(torch.randint(0, rows - h + 1, (), generator=generator))
             start = int(torch.randint(0, cols - w + 1, (), generator=generator))
