@@ -41,10 +41,11 @@ def test_exit_statuses_tell_a_preempted_run_from_an_interrupted_and_a_finished_o
         0, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_PREEMPTED) == (0, 130, 75, 75)
 
 
-def test_loader_workers_ignore_stop_signals_from_outside_and_end_on_their_parents():
+def test_loader_workers_survive_the_stop_signals_and_a_process_exiting_with_its_loader_still_exits():
     """SLURM signals every process of a job step, loader workers included: they ignore it (the training process
-    stops after its step), so the loader keeps serving batches until the trainer has its checkpoint. A SIGTERM from
-    the parent still ends a worker: a script that exits while it holds a loader would otherwise wait for ever."""
+    stops after its step), so the loader keeps serving batches until the trainer has its checkpoint. A script that
+    exits while it holds such a loader (PyTorch's and torchdata's) still exits: the workers are killed at exit,
+    where multiprocessing's own SIGTERM would be ignored and its join would wait for ever."""
     import subprocess
     import sys
 
@@ -58,14 +59,16 @@ def test_loader_workers_ignore_stop_signals_from_outside_and_end_on_their_parent
     batches = iter(loader)
     assert next(batches)[0].tolist() == [0.0, 1.0, 2.0, 3.0]
     (worker,) = batches._workers
-    for name in ("SIGTERM", "SIGUSR1", "SIGINT"):  # sent by another process, as slurmstepd or a terminal does
-        subprocess.run(["kill", f"-{name.removeprefix('SIG')}", str(worker.pid)], check=True)
+    for name in ("SIGTERM", "SIGUSR1", "SIGINT"):
+        os.kill(worker.pid, signal.Signals[name])
     assert [next(batches)[0][0].item() for _ in range(3)] == [4.0, 8.0, 12.0] and worker.is_alive()
     del batches
     script = ("import torch; from torch.utils.data import DataLoader, TensorDataset\n"
+              "from torchdata.stateful_dataloader import StatefulDataLoader\n"
               "from ssl_vit.data.workers import ignore_stop_signals\n"
-              "loader = DataLoader(TensorDataset(torch.arange(64.0)), batch_size=4, num_workers=2,\n"
-              "                    persistent_workers=True, worker_init_fn=ignore_stop_signals)\n"
-              "batches = iter(loader); next(batches); print('took a batch')\n")  # exits with its loader and workers
+              "data = TensorDataset(torch.arange(64.0))\n"
+              "held = [iter(kind(data, batch_size=4, num_workers=2, persistent_workers=True,\n"
+              "                  worker_init_fn=ignore_stop_signals)) for kind in (DataLoader, StatefulDataLoader)]\n"
+              "print([float(next(batches)[0][0]) for batches in held])\n")  # exits with both loaders and workers
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout == "took a batch\n", done.stderr
+    assert done.returncode == 0 and done.stdout == "[0.0, 0.0]\n", done.stderr

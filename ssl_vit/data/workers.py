@@ -1,17 +1,19 @@
 """Loader workers leave the stop signals to the training process. A scheduler signals every process of a job step
 (SLURM's --signal, its time limit) and a terminal's Ctrl-C reaches the whole foreground group; a worker killed by
-such a signal would end the run with a DataLoader error before the trainer writes its checkpoint.
+such a signal would end the run with a DataLoader error before the trainer writes its checkpoint. The workers
+still end when the loader shuts them down, and with the training process (PyTorch's parent watchdog).
 
-A stop signal sent by the worker's own parent still ends it: that is how the parent shuts down the workers of a loader
-it still holds when it exits (multiprocessing's exit handler terminates its daemonic children and then waits for
-them), and a worker ignoring it would keep the parent from ever exiting. The workers also end when the loader shuts
-them down and with the training process (PyTorch's parent watchdog)."""
+A process that exits while it still holds such a loader would wait for ever: multiprocessing's exit handler
+terminates its daemonic children with SIGTERM, which these workers ignore, and then joins them. So an exit handler
+of this module runs first (exit handlers run last-registered first, and multiprocessing registers its own on import,
+before this module can be imported) and does the same with a bound: SIGTERM, then SIGKILL for a daemonic child still
+alive a second later."""
 
 from __future__ import annotations
 
-import os
+import atexit
+import multiprocessing
 import signal
-import threading
 
 from ssl_vit.config import PreemptSignal
 
@@ -19,19 +21,25 @@ STOP_SIGNALS = ("SIGINT", *(choice.value for choice in PreemptSignal))  # Ctrl-C
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:
-    """A DataLoader `worker_init_fn`: stop signals from outside are ignored, those from the parent end the worker."""
-    signals = {signal.Signals[name] for name in STOP_SIGNALS}
-    if not hasattr(signal, "sigwaitinfo"):  # macOS: no sender to tell apart; the parent's SIGTERM must still work
-        for sig in signals - {signal.SIGTERM}:
-            signal.signal(sig, signal.SIG_IGN)
-        return
-    signal.pthread_sigmask(signal.SIG_BLOCK, signals)  # before the thread starts, so that every thread blocks them
-    threading.Thread(target=_end_on_signals_from_parent, args=(signals, os.getppid()), daemon=True,
-                     name="stop-signals").start()
+    """A DataLoader `worker_init_fn`. The dispositions hold for every thread of the worker (a blocked mask would
+    not: threads started before this call would still take the signals)."""
+    for name in STOP_SIGNALS:
+        signal.signal(signal.Signals[name], signal.SIG_IGN)
 
 
-def _end_on_signals_from_parent(signals: set[signal.Signals], parent: int) -> None:
-    while True:
-        info = signal.sigwaitinfo(signals)
-        if info.si_pid == parent:
-            os._exit(128 + info.si_signo)  # as the signal's default action reports it
+def _end_daemonic_children() -> None:
+    """What multiprocessing's exit handler does to daemonic children (they may not outlive this process), without
+    waiting for ever on one that ignores SIGTERM."""
+    children = [child for child in multiprocessing.active_children() if child.daemon]
+    if children:  # PyTorch's SIGCHLD handler would raise on a worker ended here, cutting this short
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout=1)
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=10)
+
+
+atexit.register(_end_daemonic_children)
