@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from omegaconf import MISSING
 
 from objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
-from objectives.supervised import accuracy, build_head, classification_loss
+from objectives.supervised import HeadInit, accuracy, build_head, classification_loss, head_scheme
 from objectives.teacher import TEACHER_FORMS, load_teacher
 from ssl_vit.init import whole_modules
 from ssl_vit.schema import checked
@@ -44,6 +44,7 @@ class DeiTConfig(ObjectiveConfig):
     alpha: float = checked(0.5, ge=0, le=1)  # weight of the distillation loss (DeiT: 0.5)
     tau: float = checked(1.0, gt=0)  # soft distillation's temperature (DeiT: 1.0)
     label_smoothing: float = checked(0.0, ge=0, lt=1)  # for class indices; Mixup's soft targets carry their own
+    head_init: HeadInit = HeadInit.auto  # both heads; auto: as model.weight_init (objective=supervised's option)
 
 
 def hard_distillation_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
@@ -73,8 +74,9 @@ class DeiT(Objective):
         if data.num_classes < 2:
             raise ValueError(f"objective=deit needs at least 2 classes, the data has {data.num_classes}")
         Distillation(cfg.distillation)
-        self.head = build_head("linear", backbone.embed_dim, data.num_classes)
-        self.head_dist = build_head("linear", backbone.embed_dim, data.num_classes)
+        scheme = head_scheme(cfg.head_init, backbone)
+        self.head = build_head("linear", backbone.embed_dim, data.num_classes, scheme=scheme)
+        self.head_dist = build_head("linear", backbone.embed_dim, data.num_classes, scheme=scheme)
         # Loaded whole (outside zero.Init's partitioning) and without moving the run's random stream; assigned
         # past nn.Module's registration so that no optimizer, state dict, checkpoint or strategy ever sees it.
         with whole_modules(), torch.random.fork_rng(devices=[]):

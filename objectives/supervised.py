@@ -1,7 +1,8 @@
 """Supervised pre-training as in the ViT paper: cross-entropy on the pooled embedding.
 
 The paper pre-trains with a head of one tanh hidden layer (`head=mlp`) and fine-tunes with a single linear layer
-(`head=linear`). Logs `loss` and top-1 `acc`.
+(`head=linear`). The head starts as the backbone's weight-init scheme starts a classifier (`head_init=auto`), or as
+`head_init` names. Logs `loss` and top-1 `acc`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from timm.loss import SoftTargetCrossEntropy
 from torch import nn
 
 from objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
-from ssl_vit.init import Linear
+from ssl_vit.init import WEIGHT_INITS, Linear
 from ssl_vit.schema import checked
 
 
@@ -24,23 +25,35 @@ class HeadKind(str, Enum):
     linear = "linear"
 
 
+HeadInit = Enum("HeadInit", {name: name for name in ("auto", *WEIGHT_INITS)}, type=str)
+
+
 @dataclass
 class SupervisedConfig(ObjectiveConfig):
     name: str = "supervised"
     head: HeadKind = HeadKind.mlp
+    head_init: HeadInit = HeadInit.auto  # auto: as model.weight_init (benchmarks/head_init.py)
     hidden_dim: int | None = checked(None, ge=1)  # the tanh layer's width; None: the backbone's width
     label_smoothing: float = checked(0.0, ge=0, lt=1)
 
 
-def build_head(kind: str, dim: int, num_classes: int, hidden_dim: int | None = None) -> nn.Module:
-    """Layers initialised trunc-normal(0.02) with zero biases, in their own constructors (zero.Init-safe)."""
+def build_head(kind: str, dim: int, num_classes: int, hidden_dim: int | None = None, scheme: str = "timm") -> nn.Module:
+    """The output layer starts as `scheme` starts a classifier: trunc-normal(0.02) (timm), zero (big_vision's
+    `head_zeroinit`, for jax), PyTorch's nn.Linear default (torch); the tanh hidden layer as the scheme's dense
+    layers. Each layer initialises itself in its constructor (zero.Init-safe)."""
+    output_role = "zero" if scheme == "jax" else "dense"
     if kind == HeadKind.linear:
-        return Linear(dim, num_classes, scheme="timm")
+        return Linear(dim, num_classes, scheme=scheme, role=output_role)
     if kind == HeadKind.mlp:
         hidden_dim = hidden_dim or dim
-        return nn.Sequential(Linear(dim, hidden_dim, scheme="timm"), nn.Tanh(),
-                             Linear(hidden_dim, num_classes, scheme="timm"))
+        return nn.Sequential(Linear(dim, hidden_dim, scheme=scheme), nn.Tanh(),
+                             Linear(hidden_dim, num_classes, scheme=scheme, role=output_role))
     raise ValueError(f"unknown head {kind!r}; valid choices: {[k.value for k in HeadKind]}")
+
+
+def head_scheme(head_init: str, backbone) -> str:
+    """The scheme `head_init` names, the backbone's for auto."""
+    return backbone.weight_init if head_init == HeadInit.auto else str(HeadInit(head_init).value)
 
 
 def classification_loss(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
@@ -66,7 +79,8 @@ class Supervised(Objective):
         super().__init__(backbone, cfg, data)
         if data.num_classes < 2:
             raise ValueError(f"supervised training needs at least 2 classes, the data has {data.num_classes}")
-        self.head = build_head(cfg.head, backbone.embed_dim, data.num_classes, cfg.hidden_dim)
+        self.head = build_head(cfg.head, backbone.embed_dim, data.num_classes, cfg.hidden_dim,
+                               head_scheme(cfg.head_init, backbone))
 
     def predict(self, images: torch.Tensor) -> torch.Tensor:
         """Class logits."""

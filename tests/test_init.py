@@ -67,3 +67,30 @@ def test_presets_default_to_the_paper_init_and_a_bad_scheme_names_the_choices():
     assert _std(timm.blocks[0].attn.qkv.weight) == pytest.approx(0.02, rel=0.1)
     with pytest.raises(ValueError, match=r"weight_init 'lecun' is not one of \['timm', 'jax', 'torch'\]"):
         build_vit("vit_tiny", weight_init="lecun")
+
+
+def _is_classifier_start(layer, scheme, fan_in):
+    if scheme == "timm":  # trunc-normal(0.02) (cut at +-2 absolute, as timm's), zero bias
+        return _std(layer.weight) == pytest.approx(0.02, rel=0.05) and not layer.bias.any()
+    if scheme == "jax":  # big_vision's head_zeroinit
+        return not layer.weight.any() and not layer.bias.any()
+    return _std(layer.weight) == pytest.approx(1 / math.sqrt(3 * fan_in), rel=0.05) and layer.bias.any() \
+        and layer.bias.abs().max() <= 1 / math.sqrt(fan_in)  # PyTorch's nn.Linear default
+
+
+@pytest.mark.parametrize("head_init", ["auto", "timm", "jax", "torch"])
+def test_the_supervised_head_starts_as_its_scheme_starts_a_classifier(head_init):
+    """auto follows model.weight_init; the tanh hidden layer of head=mlp starts as the scheme's dense layers. DeiT's
+    two heads take the same option (tests/test_deit.py)."""
+    from objectives import DataInfo, build_objective
+    from objectives.supervised import SupervisedConfig
+
+    for backbone_init in ("timm", "jax", "torch"):
+        scheme = backbone_init if head_init == "auto" else head_init
+        torch.manual_seed(0)
+        backbone = build_vit("vit_s16", weight_init=backbone_init, img_size=32)
+        mlp = build_objective(SupervisedConfig(head_init=head_init), backbone, DataInfo(1000, 32)).head
+        linear = build_objective(SupervisedConfig(head="linear", head_init=head_init), backbone, DataInfo(1000, 32))
+        assert _is_classifier_start(mlp[2], scheme, D) and _is_classifier_start(linear.head, scheme, D)
+        expected_hidden = {"timm": 0.02, "jax": math.sqrt(2 / (D + D)), "torch": 1 / math.sqrt(3 * D)}[scheme]
+        assert _std(mlp[0].weight) == pytest.approx(expected_hidden, rel=0.05)
