@@ -30,7 +30,9 @@ class MAEConfig(ObjectiveConfig):
     decoder_depth: int = checked(8, ge=1)
     decoder_heads: int = checked(16, ge=1)
     norm_pix_loss: bool = True
-    fixed_pos_embed: bool = True  # encoder position embeddings: fixed 2-D sin-cos (MAE) instead of learned
+    # encoder position embeddings: fixed 2-D sin-cos (MAE) instead of learned; nothing to fix with model.pos_embed
+    # rope or none (the encoder adds none)
+    fixed_pos_embed: bool = True
 
 
 def normalise_patches(target: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,7 +68,8 @@ class MAE(Objective):
             raise ValueError(f"MAE needs square patches, got {patch}")
         self.patch_size = patch[0]
         in_chans = backbone.patch_embed.proj.in_channels
-        if cfg.fixed_pos_embed:
+        self.fixes_pos_embed = cfg.fixed_pos_embed and backbone.pos_embed is not None
+        if self.fixes_pos_embed:
             backbone.pos_embed.requires_grad_(False)
 
         # MAE's decoder init: xavier-uniform Linear weights, zero biases (each layer in its own constructor).
@@ -90,7 +93,7 @@ class MAE(Objective):
         nn.init.normal_(self.mask_token, std=0.02)
         vit = self.backbone
         self.decoder_pos_embed.copy_(sincos_pos_embed_2d(vit.grid_size, self.cfg.decoder_dim, vit.num_prefix_tokens))
-        if self.cfg.fixed_pos_embed:
+        if self.fixes_pos_embed:
             with writable(vit.pos_embed):
                 vit.pos_embed.copy_(sincos_pos_embed_2d(vit.grid_size, vit.embed_dim, vit.num_pos_prefix))
 

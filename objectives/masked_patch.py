@@ -133,7 +133,7 @@ class MaskedPatch(Objective):
         patches = vit.patch_embed(images)
         replaced, replacements, corrupted, _ = corruption(patches, self.cfg.mask_ratio, self.probs, self.mask_token)
         tokens = vit.embed_patches(patches, grid, mask=replaced, mask_token=replacements)
-        out = vit.run_blocks(tokens)[:, vit.num_prefix_tokens:]
+        out = vit.run_blocks(tokens, grid)[:, vit.num_prefix_tokens:]
         predictions = self.head(out[corrupted])  # (M, out_dim): corrupted patches only
         if self.target == Target.pixels:
             target = patchify(pixels, self.patch_size)[corrupted].flatten(1)

@@ -1,6 +1,6 @@
 """Export an encoder (or a CLIP / SigLIP model) for other libraries.
 
-    python scripts/export.py outputs/<run> --to hf --out exported/hf             # --hf-arch vit|dinov2|clip|siglip
+    python scripts/export.py outputs/<run> --to hf --out exported/hf     # --hf-arch vit|dinov2|clip|siglip|dinov3
     python scripts/export.py outputs/<run> --to timm --out exported/timm
     python scripts/export.py outputs/<run> --to onnx --out exported/onnx
     python scripts/export.py outputs/<clip run> --to open_clip --out exported/clip
@@ -12,11 +12,12 @@ then, offline:
     open_clip.create_model_and_transforms("local-dir:exported/clip")
 
 The source is a run directory, an encoder.safetensors, or any import form (timm:, hf:, open_clip:; see
-ssl_vit/interop/sources.py). --to hf writes a transformers directory (default --hf-arch: clip for pre-norm models,
-dinov2 with layer scale or registers, siglip without a class token, vit otherwise; a CLIP run's projection becomes
-visual_projection) with its image processor; --to timm a model.safetensors + timm config.json; --to onnx model.onnx
-(dynamic batch, checked with onnxruntime); --to open_clip a CLIP / SigLIP run's image and text towers. Every
-target gets a README.md model card beside the weights (ssl_vit/model_card.py).
+ssl_vit/interop/sources.py). --to hf writes a transformers directory (default --hf-arch: dinov3 for RoPE models, clip
+for pre-norm models, dinov2 with layer scale or registers, siglip without a class token, vit otherwise; a CLIP run's
+projection becomes visual_projection) with its image processor; --to timm a model.safetensors + timm config.json
+(timm's DINOv3 port for RoPE models); --to onnx model.onnx (dynamic batch, checked with onnxruntime); --to
+open_clip a CLIP / SigLIP run's image and text towers. Every target gets a README.md model card beside the
+weights (ssl_vit/model_card.py).
 """
 
 import argparse

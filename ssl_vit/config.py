@@ -53,6 +53,18 @@ class ModelConfig:
     dist_token: bool | None = None  # DeiT's distillation token (objective=deit turns it on)
     num_registers: int | None = None
     no_embed_class: bool | None = None
+    # learned | sincos | rope | none (ssl_vit.vit.POS_EMBEDS). rope: DINOv3's 2-D rotary embeddings (ssl_vit.rope):
+    # periods rope_theta ** (2i / (D/2)) (DINOv3: 100) or log-spaced in [rope_min_period, rope_max_period],
+    # coordinates over each side (rope_normalize separate | min | max) and moved while training by rope_shift,
+    # rope_jitter, rope_rescale (DINOv3's shift / jitter / rescale; None: off)
+    pos_embed: str | None = None
+    rope_theta: float | None = checked(None, gt=0)
+    rope_min_period: float | None = checked(None, gt=0)
+    rope_max_period: float | None = checked(None, gt=0)
+    rope_normalize: str | None = None
+    rope_shift: float | None = checked(None, ge=0)
+    rope_jitter: float | None = checked(None, ge=1)
+    rope_rescale: float | None = checked(None, ge=1)
     pos_embed_interp: str | None = None  # "bicubic" | "bilinear", for resampling to another grid
     pos_embed_antialias: bool | None = None  # timm antialiases (default); DINOv2 / HF transformers do not
     qkv_bias: bool | None = None

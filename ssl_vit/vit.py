@@ -7,7 +7,7 @@ between the two without renaming. The forward pass is a chain of small steps:
     patches = vit.patch_embed(images)                 # (B, N, D), raster order
     tokens = vit.embed_patches(patches, grid, ...)    # masked patches replaced, position embeddings added, a
                                                       # subset kept, then the class token and registers in front
-    tokens = vit.run_blocks(tokens)                   # pre-norm, the L blocks, final norm
+    tokens = vit.run_blocks(tokens, grid)             # pre-norm, the L blocks (RoPE placed by grid), final norm
     embedding = vit.pool(tokens)                      # class token or average of patch tokens (+ fc_norm)
 
 `forward_features(images, mask=, mask_token=, keep=)` is the same in one call. The masked-token path, shared by
@@ -34,6 +34,7 @@ from torch.utils.checkpoint import (
 
 from ssl_vit.geometry import check_divisible, pair
 from ssl_vit.init import LayerScale, Linear, PatchProjection, check_scheme, init_embeddings
+from ssl_vit.rope import Rope2D, apply_rope
 from ssl_vit.stem import HybridPatchEmbed, check_stem
 
 GLOBAL_POOLS = ("token", "avg")
@@ -41,6 +42,9 @@ GLOBAL_POOLS = ("token", "avg")
 # Conventions differ: timm resamples bicubic with antialiasing (its `resample_abs_pos_embed` default); DINOv2 and HF
 # transformers resample bicubic without it; FlexiViT / RADIO bilinear without it.
 POS_EMBED_INTERP_MODES = ("bicubic", "bilinear")
+# learned: added, trained (the paper); sincos: MAE's fixed 2-D sin-cos, added, not trained; rope: DINOv3's rotary
+# embeddings inside attention (ssl_vit.rope), nothing added; none: no position information
+POS_EMBEDS = ("learned", "sincos", "rope", "none")
 # MLP activations: exact GELU (the paper, timm, DINOv2, HF "gelu"), tanh-approximated GELU (SigLIP, HF
 # "gelu_pytorch_tanh"), QuickGELU x * sigmoid(1.702 x) (OpenAI's CLIP weights, HF "quick_gelu").
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
@@ -187,24 +191,57 @@ def _attend(q, k, v, dropout_p: float, return_attention: bool):
     return weights @ v, weights
 
 
+class KeyMaskedLinear(Linear):
+    """A fused projection whose key outputs get no bias (DINOv3's `LinearKMaskedBias`): the bias is multiplied by a
+    mask, 0 on the `splits[key_index]` outputs, in this module's own forward (so that ZeRO-3 gathers its weights as
+    for any Linear). The mask is rebuilt in `reset_parameters`, so a model materialised from the meta device has it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, scheme: str, splits: Sequence[int],
+                 key_index: int):
+        self.key_index = key_index
+        super().__init__(in_features, out_features, bias, scheme=scheme, role="fused", splits=splits)
+        self.register_buffer("bias_mask", torch.ones(out_features) if bias else None, persistent=False)
+        self._fill_mask()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        self._fill_mask()
+
+    @torch.no_grad()
+    def _fill_mask(self) -> None:
+        if getattr(self, "bias_mask", None) is not None:  # not yet there when nn.Linear's constructor resets
+            self.bias_mask.fill_(1.0)
+            start = sum(self.splits[:self.key_index])
+            self.bias_mask[start:start + self.splits[self.key_index]] = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, None if self.bias is None else self.bias * self.bias_mask)
+
+
 class Attention(nn.Module):
+    """Multi-head self-attention. `mask_k_bias` (RoPE backbones, as DINOv3): the key bias is held at zero, since
+    after the rotation it would shift each logit by a position-dependent amount (without RoPE a key bias changes no
+    output at all)."""
+
     def __init__(self, dim, num_heads, qkv_bias=True, qk_norm=False, norm_layer=nn.LayerNorm, attn_drop=0.0,
-                 proj_drop=0.0, weight_init="timm"):
+                 proj_drop=0.0, weight_init="timm", mask_k_bias=False):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
         self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.qkv = Linear(dim, dim * 3, bias=qkv_bias, scheme=weight_init, role="fused", splits=[dim] * 3)
+        self.qkv = (KeyMaskedLinear(dim, dim * 3, qkv_bias, scheme=weight_init, splits=[dim] * 3, key_index=1)
+                    if mask_k_bias else
+                    Linear(dim, dim * 3, bias=qkv_bias, scheme=weight_init, role="fused", splits=[dim] * 3))
         self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.attn_drop = attn_drop
         self.proj = Linear(dim, dim, scheme=weight_init)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: torch.Tensor, return_attention: bool = False):
+    def forward(self, x: torch.Tensor, rope=None, return_attention: bool = False):
         B, N, C = x.shape
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(self.q_norm(q), self.k_norm(k), rope)
         out, weights = _attend(q, k, v, self.attn_drop if self.training else 0.0, return_attention)
         out = self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, C)))
         return (out, weights) if return_attention else out
@@ -260,13 +297,14 @@ class TransformerBlock(nn.Module):
 
     checkpointing: str | None = None  # None, "full" or "selective" (CHECKPOINTING)
 
-    def forward(self, x: torch.Tensor, return_attention: bool = False):
+    def forward(self, x: torch.Tensor, rope=None, return_attention: bool = False):
+        """`rope`: the (sin, cos) tables of the patch tokens (`VisionTransformer.rope_tables`), or None."""
         if self.checkpointing and torch.is_grad_enabled() and not return_attention:
-            return checkpoint(self.residual, x, use_reentrant=False,
+            return checkpoint(self.residual, x, rope, use_reentrant=False,
                               context_fn=_CHECKPOINT_CONTEXTS[self.checkpointing])
-        return self.residual(x, return_attention)
+        return self.residual(x, rope, return_attention)
 
-    def residual(self, x: torch.Tensor, return_attention: bool = False):
+    def residual(self, x: torch.Tensor, rope=None, return_attention: bool = False):
         raise NotImplementedError
 
 
@@ -278,10 +316,12 @@ class Block(TransformerBlock):
     """Pre-norm block of the paper: z = z + MSA(LN(z)); z = z + MLP(LN(z))."""
 
     def __init__(self, dim, num_heads, mlp_dim, qkv_bias=True, qk_norm=False, norm_layer=nn.LayerNorm,
-                 layer_scale=None, drop_path=0.0, attn_drop=0.0, proj_drop=0.0, weight_init="timm", act_layer="gelu"):
+                 layer_scale=None, drop_path=0.0, attn_drop=0.0, proj_drop=0.0, weight_init="timm", act_layer="gelu",
+                 mask_k_bias=False):
         super().__init__()
         self.norm1 = norm_layer(dim)
-        self.attn = Attention(dim, num_heads, qkv_bias, qk_norm, norm_layer, attn_drop, proj_drop, weight_init)
+        self.attn = Attention(dim, num_heads, qkv_bias, qk_norm, norm_layer, attn_drop, proj_drop, weight_init,
+                              mask_k_bias)
         self.ls1 = _layer_scale(dim, layer_scale)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = norm_layer(dim)
@@ -289,8 +329,8 @@ class Block(TransformerBlock):
         self.ls2 = _layer_scale(dim, layer_scale)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def residual(self, x: torch.Tensor, return_attention: bool = False):
-        attn = self.attn(self.norm1(x), return_attention)
+    def residual(self, x: torch.Tensor, rope=None, return_attention: bool = False):
+        attn = self.attn(self.norm1(x), rope, return_attention)
         attn, weights = attn if return_attention else (attn, None)
         x = x + self.drop_path1(self.ls1(attn))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
@@ -304,7 +344,8 @@ class ParallelBlock(TransformerBlock):
     """
 
     def __init__(self, dim, num_heads, mlp_dim, qkv_bias=False, qk_norm=True, norm_layer=nn.LayerNorm,
-                 layer_scale=None, drop_path=0.0, attn_drop=0.0, proj_drop=0.0, weight_init="timm", act_layer="gelu"):
+                 layer_scale=None, drop_path=0.0, attn_drop=0.0, proj_drop=0.0, weight_init="timm", act_layer="gelu",
+                 mask_k_bias=False):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
@@ -312,8 +353,10 @@ class ParallelBlock(TransformerBlock):
         self.in_split = [mlp_dim, dim, dim, dim]
         self.weight_init = weight_init
         self.in_norm = norm_layer(dim)
-        self.in_proj = Linear(dim, mlp_dim + 3 * dim, bias=qkv_bias, scheme=weight_init, role="fused",
-                              splits=self.in_split)
+        self.in_proj = (KeyMaskedLinear(dim, mlp_dim + 3 * dim, qkv_bias, scheme=weight_init, splits=self.in_split,
+                                        key_index=2) if mask_k_bias else
+                        Linear(dim, mlp_dim + 3 * dim, bias=qkv_bias, scheme=weight_init, role="fused",
+                               splits=self.in_split))
         # Without a QKV bias the MLP still has its own fc1 bias (as in the paper and timm).
         self.mlp_bias = None if qkv_bias else nn.Parameter(torch.empty(mlp_dim))
         self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
@@ -336,13 +379,13 @@ class ParallelBlock(TransformerBlock):
             else:
                 nn.init.zeros_(self.mlp_bias)
 
-    def residual(self, x: torch.Tensor, return_attention: bool = False):
+    def residual(self, x: torch.Tensor, rope=None, return_attention: bool = False):
         B, N, C = x.shape
         hidden, q, k, v = torch.split(self.in_proj(self.in_norm(x)), self.in_split, dim=-1)
         if self.mlp_bias is not None:
             hidden = hidden + self.mlp_bias
         q, k, v = (t.view(B, N, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(self.q_norm(q), self.k_norm(k), rope)
         attn, weights = _attend(q, k, v, self.attn_drop if self.training else 0.0, return_attention)
         attn = self.attn_out_proj(attn.transpose(1, 2).reshape(B, N, C))
         mlp = self.mlp_out_proj(self.mlp_drop(self.mlp_act(hidden)))
@@ -368,6 +411,14 @@ class VisionTransformer(nn.Module):
         global_pool: str = "token",
         dist_token: bool = False,
         num_registers: int = 0,
+        pos_embed: str = "learned",
+        rope_theta: float | None = None,
+        rope_min_period: float | None = None,
+        rope_max_period: float | None = None,
+        rope_normalize: str = "separate",
+        rope_shift: float | None = None,
+        rope_jitter: float | None = None,
+        rope_rescale: float | None = None,
         no_embed_class: bool = False,
         pos_embed_interp: str = "bicubic",
         pos_embed_antialias: bool = True,
@@ -399,6 +450,8 @@ class VisionTransformer(nn.Module):
         if dist_token and not (class_token and global_pool == "token"):
             raise ValueError("dist_token=True (DeiT) needs class_token=True and global_pool='token'")
         _check_pos_embed_interp(pos_embed_interp)
+        if pos_embed not in POS_EMBEDS:
+            raise ValueError(f"pos_embed {pos_embed!r} is not one of {list(POS_EMBEDS)}")
         check_scheme(weight_init)
         make_activation(act_layer)  # a bad name fails here, naming the choices
         check_stem(stem, stem_layers, stem_channels, stem_width)
@@ -409,7 +462,8 @@ class VisionTransformer(nn.Module):
         self.embed_dim = self.num_features = embed_dim
         self.global_pool = global_pool
         self.num_prefix_tokens = int(class_token) + int(dist_token) + num_registers
-        self.num_pos_prefix = 0 if no_embed_class else self.num_prefix_tokens
+        self.num_pos_prefix = 0 if no_embed_class or pos_embed in ("rope", "none") else self.num_prefix_tokens
+        self.pos_embed_kind = pos_embed
         # How position embeddings are resampled for another grid (set_img_size and on the fly): timm's default is
         # bicubic + antialias; DINOv2 / HF transformers weights expect bicubic without antialiasing.
         self.pos_embed_interp, self.pos_embed_antialias = pos_embed_interp, bool(pos_embed_antialias)
@@ -427,7 +481,13 @@ class VisionTransformer(nn.Module):
         # DeiT's distillation token (timm's VisionTransformerDistilled: right after the class token)
         self.dist_token = nn.Parameter(torch.empty(1, 1, embed_dim)) if dist_token else None
         self.reg_token = nn.Parameter(torch.empty(1, num_registers, embed_dim)) if num_registers else None
-        self.pos_embed = nn.Parameter(torch.empty(1, self.num_pos_prefix + self.patch_embed.num_patches, embed_dim))
+        self.pos_embed = (nn.Parameter(torch.empty(1, self.num_pos_prefix + self.patch_embed.num_patches, embed_dim),
+                                       requires_grad=pos_embed == "learned")
+                          if pos_embed in ("learned", "sincos") else None)
+        if rope_theta is None and rope_min_period is None:
+            rope_theta = 100.0  # DINOv3's base
+        self.rope = (Rope2D(embed_dim // num_heads, rope_theta, rope_min_period, rope_max_period, rope_normalize,
+                            rope_shift, rope_jitter, rope_rescale) if pos_embed == "rope" else None)
         self.norm_pre = norm_layer(embed_dim) if pre_norm else nn.Identity()
 
         block = ParallelBlock if parallel_block else Block
@@ -436,7 +496,7 @@ class VisionTransformer(nn.Module):
         self.blocks = nn.Sequential(*[
             block(embed_dim, num_heads, mlp_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, norm_layer=norm_layer,
                   layer_scale=layer_scale, drop_path=rate, attn_drop=attn_drop, proj_drop=proj_drop,
-                  weight_init=weight_init, act_layer=act_layer)
+                  weight_init=weight_init, act_layer=act_layer, mask_k_bias=pos_embed == "rope")
             for rate in drop_rates
         ])
         # As in timm: average pooling normalises after pooling (fc_norm), token pooling before (norm).
@@ -451,7 +511,11 @@ class VisionTransformer(nn.Module):
     def reset_parameters(self) -> None:
         """Initialise this module's own parameters (position embeddings, tokens) by `weight_init`; every layer
         initialises itself in its own constructor (see ssl_vit.init: this survives DeepSpeed's zero.Init)."""
-        init_embeddings(self.pos_embed, (self.cls_token, self.dist_token, self.reg_token), self.weight_init)
+        learned = self.pos_embed if self.pos_embed_kind == "learned" else None
+        init_embeddings(learned, (self.cls_token, self.dist_token, self.reg_token), self.weight_init)
+        if self.pos_embed_kind == "sincos":
+            with torch.no_grad():
+                self.pos_embed.copy_(sincos_pos_embed_2d(self.grid_size, self.embed_dim, self.num_pos_prefix))
 
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed", "cls_token", "dist_token", "reg_token"}
@@ -476,21 +540,26 @@ class VisionTransformer(nn.Module):
         """Permanently resample the position embeddings for a new image size (fine-tuning at higher resolution)."""
         img_size = pair(img_size)
         new_grid = self.patch_embed.grid_for(*img_size)
-        self.pos_embed = nn.Parameter(self._resample_pos_embed(self.pos_embed.data, new_grid),
-                                      requires_grad=self.pos_embed.requires_grad)
+        if self.pos_embed is not None:
+            self.pos_embed = nn.Parameter(self._resample_pos_embed(self.pos_embed.data, new_grid),
+                                          requires_grad=self.pos_embed.requires_grad)
         self.patch_embed.resize(img_size)
         self.config["img_size"] = list(img_size)  # so that a saved encoder rebuilds with this grid
 
     # ----- composable forward steps -----
-    def patch_pos_embed(self, grid: Sequence[int] | None = None) -> torch.Tensor:
-        """(1, H*W, D) position embeddings of the patch slots, resampled when `grid` differs from the native one."""
+    def patch_pos_embed(self, grid: Sequence[int] | None = None) -> torch.Tensor | None:
+        """(1, H*W, D) position embeddings of the patch slots, resampled when `grid` differs from the native one;
+        None without added position embeddings (pos_embed rope or none)."""
         pos = self.pos_embed
+        if pos is None:
+            return None
         if grid is not None and tuple(grid) != self.grid_size:
             pos = self._resample_pos_embed(pos, grid)
         return pos[:, self.num_pos_prefix:]
 
     def add_pos(self, tokens: torch.Tensor, grid: Sequence[int] | None = None) -> torch.Tensor:
-        return tokens + self.patch_pos_embed(grid)
+        pos = self.patch_pos_embed(grid)
+        return tokens if pos is None else tokens + pos
 
     def prepend_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Put the class token, the distillation token and registers (each with its position embedding, if it has
@@ -503,9 +572,25 @@ class VisionTransformer(nn.Module):
             prefix = prefix + self.pos_embed[:, : self.num_pos_prefix]
         return torch.cat([prefix.expand(tokens.shape[0], -1, -1), tokens], dim=1)
 
-    def run_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Pre-norm, all blocks (each activation-checkpointed when set), then the final norm."""
-        return self.norm(self.blocks(self.norm_pre(tokens)))
+    def rope_tables(self, grid: Sequence[int] | None, keep: torch.Tensor | None = None):
+        """What every block's attention rotates the patch tokens by (pos_embed=rope): the (sin, cos) tables of the
+        `grid`'s patches, or of those at `keep` (B, K); None for the other kinds of position embedding."""
+        if self.rope is None:
+            return None
+        if grid is None:
+            raise ValueError("this backbone has rotary position embeddings (pos_embed='rope'): the blocks need the "
+                             "patch grid, run_blocks(tokens, grid, keep)")
+        return self.rope(grid, keep)
+
+    def run_blocks(self, tokens: torch.Tensor, grid: Sequence[int] | None = None,
+                   keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Pre-norm, all blocks (each activation-checkpointed when set), then the final norm. `grid` and `keep`
+        (as given to `embed_patches`) place the patch tokens for rotary position embeddings."""
+        rope = self.rope_tables(grid, keep)
+        x = self.norm_pre(tokens)
+        for block in self.blocks:
+            x = block(x, rope)
+        return self.norm(x)
 
     def embed_patches(self, patches: torch.Tensor, grid: Sequence[int], mask: torch.Tensor | None = None,
                       mask_token: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -528,7 +613,8 @@ class VisionTransformer(nn.Module):
     def forward_features(self, images: torch.Tensor, mask: torch.Tensor | None = None,
                          mask_token: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
         """Output tokens (B, prefix + N or K, D), after the final norm; `mask`, `keep`: see `embed_patches`."""
-        return self.run_blocks(self.embed(images, mask, mask_token, keep))
+        grid = self.patch_embed.grid_for(images.shape[-2], images.shape[-1])
+        return self.run_blocks(self.embed(images, mask, mask_token, keep), grid, keep)
 
     def pool(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, n, D) output tokens -> (B, D) image embedding (with a distillation token: the mean of the class and
@@ -550,10 +636,10 @@ class VisionTransformer(nn.Module):
         """Token outputs (B, n, D) of the last `last_k` blocks, each through the final norm (DINO's eval features)."""
         if not 1 <= last_k <= len(self.blocks):
             raise ValueError(f"last_k must be in [1, {len(self.blocks)}], got {last_k}")
-        x = self.norm_pre(self.embed(images))
+        x, rope = self.norm_pre(self.embed(images)), self.rope_tables(self.patch_embed.grid_for(*images.shape[-2:]))
         outputs = []
         for index, block in enumerate(self.blocks):
-            x = block(x)
+            x = block(x, rope)
             if index >= len(self.blocks) - last_k:
                 outputs.append(self.norm(x))
         return outputs
@@ -561,10 +647,10 @@ class VisionTransformer(nn.Module):
     @torch.no_grad()
     def attention_maps(self, images: torch.Tensor) -> list[torch.Tensor]:
         """Softmax attention weights (B, heads, n, n) of every block, through the explicit attention path."""
-        x = self.norm_pre(self.embed(images))
+        x, rope = self.norm_pre(self.embed(images)), self.rope_tables(self.patch_embed.grid_for(*images.shape[-2:]))
         maps = []
         for block in self.blocks:
-            x, weights = block(x, return_attention=True)
+            x, weights = block(x, rope, return_attention=True)
             maps.append(weights)
         return maps
 

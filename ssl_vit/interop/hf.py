@@ -1,5 +1,6 @@
 """Our ViT to and from transformers: `ViTModel`, `Dinov2Model` (`Dinov2WithRegistersModel` with registers),
-`CLIPVisionModel(WithProjection)` and `SiglipVisionModel`, exact in fp32 both ways.
+`CLIPVisionModel(WithProjection)`, `SiglipVisionModel` and `DINOv3ViTModel` (RoPE encoders: ssl_vit.interop.hf_dinov3),
+exact in fp32 both ways.
 
 Export writes a `save_pretrained` directory (config.json, model.safetensors, preprocessor_config.json) whose weights
 carry transformers 4.x names (`vision_model.` for CLIP / SigLIP, `encoder.layer.i.attention.attention.query` for
@@ -33,10 +34,11 @@ import torch
 from safetensors.torch import save_file
 
 from ssl_vit.artifacts import file_fingerprint
+from ssl_vit.interop.hf_dinov3 import dinov3_config, dinov3_refusals, dinov3_state, from_dinov3
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.vit import VisionTransformer
 
-HF_ARCHS = ("vit", "dinov2", "clip", "siglip")
+HF_ARCHS = ("vit", "dinov2", "clip", "siglip", "dinov3")
 HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu"}
 # transformers activation names -> ours (gelu_new is the same tanh formula as gelu_pytorch_tanh)
 FROM_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_python": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -72,7 +74,12 @@ def _side(value) -> int:
 
 def refusals(config: dict, arch: str) -> list[str]:
     """What `arch` cannot represent in an encoder config, each naming the option and the targets that take it."""
+    if arch == "dinov3":
+        return dinov3_refusals(config)
     problems = []
+    if config.get("pos_embed", "learned") in ("rope", "none"):
+        problems.append(f"pos_embed={config['pos_embed']!r} ({arch} adds learned position embeddings; a RoPE encoder "
+                        "exports as --hf-arch dinov3)")
     if config.get("stem", "patch") != "patch":
         problems.append(f"stem={config['stem']!r} (transformers 5 has no hybrid ViT: 4.x moved ViTHybrid to "
                         "deprecated; --to timm takes timm's hybrids, onnx and safetensors any stem)")
@@ -110,6 +117,8 @@ def refusals(config: dict, arch: str) -> list[str]:
 def default_arch(config: dict) -> str:
     """The transformers class an encoder maps to most directly: CLIP for pre-norm models, DINOv2 for layer scale or
     registers, SigLIP without a class token, ViT otherwise."""
+    if config.get("pos_embed") == "rope":
+        return "dinov3"
     if config.get("pre_norm"):
         return "clip"
     if not config.get("class_token", True):
@@ -129,6 +138,8 @@ def hf_config(config: dict, arch: str, projection_dim: int | None = None):
     if problems:
         raise ValueError(f"transformers {arch} cannot represent this encoder: " + "; ".join(problems)
                          + f". {_OTHER_TARGETS}.")
+    if arch == "dinov3":
+        return dinov3_config(config, HF_ACTIVATIONS[config.get("act_layer", "gelu")])
     width = config["embed_dim"]
     mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
     common = dict(hidden_size=width, num_hidden_layers=config["depth"], num_attention_heads=config["num_heads"],
@@ -261,8 +272,9 @@ def export_hf(encoder, out_dir: str | Path, arch: str | None = None, projection:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(out_dir)
-    save_file(hf_state(encoder.state_dict(), config, arch, projection), str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    state = (dinov3_state(encoder.state_dict(), config) if arch == "dinov3"
+             else hf_state(encoder.state_dict(), config, arch, projection))
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     if preprocess is None:  # nothing recorded: our eval transform's defaults at the encoder's size
         preprocess = Preprocess(img_size=hf.image_size)
     (out_dir / "preprocessor_config.json").write_text(json.dumps(processor_config(preprocess), indent=2) + "\n")
@@ -271,7 +283,7 @@ def export_hf(encoder, out_dir: str | Path, arch: str | None = None, projection:
 
 # ----- import -----
 _MODEL_TYPES = {"vit": "vit", "dinov2": "dinov2", "dinov2_with_registers": "dinov2", "clip_vision_model": "clip",
-                "clip": "clip", "siglip_vision_model": "siglip", "siglip": "siglip"}
+                "clip": "clip", "siglip_vision_model": "siglip", "siglip": "siglip", "dinov3_vit": "dinov3"}
 
 
 def _arch_of(hf_cfg) -> str:
@@ -315,6 +327,11 @@ def from_hf(path: str | Path):
                          f"{sorted(FROM_HF_ACTIVATIONS)}")
     if getattr(hf_cfg, "use_swiglu_ffn", False):
         raise ValueError(f"{path}: use_swiglu_ffn=True (DINOv2 giant's SwiGLU MLP) is not supported")
+    if arch == "dinov3":
+        try:
+            return from_dinov3(module, hf_cfg, act)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
     width, depth = hf_cfg.hidden_size, hf_cfg.num_hidden_layers
     registers = getattr(hf_cfg, "num_register_tokens", 0) if arch == "dinov2" else 0
     mlp_dim = int(width * hf_cfg.mlp_ratio) if arch == "dinov2" else hf_cfg.intermediate_size

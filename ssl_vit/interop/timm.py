@@ -11,7 +11,8 @@ from pathlib import Path
 import timm
 import torch
 from safetensors.torch import save_file
-from timm.layers import GELU, GELUTanh, HybridEmbed, LayerScale, QuickGELU, StdConv2dSame
+from timm.layers import GELU, GELUTanh, HybridEmbed, LayerScale, QuickGELU, RotaryEmbeddingDinoV3, StdConv2dSame
+from timm.models.eva import Eva
 from timm.models.resnetv2 import ResNetV2
 from timm.models.vision_transformer import Block, ParallelScalingBlock
 from timm.models.vision_transformer import VisionTransformer as TimmViT
@@ -102,8 +103,11 @@ def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embe
     resampled as the imported family does (DINOv2: bicubic without antialiasing; other timm models: timm's default,
     bicubic with antialiasing) unless `pos_embed_interp` / `pos_embed_antialias` say otherwise.
     """
+    if isinstance(model, Eva):
+        return _from_timm_dinov3(model, layer_scale)
     if not isinstance(model, TimmViT):
-        raise ValueError(f"only timm VisionTransformer models can be imported, not {type(model).__name__}")
+        raise ValueError(f"only timm VisionTransformer models and its DINOv3 models (Eva with DINOv3's RoPE) can be "
+                         f"imported, not {type(model).__name__}")
     block = model.blocks[0]
     parallel = isinstance(block, ParallelScalingBlock)
     if not parallel and not isinstance(block, Block):
@@ -138,6 +142,58 @@ def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embe
     kwargs["dist_token"] = getattr(model, "dist_token", None) is not None  # timm's VisionTransformerDistilled (DeiT)
     ours = VisionTransformer(**kwargs)
     ours.load_state_dict(model.state_dict(), strict=True)
+    return ours
+
+
+# timm's DINOv3 port (Eva) -> ours: per-block layer-scale gammas, and separate q / v biases (k's is a zero buffer:
+# a key bias shifts every logit of a query equally, so it changes nothing) into the fused qkv bias.
+DINOV3_LAYER_SCALE = 1e-5  # DINOv3's init value (timm's vit_*_dinov3 init_values), for a fresh rebuild
+
+
+def _from_timm_dinov3(model: Eva, layer_scale: float | None = None) -> VisionTransformer:
+    """Rebuild timm's `vit_*_patch16_dinov3[_qkvb]` (Eva with DINOv3's RoPE) as ours with pos_embed=rope. Pooled
+    as upstream DINOv3 does (the class token after the final norm), whatever timm's global_pool says."""
+    rope = model.rope
+    if not isinstance(rope, RotaryEmbeddingDinoV3) or model.pos_embed is not None:
+        raise ValueError("of timm's Eva models only the DINOv3 ones import (rope_type='dinov3', no absolute position "
+                         f"embeddings); this one has {type(rope).__name__} and pos_embed={model.pos_embed is not None}")
+    block = model.blocks[0]
+    unsupported = [name for name, present in (
+        ("SwiGLU / gated MLP", not hasattr(block.mlp, "fc1")), ("post-norm blocks", not hasattr(block, "norm1")),
+        ("attention gates or separate q / k / v projections", block.attn.qkv is None
+         or getattr(block.attn, "gate", None) is not None),
+        ("a norm inside the MLP or attention", not isinstance(block.mlp.norm, nn.Identity)
+         or not isinstance(getattr(block.attn, "norm", nn.Identity()), nn.Identity)),
+        ("rope grid offset", rope.grid_offset != 0), ("interleaved rope layout", not rope.rotate_half),
+        ("a norm before the blocks", not isinstance(model.norm_pre, nn.Identity))) if present]
+    if unsupported:
+        raise ValueError(f"this timm DINOv3 model has {', '.join(unsupported)}, which ssl-vit's ViT does not build")
+    has_layer_scale = getattr(block, "gamma_1", None) is not None
+    kwargs = dict(
+        img_size=model.patch_embed.img_size, patch_size=model.patch_embed.patch_size,
+        in_chans=model.patch_embed.proj.in_channels, embed_dim=model.embed_dim, depth=len(model.blocks),
+        num_heads=block.attn.num_heads, mlp_dim=block.mlp.fc1.out_features, class_token=model.cls_token is not None,
+        global_pool="token" if model.cls_token is not None else "avg",
+        num_registers=0 if model.reg_token is None else model.reg_token.shape[1],
+        pos_embed="rope", rope_theta=rope.temperature if rope.min_period is None else None,
+        rope_min_period=rope.min_period, rope_max_period=rope.max_period, rope_normalize=rope.normalize_coords,
+        rope_shift=rope.shift_coords, rope_jitter=rope.jitter_coords, rope_rescale=rope.rescale_coords,
+        qkv_bias=block.attn.q_bias is not None, qk_norm=not isinstance(block.attn.q_norm, nn.Identity),
+        norm_bias=block.norm1.bias is not None, norm_eps=block.norm1.eps, act_layer=activation_name(block.mlp.act),
+        layer_scale=(layer_scale or DINOV3_LAYER_SCALE) if has_layer_scale else None)
+    ours = VisionTransformer(**kwargs)
+    state = {}
+    for name, value in model.state_dict().items():
+        if name.endswith("attn.k_bias"):
+            continue
+        if name.endswith((".attn.q_bias", ".attn.v_bias")):
+            prefix = name.rsplit(".", 1)[0]
+            if name.endswith("q_bias"):
+                state[f"{prefix}.qkv.bias"] = torch.cat([value, torch.zeros_like(value), model.state_dict()[
+                    f"{prefix}.v_bias"]])
+            continue
+        state[name.replace(".gamma_1", ".ls1.gamma").replace(".gamma_2", ".ls2.gamma")] = value
+    ours.load_state_dict(state, strict=True)
     return ours
 
 
@@ -182,6 +238,8 @@ def timm_model_args(config: dict) -> dict:
     """timm `VisionTransformer` keyword arguments that rebuild our encoder exactly (JSON-serialisable, as in a timm
     hub config.json); ValueError naming what plain keyword arguments cannot express."""
     problems = []
+    if config.get("pos_embed", "learned") == "none":
+        problems.append("pos_embed='none' (timm's config files build learned position embeddings)")
     if config.get("parallel_block"):
         problems.append("parallel_block=True (timm takes block_fn=ParallelScalingBlock, not expressible in a config "
                         "file: build timm's model yourself and load model.safetensors)")
@@ -212,13 +270,58 @@ def timm_model_args(config: dict) -> dict:
     return args
 
 
+# What timm's DINOv3 port requires of an encoder config: key -> (value, the encoder's default where unset).
+_TIMM_DINOV3_REQUIRED = {"class_token": (True, True), "global_pool": ("token", "token"),
+                         "rope_normalize": ("separate", "separate"), "stem": ("patch", "patch"),
+                         "dist_token": (False, False), "parallel_block": (False, False), "qk_norm": (False, False),
+                         "pre_norm": (False, False), "norm_bias": (True, True), "norm_eps": (1e-5, 1e-6),
+                         "act_layer": ("gelu", "gelu"), "rope_min_period": (None, None)}
+
+
+def timm_dinov3_args(config: dict) -> tuple[str, dict]:
+    """(architecture, Eva keyword arguments) that rebuild a RoPE encoder as timm's DINOv3 port; ValueError naming
+    what they cannot express. RoPE's training-time shift / jitter / rescale are not written (timm's Eva takes no
+    such arguments; they change nothing at inference)."""
+    problems = [f"{key}={config.get(key, default)!r}" for key, (wanted, default) in _TIMM_DINOV3_REQUIRED.items()
+                if config.get(key, default) != wanted]
+    if problems:
+        raise ValueError("timm's DINOv3 models (Eva: class token pooling, pixel patches, LayerNorm eps 1e-5 with "
+                         "biases, GELU, rope_theta periods over each side) cannot express: " + ", ".join(problems)
+                         + ". --to hf --hf-arch dinov3 / onnx / safetensors take what transformers / ONNX can.")
+    width = config["embed_dim"]
+    mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
+    size = config["img_size"]
+    args = dict(img_size=size if isinstance(size, int) else list(size), patch_size=config["patch_size"],
+                in_chans=config.get("in_chans", 3), embed_dim=width, depth=config["depth"],
+                num_heads=config["num_heads"], mlp_ratio=mlp_dim / width, qkv_bias=config.get("qkv_bias", True),
+                init_values=config.get("layer_scale"), rope_type="dinov3",
+                rope_temperature=config.get("rope_theta") or 100.0, rope_rotate_half=True, use_rot_pos_emb=True,
+                use_abs_pos_emb=False, num_reg_tokens=config.get("num_registers", 0), use_fc_norm=False,
+                global_pool="token", dynamic_img_size=True, num_classes=0)
+    return ("vit_small_patch16_dinov3_qkvb" if args["qkv_bias"] else "vit_small_patch16_dinov3"), args
+
+
+def _timm_dinov3_state(state: dict) -> dict:
+    """Our state dict under timm's Eva names (ls gammas -> gamma_1/2, the fused qkv bias -> q_bias, v_bias)."""
+    out = {}
+    for name, value in state.items():
+        if name.endswith("attn.qkv.bias"):
+            q_bias, _, v_bias = value.chunk(3)
+            prefix = name.removesuffix("qkv.bias")
+            out.update({f"{prefix}q_bias": q_bias, f"{prefix}v_bias": v_bias})
+            continue
+        out[name.replace(".ls1.gamma", ".gamma_1").replace(".ls2.gamma", ".gamma_2")] = value
+    return out
+
+
 def export_timm(encoder, out_dir, preprocess=None):
     """A timm model directory: model.safetensors (our names are timm's) and a hub-style config.json
     (architecture, model_args, pretrained_cfg with the preprocessing). Load with
     `timm.create_model("local-dir:DIR", pretrained=True)` or
     `timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file="DIR/model.safetensors"), **args)`."""
     config = encoder.config
-    args = timm_model_args(config)
+    rope = config.get("pos_embed") == "rope"
+    architecture, args = timm_dinov3_args(config) if rope else (timm_architecture(config), timm_model_args(config))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     size = args["img_size"] if isinstance(args["img_size"], list) else [args["img_size"]] * 2
@@ -229,11 +332,12 @@ def export_timm(encoder, out_dir, preprocess=None):
         pretrained_cfg.update(mean=list(preprocess.mean), std=list(preprocess.std),
                               interpolation=preprocess.interpolation, crop_pct=preprocess.crop_pct,
                               crop_mode="squash" if preprocess.resize_mode == "squash" else "center")
-    hub = {"architecture": timm_architecture(config), "num_classes": 0, "num_features": config["embed_dim"],
+    hub = {"architecture": architecture, "num_classes": 0, "num_features": config["embed_dim"],
            "global_pool": args["global_pool"], "model_args": args, "pretrained_cfg": pretrained_cfg}
     (out_dir / "config.json").write_text(json.dumps(hub, indent=2) + "\n")
     state = {k: v.detach().float().contiguous().clone() for k, v in encoder.state_dict().items()}
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(_timm_dinov3_state(state) if rope else state, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
     return out_dir
 
 

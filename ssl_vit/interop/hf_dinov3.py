@@ -1,0 +1,126 @@
+"""Our RoPE ViT to and from transformers' `DINOv3ViTModel` (`--to hf --hf-arch dinov3`, `hf:<dir>`), exact in fp32.
+
+DINOv3ViTModel has separate q / k / v projections (k without bias: a key bias shifts every logit of a query equally
+and changes no output, so ours is dropped on export and zero on import), layer scale in every block (ones where ours
+has none: exact), a mask token in its embeddings (ours is the objective's: written as zeros, dropped on import), the
+class token then the registers in front, the final norm on every token and the class token as `pooler_output`. Its
+RoPE is DINOv3's with periods from `rope_theta` and coordinates over each side; the training-time shift / jitter /
+rescale are its `pos_embed_*`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ssl_vit.vit import VisionTransformer
+
+# ours -> transformers, per block (Linear weights and biases alike)
+_BLOCK = (("norm1", "norm1"), ("norm2", "norm2"), ("attn.proj", "attention.o_proj"), ("mlp.fc1", "mlp.up_proj"),
+          ("mlp.fc2", "mlp.down_proj"))
+# What DINOv3ViTModel requires of an encoder config: key -> (value, why); the encoder's defaults where unset.
+_REQUIRED = {"pos_embed": ("rope", "DINOv3ViTModel has rotary position embeddings only"),
+             "class_token": (True, "DINOv3ViTModel has a class token"),
+             "global_pool": ("token", "DINOv3ViTModel pools the class token"),
+             "rope_normalize": ("separate", "DINOv3ViTModel normalises the coordinates over each side"),
+             "stem": ("patch", "DINOv3ViTModel embeds pixel patches"),
+             "dist_token": (False, "no distillation token"), "parallel_block": (False, "no parallel blocks"),
+             "qk_norm": (False, "no QK-norm"), "pre_norm": (False, "no norm before the blocks"),
+             "norm_bias": (True, "LayerNorms with biases"), "no_embed_class": (False, "nothing to place")}
+_DEFAULTS = {"pos_embed": "learned", "class_token": True, "global_pool": "token", "rope_normalize": "separate",
+             "stem": "patch", "dist_token": False, "parallel_block": False, "qk_norm": False, "pre_norm": False,
+             "norm_bias": True, "no_embed_class": False}
+
+
+def dinov3_refusals(config: dict) -> list[str]:
+    """What of an encoder config DINOv3ViTModel cannot hold (empty: it can)."""
+    problems = [f"{key}={config.get(key, _DEFAULTS[key])!r} ({why})" for key, (wanted, why) in _REQUIRED.items()
+                if config.get(key, _DEFAULTS[key]) != wanted]
+    if config.get("rope_min_period") is not None:
+        problems.append("rope_min_period / rope_max_period (DINOv3ViTConfig takes rope_theta periods only)")
+    for key in ("img_size", "patch_size"):
+        value = config.get(key)
+        if isinstance(value, (list, tuple)) and len(set(value)) > 1:
+            problems.append(f"{key}={list(value)} (square sizes only)")
+    return problems
+
+
+def dinov3_config(config: dict, hidden_act: str):
+    """The DINOv3ViTConfig of an encoder config (`dinov3_refusals` empty); `hidden_act` transformers' name."""
+    from transformers import DINOv3ViTConfig  # heavy: transformers models only
+
+    width = config["embed_dim"]
+    side = config["img_size"] if isinstance(config["img_size"], int) else config["img_size"][0]
+    patch = config["patch_size"] if isinstance(config["patch_size"], int) else config["patch_size"][0]
+    bias = config.get("qkv_bias", True)
+    return DINOv3ViTConfig(
+        hidden_size=width, intermediate_size=config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0)),
+        num_hidden_layers=config["depth"], num_attention_heads=config["num_heads"], patch_size=patch, image_size=side,
+        num_channels=config.get("in_chans", 3), layer_norm_eps=config.get("norm_eps", 1e-6),
+        hidden_act=hidden_act, rope_theta=config.get("rope_theta") or 100.0,
+        query_bias=bias, key_bias=False, value_bias=bias, proj_bias=True, mlp_bias=True,
+        layerscale_value=config.get("layer_scale") or 1.0, num_register_tokens=config.get("num_registers", 0),
+        pos_embed_shift=config.get("rope_shift"), pos_embed_jitter=config.get("rope_jitter"),
+        pos_embed_rescale=config.get("rope_rescale"), use_gated_mlp=False)
+
+
+def dinov3_state(state: dict, config: dict) -> dict:
+    """Our state dict -> DINOv3ViTModel's."""
+    width = config["embed_dim"]
+    out = {"embeddings.cls_token": state["cls_token"], "embeddings.mask_token": torch.zeros(1, 1, width),
+           "embeddings.register_tokens": state.get("reg_token", torch.zeros(1, 0, width)),
+           "embeddings.patch_embeddings.weight": state["patch_embed.proj.weight"],
+           "embeddings.patch_embeddings.bias": state["patch_embed.proj.bias"],
+           "norm.weight": state["norm.weight"], "norm.bias": state["norm.bias"]}
+    for i in range(config["depth"]):
+        ours, theirs = f"blocks.{i}.", f"model.layer.{i}."
+        for name, hf_name in _BLOCK:
+            for kind in ("weight", "bias"):
+                out[f"{theirs}{hf_name}.{kind}"] = state[f"{ours}{name}.{kind}"]
+        q, k, v = state[f"{ours}attn.qkv.weight"].chunk(3)
+        out.update({f"{theirs}attention.q_proj.weight": q, f"{theirs}attention.k_proj.weight": k,
+                    f"{theirs}attention.v_proj.weight": v})
+        if f"{ours}attn.qkv.bias" in state:
+            q_bias, _, v_bias = state[f"{ours}attn.qkv.bias"].chunk(3)
+            out.update({f"{theirs}attention.q_proj.bias": q_bias, f"{theirs}attention.v_proj.bias": v_bias})
+        for index in (1, 2):
+            out[f"{theirs}layer_scale{index}.lambda1"] = state.get(f"{ours}ls{index}.gamma", torch.ones(width))
+    return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
+
+
+def from_dinov3(module, hf_cfg, act_layer: str) -> VisionTransformer:
+    """Our encoder from a DINOv3ViTModel, weights included (its mask token dropped); `act_layer` ours."""
+    if getattr(hf_cfg, "use_gated_mlp", False):
+        raise ValueError("use_gated_mlp=True (DINOv3's SwiGLU MLP, ViT-7B / H+) is not supported")
+    if not getattr(hf_cfg, "proj_bias", True) or not getattr(hf_cfg, "mlp_bias", True):
+        raise ValueError("proj_bias=False or mlp_bias=False: ssl-vit's blocks have these biases")
+    if hf_cfg.query_bias != hf_cfg.value_bias:
+        raise ValueError(f"query_bias={hf_cfg.query_bias}, value_bias={hf_cfg.value_bias}: ssl-vit's qkv has all "
+                         f"three biases or none")
+    width, depth = hf_cfg.hidden_size, hf_cfg.num_hidden_layers
+    state = module.state_dict()
+    encoder = VisionTransformer(
+        img_size=hf_cfg.image_size, patch_size=hf_cfg.patch_size, in_chans=hf_cfg.num_channels, embed_dim=width,
+        depth=depth, num_heads=hf_cfg.num_attention_heads, mlp_dim=hf_cfg.intermediate_size,
+        act_layer=act_layer, norm_eps=hf_cfg.layer_norm_eps, class_token=True,
+        global_pool="token", num_registers=hf_cfg.num_register_tokens, pos_embed="rope", rope_theta=hf_cfg.rope_theta,
+        rope_shift=hf_cfg.pos_embed_shift, rope_jitter=hf_cfg.pos_embed_jitter, rope_rescale=hf_cfg.pos_embed_rescale,
+        qkv_bias=bool(hf_cfg.query_bias), layer_scale=float(hf_cfg.layerscale_value))
+    ours = {"cls_token": state["embeddings.cls_token"], "norm.weight": state["norm.weight"],
+            "norm.bias": state["norm.bias"], "patch_embed.proj.weight": state["embeddings.patch_embeddings.weight"],
+            "patch_embed.proj.bias": state["embeddings.patch_embeddings.bias"]}
+    if hf_cfg.num_register_tokens:
+        ours["reg_token"] = state["embeddings.register_tokens"]
+    for i in range(depth):
+        theirs, mine = f"model.layer.{i}.", f"blocks.{i}."
+        for name, hf_name in _BLOCK:
+            for kind in ("weight", "bias"):
+                ours[f"{mine}{name}.{kind}"] = state[f"{theirs}{hf_name}.{kind}"]
+        ours[f"{mine}attn.qkv.weight"] = torch.cat([state[f"{theirs}attention.{p}_proj.weight"] for p in "qkv"])
+        if hf_cfg.query_bias:
+            k_bias = state.get(f"{theirs}attention.k_proj.bias", torch.zeros(width))
+            ours[f"{mine}attn.qkv.bias"] = torch.cat([state[f"{theirs}attention.q_proj.bias"], k_bias,
+                                                      state[f"{theirs}attention.v_proj.bias"]])
+        for index in (1, 2):
+            ours[f"{mine}ls{index}.gamma"] = state[f"{theirs}layer_scale{index}.lambda1"]
+    encoder.load_state_dict(ours, strict=True)
+    return encoder.eval()
