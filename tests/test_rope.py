@@ -210,3 +210,20 @@ def test_a_rope_encoder_exports_as_timms_dinov3_and_loads_there_with_our_outputs
                             norm_eps=1e-6, qk_norm=True)
     with pytest.raises(ValueError, match=r"cannot express: qk_norm=True, norm_eps=1e-06"):
         export_timm(odd, tmp_path / "refused")
+
+
+def test_sincos_is_maes_fixed_table_and_none_adds_no_position():
+    """pos_embed=sincos: MAE's 2-D sin-cos table (class slot zero), not trained; none: nothing added, so the patch
+    tokens' outputs follow a permutation of the patches."""
+    from ssl_vit.vit import sincos_pos_embed_2d
+
+    fixed = VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, pos_embed="sincos")
+    assert not fixed.pos_embed.requires_grad
+    torch.testing.assert_close(fixed.pos_embed.data, sincos_pos_embed_2d((4, 4), 32, 1))
+    plain = VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, pos_embed="none").eval()
+    assert plain.pos_embed is None and plain.rope is None
+    patches = plain.patch_embed(torch.randn(1, 3, 16, 16))
+    tokens = plain.run_blocks(plain.prepend_tokens(patches))
+    reversed_tokens = plain.run_blocks(plain.prepend_tokens(patches.flip(1)))
+    torch.testing.assert_close(reversed_tokens[:, 1:], tokens[:, 1:].flip(1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(reversed_tokens[:, 0], tokens[:, 0], atol=1e-5, rtol=1e-5)
