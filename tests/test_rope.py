@@ -227,3 +227,35 @@ def test_sincos_is_maes_fixed_table_and_none_adds_no_position():
     reversed_tokens = plain.run_blocks(plain.prepend_tokens(patches.flip(1)))
     torch.testing.assert_close(reversed_tokens[:, 1:], tokens[:, 1:].flip(1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(reversed_tokens[:, 0], tokens[:, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_model_init_from_takes_timms_dinov3_checkpoints_and_dinov3vitmodel_directories(tmp_path):
+    """`model.init_from=timm:vit_small_patch16_dinov3:<file>` (a timm checkpoint of the full ViT-S/16, random
+    weights) and `hf:<dir>` (a DINOv3ViTModel) start a run with those weights at data.img_size (no resampling)."""
+    from hydra import compose, initialize_config_dir
+    from safetensors.torch import save_file
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+    from ssl_vit.cli import register_configs
+    from ssl_vit.train import build_components
+
+    torch.manual_seed(0)
+    timm_model = timm.create_model("vit_small_patch16_dinov3", pretrained=False)
+    save_file(timm_model.state_dict(), str(tmp_path / "dinov3_s16.safetensors"))
+    DINOv3ViTModel(DINOv3ViTConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=2, intermediate_size=128,
+                                   image_size=32, num_register_tokens=2)).save_pretrained(tmp_path / "hf")
+    register_configs()
+    images = torch.randn(2, 3, 32, 32)
+    for spec, source in ((f"timm:vit_small_patch16_dinov3:{tmp_path / 'dinov3_s16.safetensors'}", timm_model),
+                         (f"hf:{tmp_path / 'hf'}", None)):
+        with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
+            cfg = compose("pretrain", overrides=["objective=masked_patch", f"model.init_from={spec}",
+                                                 "data.img_size=32", "data.num_samples=8", "output_dir=x"])
+        backbone = build_components(cfg)[0].backbone.eval()
+        assert backbone.config["pos_embed"] == "rope" and backbone.patch_embed.img_size == (32, 32)
+        if source is not None:
+            with torch.no_grad():
+                torch.testing.assert_close(backbone.forward_features(images), source.eval().forward_features(images),
+                                           atol=1e-5, rtol=1e-5)
+        else:
+            assert backbone.num_prefix_tokens == 3 and backbone.embed_dim == 64

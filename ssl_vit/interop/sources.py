@@ -5,7 +5,8 @@
     timm:<model name>:<file>                   + weights from a timm checkpoint (.safetensors / .pth / .bin, or
                                                the original ViT AugReg .npz) through timm's own loader
     timm:<dir>                                 a timm model directory (config.json + weights; our --to timm)
-    hf:<dir>                                   transformers ViTModel / Dinov2Model / CLIPVisionModel / SiglipVisionModel
+    hf:<dir>                                   transformers ViTModel / Dinov2Model / CLIPVisionModel /
+                                               SiglipVisionModel / DINOv3ViTModel
     open_clip:<dir>                            an open_clip model directory (open_clip_config.json; our --to open_clip)
     open_clip:<model name>:<file>              an open_clip checkpoint file for a named open_clip architecture
     dino:<file>, dinov2:<file>                 a training checkpoint of the reference DINO / DINOv2 code: the
