@@ -51,8 +51,9 @@ def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | Non
 class AdamW(torch.optim.AdamW):
     """torch's AdamW, except that the groups `apply_schedule` marks `frozen` for this step are left out of it: their
     gradients are dropped, so their moments and step count begin when they unfreeze, as after DINO's
-    `cancel_gradients_last_layer` (a zero lr alone would feed the frozen steps' gradients into Adam's moments). It
-    holds under DeepSpeed too, whose ZeRO optimizers step this one on their flat per-group partitions."""
+    `cancel_gradients_last_layer` (a zero lr alone would feed the frozen steps' gradients into Adam's moments).
+    DeepSpeed's ZeRO optimizers step this one on flat per-group partitions (read from DeepSpeed 0.19's stage_1_and_2
+    and stage3), so it holds there too; tested after an unfreeze with torch's optimizer only (tests/test_dino.py)."""
 
     def step(self, closure=None):
         for group in self.param_groups:
