@@ -42,7 +42,9 @@ def _objective(*overrides):
 def test_the_teacher_gets_no_gradient_stays_in_eval_mode_and_is_outside_the_module_tree(timm_teacher):
     objective, batch = _objective("objective=deit", f"objective.teacher={timm_teacher}")
     teacher = objective.teacher
-    assert not objective.head.weight.any() and not objective.head_dist.weight.any()  # model=vit_test: jax, zero heads
+    bound = 1 / objective.backbone.embed_dim ** 0.5  # default head_init=torch: U(+-1/sqrt(fan_in)), biases too
+    for head in (objective.head, objective.head_dist):
+        assert head.weight.abs().max() <= bound and head.bias.any() and head.weight.std() > bound / 2
     before = {k: v.clone() for k, v in teacher.state_dict().items()}
     optimizer = torch.optim.SGD(objective.parameters(), lr=0.1)
     objective.train()
@@ -55,10 +57,8 @@ def test_the_teacher_gets_no_gradient_stays_in_eval_mode_and_is_outside_the_modu
     assert not teacher_ids & {id(t) for t in [*objective.parameters(), *objective.buffers()]}
     assert all(k.startswith(("backbone.", "head.", "head_dist.")) for k in objective.state_dict())
     assert objective.backbone.dist_token is not None  # objective=deit turns the token on
-    torch_heads, _ = _objective("objective=deit", f"objective.teacher={timm_teacher}", "objective.head_init=torch")
-    bound = 1 / objective.backbone.embed_dim ** 0.5  # PyTorch's nn.Linear default: U(+-1/sqrt(fan_in)), biases too
-    for head in (torch_heads.head, torch_heads.head_dist):
-        assert head.weight.abs().max() <= bound and head.bias.any() and head.weight.std() > bound / 2
+    zero_heads, _ = _objective("objective=deit", f"objective.teacher={timm_teacher}", "objective.head_init=auto")
+    assert not zero_heads.head.weight.any() and not zero_heads.head_dist.weight.any()  # auto: vit_test's jax, zero
 
 
 def test_hard_targets_are_the_teachers_argmax_and_soft_is_deits_formula(timm_teacher):
