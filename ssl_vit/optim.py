@@ -21,8 +21,8 @@ def _layer_id(name: str, num_layers: int) -> int:
 def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None = None,
                  num_layers: int | None = None) -> list[dict]:
     """Groups keyed by (decay or not, layer, frozen steps). Each group carries `lr_scale`, `wd_scale` and
-    `frozen_until` (left out of the optimizer steps before that step: the model's `frozen_parameters()`, e.g. DINO's
-    last layer; see `drop_frozen_gradients`) for the schedules.
+    `frozen_until` (lr 0 before that step: the model's `frozen_parameters()`, e.g. DINO's
+    last layer) for the schedules.
 
     With `layer_decay`, block i gets lr_scale = layer_decay ** (num_layers + 1 - layer_id) (BEiT / MAE fine-tuning).
     """
@@ -48,29 +48,13 @@ def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | Non
     return list(groups.values())
 
 
-def drop_frozen_gradients(optimizer: torch.optim.Optimizer, args=None, kwargs=None) -> None:
-    """A step pre-hook: the groups `apply_schedule` marks `frozen` for this step are left out of it, their gradients
-    dropped, so that their moments and step count begin when they unfreeze, as after DINO's
-    `cancel_gradients_last_layer` (a zero lr alone would feed the frozen steps' gradients into Adam's moments).
-    DeepSpeed's ZeRO optimizers step the client optimizer on flat per-group partitions (read from DeepSpeed 0.19's
-    stage_1_and_2 and stage3), so it holds there too; tested after an unfreeze with torch's optimizer only
-    (tests/test_dino.py)."""
-    for group in optimizer.param_groups:
-        if group.get("frozen"):
-            for param in group["params"]:
-                param.grad = None
-
-
 def build_optimizer(model: nn.Module, cfg, num_layers: int | None = None, fused: bool = False) -> torch.optim.AdamW:
-    """torch's AdamW over `param_groups` with `drop_frozen_gradients` before every step (torch's own class: DeepSpeed
-    checks the type of a ZeRO client optimizer); `fused`: one fused kernel per step (for CUDA, the fastest)."""
+    """AdamW over `param_groups`; `fused`: one fused kernel per step (for CUDA, where it is the fastest)."""
     if cfg.name != "adamw":
         raise ValueError(f"unknown optimizer {cfg.name!r}; valid choices: ['adamw']")
     groups = param_groups(model, cfg.weight_decay, cfg.layer_decay, num_layers)
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                  weight_decay=cfg.weight_decay, fused=fused or None)
-    optimizer.register_step_pre_hook(drop_frozen_gradients)
-    return optimizer
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, fused=fused or None)
 
 
 def schedule(base: float, final: float, total_steps: int, warmup_steps: int = 0, kind: str = "cosine",
@@ -104,8 +88,7 @@ def weight_decay_schedule(cfg, total_steps: int) -> np.ndarray:
 
 
 def apply_schedule(optimizer: torch.optim.Optimizer, lr: float, weight_decay: float, step: int = 0) -> None:
-    """Set every group's lr and weight decay for optimizer step `step` (0-based), and whether it is `frozen`."""
+    """Set every group's lr and weight decay for optimizer step `step` (0-based)."""
     for group in optimizer.param_groups:
-        group["frozen"] = step < group.get("frozen_until", 0)
-        group["lr"] = 0.0 if group["frozen"] else lr * group.get("lr_scale", 1.0)
+        group["lr"] = 0.0 if step < group.get("frozen_until", 0) else lr * group.get("lr_scale", 1.0)
         group["weight_decay"] = weight_decay * group.get("wd_scale", 1.0)

@@ -216,7 +216,7 @@ class KeyMaskedLinear(Linear):
             self.bias_mask[start:start + self.splits[self.key_index]] = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, None if self.bias is None else self.bias * self.bias_mask)
+        return F.linear(x, self.weight, None if self.bias is None else self.bias * self.bias_mask.to(self.bias.dtype))
 
 
 class Attention(nn.Module):

@@ -217,7 +217,7 @@ def test_a_short_clip_run_classifies_held_out_shapes_zero_shot_above_chance(clip
                                                    "data.num_samples=2000", "cache_dir=null", f"output_dir={tmp_path}"])
     report = evaluate(cfg, progress=False)
     assert report["num_test"] == 1000
-    assert report["results"]["zeroshot"]["accuracy"] >= 0.16  # chance 0.125 (8 shapes; 0.0105 std at 1000 images)
+    assert report["results"]["zeroshot"]["accuracy"] >= 0.15  # chance 0.125 (8 shapes; 0.0105 std at 1000 images)
     recall = evaluate(retrieval, progress=False)["results"]["retrieval"]["accuracy"]
     assert recall["image_to_text_R@1"] > 0.1 and recall["text_to_image_R@10"] > 0.5  # chance ~0.01 and ~0.03
 

@@ -232,6 +232,6 @@ def test_a_weight_decay_schedule_reaches_the_optimizer_every_step(tmp_path, monk
 
     monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
     pretrain(_config(tmp_path, "trainer.max_steps=5", "optim.weight_decay=0.04", "optim.weight_decay_end=0.4"))
-    expected = [0.4 + 0.5 * (0.04 - 0.4) * (1 + math.cos(math.pi * k / 4)) for k in range(5)]
+    expected = [0.4 + 0.5 * (0.04 - 0.4) * (1 + math.cos(math.pi * k / 5)) for k in range(5)]  # DINO: k / n
     assert [row["wd"] for row in read_metrics(tmp_path)] == pytest.approx(expected)
     assert seen == pytest.approx(expected)
