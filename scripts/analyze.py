@@ -60,11 +60,13 @@ def main(argv=None) -> int:
     checkpoint = Path(args.checkpoint)
     out = args.out or (checkpoint if checkpoint.is_dir() else checkpoint.parent if checkpoint.exists()
                        else Path("outputs")) / "analysis"
-    written = [
-        plot_pos_embed_similarity(pos_embed_similarity(encoder), out / "pos_embed_similarity.png"),
-        plot_attention_distance(mean_attention_distance(attentions, grid, patch, prefix),
-                                out / "attention_distance.png", size),
-    ]
+    written = [plot_attention_distance(mean_attention_distance(attentions, grid, patch, prefix),
+                                       out / "attention_distance.png", size)]
+    if encoder.pos_embed is not None:
+        written.insert(0, plot_pos_embed_similarity(pos_embed_similarity(encoder), out / "pos_embed_similarity.png"))
+    else:
+        print(f"pos_embed={encoder.config.get('pos_embed')}: no absolute position embedding, similarity plot skipped",
+              file=sys.stderr)
     if encoder.config.get("stem", "patch") == "patch":
         written.append(plot_filter_components(*patch_embedding_components(encoder), out / "patch_filters_pca.png"))
     else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -22,7 +23,13 @@ ROPE_NORMALIZATIONS = ("separate", "min", "max")
 
 
 class Rope2D(nn.Module):
-    """The (sin, cos) tables of a grid, (H * W, head_dim) each; rows gathered per image for a kept subset."""
+    """The (sin, cos) tables of a grid, (H * W, head_dim) each; rows gathered per image for a kept subset.
+
+    The periods stay fp32 under DeepSpeed's bf16 zero.Init (its keep-in-fp32 rule reads the attribute below), so
+    the angles are computed in fp32 everywhere. FSDP2's bf16 policy casts a block's floating inputs, the tables
+    among them, to bf16 at the block's boundary; the rotation then runs in bf16 there, as the rest of the block."""
+
+    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["periods"]
 
     def __init__(self, head_dim: int, theta: float | None = 100.0, min_period: float | None = None,
                  max_period: float | None = None, normalize: str = "separate", shift: float | None = None,

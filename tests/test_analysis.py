@@ -80,13 +80,19 @@ def test_pos_embed_similarity_and_filter_components():
     assert abs(cosine.item()) == pytest.approx(1.0, abs=1e-5)
 
 
-def test_analyze_script_writes_the_four_pngs(tmp_path):
+@pytest.mark.parametrize("pos_embed", ["learned", "rope"])
+def test_analyze_script_writes_the_four_pngs(tmp_path, pos_embed):
+    """Four plots; three for a RoPE encoder, which has no position table to compare (said, not a crash)."""
     torch.manual_seed(0)
-    checkpoint = save_encoder(build_vit("vit_test", img_size=32), tmp_path / "encoder.safetensors")
+    checkpoint = save_encoder(build_vit("vit_test", img_size=32, pos_embed=pos_embed),
+                              tmp_path / "encoder.safetensors")
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "analyze.py"), str(checkpoint), "--num-images",
                            "2", "--out", str(tmp_path / "figs")], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
-    for name in ("pos_embed_similarity", "attention_distance", "attention_rollout", "patch_filters_pca"):
+    names = ["attention_distance", "attention_rollout", "patch_filters_pca"]
+    names += ["pos_embed_similarity"] if pos_embed == "learned" else []
+    assert sorted(p.stem for p in (tmp_path / "figs").glob("*.png")) == sorted(names)
+    for name in names:
         with Image.open(tmp_path / "figs" / f"{name}.png") as image:
             assert image.size[0] > 100 and image.size[1] > 100

@@ -164,6 +164,14 @@ def test_dinov3vitmodel_both_ways_exact(tmp_path, qkv_bias):
     learned = VisionTransformer(img_size=32, patch_size=16, embed_dim=64, depth=1, num_heads=2)
     with pytest.raises(ValueError, match=r"transformers dinov3 cannot represent this encoder: pos_embed='learned'"):
         export_hf(learned, tmp_path / "refused", arch="dinov3")
+    if qkv_bias:  # under RoPE a key bias turns with the key's position: ours has none, so a nonzero one is refused
+        keyed = DINOv3ViTModel(DINOv3ViTConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1,
+                                               intermediate_size=128, image_size=64, key_bias=True))
+        with torch.no_grad():
+            keyed.model.layer[0].attention.k_proj.bias.fill_(0.1)
+        keyed.save_pretrained(tmp_path / "keyed")
+        with pytest.raises(ValueError, match=r"model.layer.0.attention.k_proj.bias is nonzero"):
+            from_hf(tmp_path / "keyed")
 
 
 @pytest.mark.parametrize("objective", [["objective=dinov2_tiny", "objective.out_dim=64", "objective.ibot_out_dim=64",
@@ -210,6 +218,14 @@ def test_a_rope_encoder_exports_as_timms_dinov3_and_loads_there_with_our_outputs
                             norm_eps=1e-6, qk_norm=True)
     with pytest.raises(ValueError, match=r"cannot express: qk_norm=True, norm_eps=1e-06"):
         export_timm(odd, tmp_path / "refused")
+    uneven = VisionTransformer(img_size=32, patch_size=16, embed_dim=44, depth=1, num_heads=1, pos_embed="rope",
+                               mlp_dim=15, norm_eps=1e-5)  # int(44 * (15 / 44)) == 14
+    with pytest.raises(ValueError, match=r"mlp_dim=15 is not int\(width x a ratio\)"):
+        export_timm(uneven, tmp_path / "refused")
+    from ssl_vit.interop.open_clip import vision_config  # open_clip's tower adds an absolute table
+
+    with pytest.raises(ValueError, match=r"pos_embed='rope' \(open_clip's ViT adds an absolute"):
+        vision_config(ours.config)
 
 
 def test_sincos_is_maes_fixed_table_and_none_adds_no_position():

@@ -477,7 +477,7 @@ def test_zero_init_builds_parameters_in_the_precision_whatever_the_accelerator_s
     """DeepSpeed 0.19.8 reads an explicit zero.Init dtype through `is_fp16_supported()`: fp32 became bf16 on a CPU
     without fp16 (and bf16 fp32 on GPUs). Built as the trainer builds (the dtype from the config), with the answer
     patched both ways: fp32 runs build fp32 parameters, bf16 runs bf16 ones (the fp32 build's initial weights,
-    rounded: drawn in fp32), and DINO's centres stay fp32."""
+    rounded: drawn in fp32), and DINO's centres and RoPE's periods stay fp32."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "tests/helpers/zero_init_dtypes.py")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -487,7 +487,9 @@ def test_zero_init_builds_parameters_in_the_precision_whatever_the_accelerator_s
                                                                      for f in (True, False)}
     for case in cases:
         assert case["parameters"] == [f"torch.{'bfloat16' if case['precision'] == 'bf16' else 'float32'}"], case
-        assert case["buffers"] == {"centre": "torch.float32", "patch_centre": "torch.float32"}, case
+        assert case["buffers"] == {"centre": "torch.float32", "patch_centre": "torch.float32",
+                                   "backbone.rope.periods": "torch.float32",
+                                   "teacher.backbone.rope.periods": "torch.float32"}, case
         assert case["max_difference_to_fp32_rounded"] == 0.0, case  # initialised in fp32, then rounded
 
 

@@ -3,17 +3,19 @@
 such a signal would end the run with a DataLoader error before the trainer writes its checkpoint. The workers
 still end when the loader shuts them down, and with the training process (PyTorch's parent watchdog).
 
-A process that exits while it still holds such a loader would wait for ever: multiprocessing's exit handler
-terminates its daemonic children with SIGTERM, which these workers ignore, and then joins them. So an exit handler
-of this module runs first (exit handlers run last-registered first, and multiprocessing registers its own on import,
-before this module can be imported) and does the same with a bound: SIGTERM, then SIGKILL for a daemonic child still
+A process that exits while it still holds such a loader would wait for ever: multiprocessing's exit handler terminates
+its daemonic children with SIGTERM, which these workers ignore, and then joins them. So an exit handler of this module
+runs first (exit handlers run last-registered first; multiprocessing.util registers its own when it is imported, which
+this module does before registering) and does the same with a bound: SIGTERM, then SIGKILL for a daemonic child still
 alive a second later."""
 
 from __future__ import annotations
 
 import atexit
 import multiprocessing
+import multiprocessing.util  # noqa: F401 (registers multiprocessing's exit handler before ours)
 import signal
+import time
 
 from ssl_vit.config import PreemptSignal
 
@@ -35,8 +37,10 @@ def _end_daemonic_children() -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in children:
         child.terminate()
+    deadline = time.monotonic() + 1.0  # one second for all of them, then SIGKILL for those still there
     for child in children:
-        child.join(timeout=1)
+        child.join(timeout=max(0.0, deadline - time.monotonic()))
+    for child in children:
         if child.is_alive():
             child.kill()
             child.join(timeout=10)

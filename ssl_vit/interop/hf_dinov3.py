@@ -1,11 +1,12 @@
 """Our RoPE ViT to and from transformers' `DINOv3ViTModel` (`--to hf --hf-arch dinov3`, `hf:<dir>`), exact in fp32.
 
-DINOv3ViTModel has separate q / k / v projections (k without bias: a key bias shifts every logit of a query equally
-and changes no output, so ours is dropped on export and zero on import), layer scale in every block (ones where ours
-has none: exact), a mask token in its embeddings (ours is the objective's: written as zeros, dropped on import), the
-class token then the registers in front, the final norm on every token and the class token as `pooler_output`. Its
-RoPE is DINOv3's with periods from `rope_theta` and coordinates over each side; the training-time shift / jitter /
-rescale are its `pos_embed_*`.
+DINOv3ViTModel has separate q / k / v projections (k without bias, as ours: a RoPE model here masks the key part of the
+fused qkv bias, so it is dropped on export; a checkpoint with a nonzero key bias is refused on import, since with RoPE a
+key bias rotates with the key's position and changes the output), layer scale in every block (ones where ours has none:
+exact), a mask token in its embeddings (ours is the objective's: written as zeros, dropped on import), the class token
+then the registers in front, the final norm on every token and the class token as `pooler_output`. Its RoPE is DINOv3's
+with periods from `rope_theta` and coordinates over each side; the training-time shift / jitter / rescale are its
+`pos_embed_*`.
 """
 
 from __future__ import annotations
@@ -118,6 +119,9 @@ def from_dinov3(module, hf_cfg, act_layer: str) -> VisionTransformer:
         ours[f"{mine}attn.qkv.weight"] = torch.cat([state[f"{theirs}attention.{p}_proj.weight"] for p in "qkv"])
         if hf_cfg.query_bias:
             k_bias = state.get(f"{theirs}attention.k_proj.bias", torch.zeros(width))
+            if k_bias.count_nonzero():
+                raise ValueError(f"{theirs}attention.k_proj.bias is nonzero (key_bias=True): ssl-vit's RoPE "
+                                 "attention has no key bias (DINOv3's), so this checkpoint cannot be imported exactly")
             ours[f"{mine}attn.qkv.bias"] = torch.cat([state[f"{theirs}attention.q_proj.bias"], k_bias,
                                                       state[f"{theirs}attention.v_proj.bias"]])
         for index in (1, 2):

@@ -69,6 +69,8 @@ def _refusals(config: dict) -> list[str]:
         problems.append(f"num_registers={config['num_registers']} (open_clip's ViT has no registers)")
     if config.get("parallel_block"):
         problems.append("parallel_block=true (open_clip's blocks are sequential)")
+    if config.get("pos_embed", "learned") in ("rope", "none"):
+        problems.append(f"pos_embed={config['pos_embed']!r} (open_clip's ViT adds an absolute position embedding)")
     if config.get("no_embed_class"):
         problems.append("no_embed_class=true (open_clip's position embedding has the class slot)")
     width = config["embed_dim"]

@@ -145,8 +145,9 @@ def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embe
     return ours
 
 
-# timm's DINOv3 port (Eva) -> ours: per-block layer-scale gammas, and separate q / v biases (k's is a zero buffer:
-# a key bias shifts every logit of a query equally, so it changes nothing) into the fused qkv bias.
+# timm's DINOv3 port (Eva) -> ours: per-block layer-scale gammas, and separate q / v biases into the fused qkv bias
+# (k's is a zero buffer in timm, and ours is masked to zero for RoPE: with RoPE a key bias would rotate with the
+# key's position and change the output, so nothing is lost).
 DINOV3_LAYER_SCALE = 1e-5  # DINOv3's init value (timm's vit_*_dinov3 init_values), for a fresh rebuild
 
 
@@ -290,6 +291,9 @@ def timm_dinov3_args(config: dict) -> tuple[str, dict]:
                          + ". --to hf --hf-arch dinov3 / onnx / safetensors take what transformers / ONNX can.")
     width = config["embed_dim"]
     mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
+    if int(width * (mlp_dim / width)) != mlp_dim:
+        raise ValueError(f"mlp_dim={mlp_dim} is not int(width x a ratio) for width {width}: timm's Eva rebuilds its "
+                         "MLP from mlp_ratio. --to hf --hf-arch dinov3 / onnx / safetensors keep it exactly.")
     size = config["img_size"]
     args = dict(img_size=size if isinstance(size, int) else list(size), patch_size=config["patch_size"],
                 in_chans=config.get("in_chans", 3), embed_dim=width, depth=config["depth"],

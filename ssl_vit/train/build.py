@@ -191,7 +191,7 @@ def _resample_backbone_pos_embed(objective: Objective, state: dict) -> None:
     """The source's encoder was resampled to data.img_size (`_backbone_from`); a backbone among its heads (DINO's
     student) is resampled the same way (a square grid)."""
     backbone, key = objective.backbone, "backbone.pos_embed"  # the contract's attribute (Objective.__init__)
-    if key not in state or not hasattr(backbone, "pos_embed"):
+    if key not in state or getattr(backbone, "pos_embed", None) is None:
         return
     value, shape = state[key], tuple(getattr(backbone.pos_embed, "ds_shape", backbone.pos_embed.shape))
     side = math.isqrt(value.shape[1] - backbone.num_pos_prefix)

@@ -272,14 +272,22 @@ def parameter_dtype(accelerator, precision: Precision) -> torch.dtype:
     return torch.float32
 
 
-def check_dtypes(model: torch.nn.Module, expected: torch.dtype, fp32_buffers=()) -> None:
+def kept_fp32_buffers(model: torch.nn.Module) -> set[str]:
+    """The buffer names any module of `model` keeps in fp32 (`_keep_in_fp32_modules_strict`: DeepSpeed's zero.Init
+    and `check_dtypes` read it; an objective's `fp32_buffers`, RoPE's periods)."""
+    return {name for module in model.modules() for name in getattr(module, "_keep_in_fp32_modules_strict", ())}
+
+
+def check_dtypes(model: torch.nn.Module, expected: torch.dtype, fp32_buffers=None) -> None:
     """Refuse to train when parameters are not in `expected` or a buffer that must stay fp32 is not (a strategy that
-    built them otherwise would silently train another model: 2x the memory, or bf16 rounding in an fp32 run)."""
+    built them otherwise would silently train another model: 2x the memory, or bf16 rounding in an fp32 run).
+    `fp32_buffers`: buffer names that must be fp32 (default: those the model's modules declare)."""
+    fp32_buffers = kept_fp32_buffers(model) if fp32_buffers is None else set(fp32_buffers)
     wrong = [f"{name} {p.dtype}" for name, p in model.named_parameters() if p.dtype != expected]
     wrong += [f"{name} {b.dtype}" for name, b in model.named_buffers()
               if name.rsplit(".", 1)[-1] in fp32_buffers and b.dtype != torch.float32]
     if wrong:
-        raise RuntimeError(f"parameters should be {expected} (and {list(fp32_buffers)} fp32) for this precision and "
+        raise RuntimeError(f"parameters should be {expected} (and {sorted(fp32_buffers)} fp32) for this precision and "
                            f"strategy, but {len(wrong)} are not: {wrong[:4]}")
 
 

@@ -219,7 +219,7 @@ class Trainer:
         if accelerator.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(accelerator.device)  # this run's peak in summary.json
         self.objective = accelerator.unwrap_model(self.model)
-        check_dtypes(self.objective, parameter_dtype(accelerator, settings.precision), self.objective.fp32_buffers)
+        check_dtypes(self.objective, parameter_dtype(accelerator, settings.precision))
         self.state = TrainState()
         accelerator.register_for_checkpointing(self.state)
         self.outputs = RunOutputs(accelerator, out_dir, settings.trackers)
