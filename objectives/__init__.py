@@ -20,6 +20,7 @@ from objectives.deit import DeiT
 from objectives.dino import DINO, DINOv2
 from objectives.mae import MAE
 from objectives.masked_patch import MaskedPatch
+from objectives.mocov3 import MoCoV3
 from objectives.supervised import Supervised
 from ssl_vit.artifacts import load_encoder, load_heads, read_preprocess, run_files
 from ssl_vit.schema import ConfigError, validate_config
@@ -31,6 +32,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "mae": MAE,
     "dino": DINO,
     "dinov2": DINOv2,
+    "mocov3": MoCoV3,
     "clip": CLIP,
     "siglip": SigLIP,
 }

@@ -52,6 +52,10 @@ OBJECTIVES = {
 # parameters), masked_patch runs under DDP (the reference of the ZeRO-2 non-finite, ZeRO-3 offload and bf16 tests).
 RUNS = [("clip", config) for config in STRATEGIES] + [("dinov2", config) for config in STRATEGIES
                                                        if config != "zero1_cpu2"] + [("masked_patch", "ddp_cpu2")]
+# MoCo v3: an EMA momentum encoder, BatchNorm over the global batch (differentiable all-reduces in the forward), keys
+# gathered across ranks, a frozen patch projection inside the sharded model; under the four that differ for it.
+OBJECTIVES["mocov3"] = ["objective=mocov3_tiny", "objective.dim=16", "objective.mlp_dim=32"]
+RUNS += [("mocov3", config) for config in STRATEGIES if config != "zero1_cpu2"]
 # DeiT (its frozen teacher outside the sharded model, the hybrid's init under zero.Init) ran under all five when it
 # landed; ZeRO-1/2 hold whole parameters as DDP does, so DDP, ZeRO-3 and FSDP2 are the ones that differ for it.
 RUNS += [("deit", config) for config in ("ddp_cpu2", "zero3_cpu2", "fsdp2_cpu2")]
@@ -147,7 +151,7 @@ def test_compile_is_refused_under_deepspeed_and_a_bad_mode_is_named():
     check_compile(ddp, "max-autotune")
 
 
-@pytest.mark.parametrize("objective", ["dinov2", "clip", "deit"])
+@pytest.mark.parametrize("objective", ["dinov2", "clip", "deit", "mocov3"])
 def test_every_strategy_gives_the_same_losses_encoders_and_heads(runs, objective):
     reference = [m["loss"] for m in read_metrics(runs[objective, "ddp_cpu2"]) if "loss" in m]
     reference_eval = [m for m in read_metrics(runs[objective, "ddp_cpu2"]) if "eval/knn" in m]
@@ -179,6 +183,11 @@ def test_every_strategy_gives_the_same_losses_encoders_and_heads(runs, objective
                                        msg=f"{config}: {name}")
     if objective == "clip":
         assert "eval/zeroshot" in reference_eval[0] and "text.token_embedding.weight" in reference_heads
+    if objective == "mocov3":  # the momentum encoder moved, the frozen patch projection did not (nor its copy)
+        assert not torch.equal(reference_heads["momentum.backbone.blocks.0.attn.qkv.weight"],
+                               reference_encoder["blocks.0.attn.qkv.weight"])
+        for name in ("patch_embed.proj.weight", "patch_embed.proj.bias"):
+            assert torch.equal(reference_heads[f"momentum.backbone.{name}"], reference_encoder[name])
 
 
 def test_the_dino_teacher_is_the_same_under_every_strategy(runs):
@@ -202,18 +211,20 @@ def test_the_dino_teacher_is_the_same_under_every_strategy(runs):
         assert torch.equal(heads["head.last_layer.weight_v"], initial)
 
 
-@pytest.mark.parametrize("config", ["zero2_cpu2", "fsdp2_cpu2"])  # ZeRO-3: the SIGTERM test below
-def test_resume_from_a_sharded_checkpoint_reproduces_the_uninterrupted_losses(runs, tmp_path, config):
+@pytest.mark.parametrize("config, objective", [("zero2_cpu2", "dinov2"), ("fsdp2_cpu2", "dinov2"),
+                                               ("zero3_cpu2", "mocov3"), ("fsdp2_cpu2", "mocov3")])
+def test_resume_from_a_sharded_checkpoint_reproduces_the_uninterrupted_losses(runs, tmp_path, config, objective):
     """Steps 4-5 resumed from the step-3 checkpoint of the uninterrupted run (model and optimizer shards, RNG,
-    data position) into a new run directory give that run's losses. The run is DINOv2's, whose checkpoint also
-    holds the sharded EMA teacher and whose iBOT masks come from the restored RNG."""
-    uninterrupted = runs["dinov2", config]
+    data position) into a new run directory give that run's losses. DINOv2's checkpoint also holds the sharded EMA
+    teacher and its iBOT masks come from the restored RNG (ZeRO-3: the SIGTERM test below); MoCo v3's holds the
+    momentum encoder and a frozen patch projection, which the optimizer state lacks."""
+    uninterrupted = runs[objective, config]
     checkpoint = uninterrupted / "checkpoints" / "step_00000003"
     sharded_files = {"zero2_cpu2": "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt",  # optimizer shards
                      "zero3_cpu2": "pytorch_model/zero_pp_rank_1_mp_rank_00_model_states.pt",
                      "fsdp2_cpu2": "pytorch_model_fsdp_0/__1_0.distcp"}
     assert (checkpoint / sharded_files[config]).is_file()  # each rank wrote its own shard
-    check_ok(_run(config, tmp_path, *OBJECTIVES["dinov2"], f"trainer.resume={checkpoint}"))
+    check_ok(_run(config, tmp_path, *OBJECTIVES[objective], f"trainer.resume={checkpoint}"))
     resumed = {m["step"]: m["loss"] for m in read_metrics(tmp_path)}
     assert sorted(resumed) == [4, 5]
     reference = {m["step"]: m["loss"] for m in read_metrics(uninterrupted) if "loss" in m}
@@ -442,6 +453,24 @@ def test_dinov2_in_bf16_under_zero3_keeps_and_saves_an_fp32_teacher(runs, tmp_pa
     assert weight.dtype == torch.float32 and not torch.equal(weight, weight.bfloat16().float())
     for name, value in reference.items():
         torch.testing.assert_close(teacher[name], value, atol=2e-2, rtol=0, msg=name)
+
+
+def test_mocov3_in_bf16_under_zero3_saves_fp32_weights_and_an_fp32_momentum_encoder(runs, tmp_path):
+    """MoCo v3 in DeepSpeed's bf16 mode: the BatchNorm statistics are taken in fp32, the momentum encoder's EMA runs
+    on fp32 averages, and both the encoder (the fp32 masters) and the momentum encoder are saved unrounded, close to
+    the fp32 run's."""
+    check_ok(_run("zero3_cpu2", tmp_path, *OBJECTIVES["mocov3"], "trainer.precision=bf16"))
+    losses = [m["loss"] for m in read_metrics(tmp_path)]
+    fp32 = [m["loss"] for m in read_metrics(runs["mocov3", "zero3_cpu2"]) if "loss" in m]
+    assert losses[0] == pytest.approx(fp32[0], rel=1e-2) and losses == pytest.approx(fp32, rel=5e-2)
+    encoder = load_encoder(tmp_path / "encoder.safetensors").state_dict()
+    heads = load_file(tmp_path / "heads.safetensors")
+    reference = load_file(runs["mocov3", "zero3_cpu2"] / "heads.safetensors")
+    for weight in (encoder["blocks.0.attn.qkv.weight"], heads["momentum.backbone.blocks.0.attn.qkv.weight"]):
+        assert weight.dtype == torch.float32 and not torch.equal(weight, weight.bfloat16().float())
+    for name, value in reference.items():
+        if name.startswith("momentum."):
+            torch.testing.assert_close(heads[name], value, atol=2e-2, rtol=0, msg=name)
 
 
 def test_siglip_under_zero3_clamps_the_logit_scale_inside_the_forward(tmp_path):
