@@ -18,6 +18,7 @@ from objectives.base import Artifacts, DataInfo, Objective, ObjectiveConfig, Req
 from objectives.clip import CLIP, SigLIP
 from objectives.deit import DeiT
 from objectives.dino import DINO, DINOv2
+from objectives.ijepa import IJEPA
 from objectives.mae import MAE
 from objectives.masked_patch import MaskedPatch
 from objectives.mocov3 import MoCoV3
@@ -33,6 +34,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "dino": DINO,
     "dinov2": DINOv2,
     "mocov3": MoCoV3,
+    "ijepa": IJEPA,
     "clip": CLIP,
     "siglip": SigLIP,
 }
@@ -80,7 +82,10 @@ def load_trained(run, image_text: bool = False) -> Objective:
     objective's name and config), in eval mode; ValueError naming what is missing. `image_text`: refuse, before
     building anything, a run whose objective is not an image-text model (zero-shot, retrieval, open_clip)."""
     model, backbone, heads, heads_path = _rebuild(run, image_text)
-    missing, unexpected = model.load_state_dict(model.state_from_artifacts(backbone.state_dict(), heads), strict=False)
+    # copies: `backbone` is also the objective's own backbone, which heads.safetensors may overwrite (DINO's student,
+    # I-JEPA's context encoder) before the encoder's values reach the teacher / target encoder
+    encoder = {name: value.clone() for name, value in backbone.state_dict().items()}
+    missing, unexpected = model.load_state_dict(model.state_from_artifacts(encoder, heads), strict=False)
     if missing or unexpected:
         raise ValueError(f"{heads_path} does not fit its objective config: missing {missing[:5]}, unexpected "
                          f"{unexpected[:5]}")

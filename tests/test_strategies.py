@@ -56,6 +56,11 @@ RUNS = [("clip", config) for config in STRATEGIES] + [("dinov2", config) for con
 # gathered across ranks, a frozen patch projection inside the sharded model; under the four that differ for it.
 OBJECTIVES["mocov3"] = ["objective=mocov3_tiny", "objective.dim=16", "objective.mlp_dim=32"]
 RUNS += [("mocov3", config) for config in STRATEGIES if config != "zero1_cpu2"]
+# I-JEPA: an EMA target encoder that is the run's encoder, kept subsets of varying length drawn in the forward, a
+# predictor ViT with its own blocks (FSDP2 units), no class token (periodic evaluation on the patch average).
+OBJECTIVES["ijepa"] = ["objective=ijepa_tiny", "data.img_size=32", "objective.predictor_dim=32",
+                       "objective.predictor_depth=1"]
+RUNS += [("ijepa", config) for config in STRATEGIES if config != "zero1_cpu2"]
 # DeiT (its frozen teacher outside the sharded model, the hybrid's init under zero.Init) ran under all five when it
 # landed; ZeRO-1/2 hold whole parameters as DDP does, so DDP, ZeRO-3 and FSDP2 are the ones that differ for it.
 RUNS += [("deit", config) for config in ("ddp_cpu2", "zero3_cpu2", "fsdp2_cpu2")]
@@ -151,7 +156,7 @@ def test_compile_is_refused_under_deepspeed_and_a_bad_mode_is_named():
     check_compile(ddp, "max-autotune")
 
 
-@pytest.mark.parametrize("objective", ["dinov2", "clip", "deit", "mocov3"])
+@pytest.mark.parametrize("objective", ["dinov2", "clip", "deit", "mocov3", "ijepa"])
 def test_every_strategy_gives_the_same_losses_encoders_and_heads(runs, objective):
     reference = [m["loss"] for m in read_metrics(runs[objective, "ddp_cpu2"]) if "loss" in m]
     reference_eval = [m for m in read_metrics(runs[objective, "ddp_cpu2"]) if "eval/knn" in m]
@@ -212,7 +217,8 @@ def test_the_dino_teacher_is_the_same_under_every_strategy(runs):
 
 
 @pytest.mark.parametrize("config, objective", [("zero2_cpu2", "dinov2"), ("fsdp2_cpu2", "dinov2"),
-                                               ("zero3_cpu2", "mocov3"), ("fsdp2_cpu2", "mocov3")])
+                                               ("zero3_cpu2", "mocov3"), ("fsdp2_cpu2", "mocov3"),
+                                               ("fsdp2_cpu2", "ijepa")])
 def test_resume_from_a_sharded_checkpoint_reproduces_the_uninterrupted_losses(runs, tmp_path, config, objective):
     """Steps 4-5 resumed from the step-3 checkpoint of the uninterrupted run (model and optimizer shards, RNG,
     data position) into a new run directory give that run's losses. DINOv2's checkpoint also holds the sharded EMA
@@ -455,22 +461,31 @@ def test_dinov2_in_bf16_under_zero3_keeps_and_saves_an_fp32_teacher(runs, tmp_pa
         torch.testing.assert_close(teacher[name], value, atol=2e-2, rtol=0, msg=name)
 
 
-def test_mocov3_in_bf16_under_zero3_saves_fp32_weights_and_an_fp32_momentum_encoder(runs, tmp_path):
-    """MoCo v3 in DeepSpeed's bf16 mode: the BatchNorm statistics are taken in fp32, the momentum encoder's EMA runs
-    on fp32 averages, and both the encoder (the fp32 masters) and the momentum encoder are saved unrounded, close to
-    the fp32 run's."""
-    check_ok(_run("zero3_cpu2", tmp_path, *OBJECTIVES["mocov3"], "trainer.precision=bf16"))
+@pytest.mark.parametrize("objective, averaged, trained", [("mocov3", "momentum.backbone.", None),
+                                                           ("ijepa", None, "backbone.")])
+def test_ema_objectives_in_bf16_under_zero3_save_fp32_weights_and_an_fp32_average(runs, tmp_path, objective,
+                                                                                   averaged, trained):
+    """MoCo v3 (BatchNorm statistics in fp32, the momentum encoder in heads.safetensors) and I-JEPA (the target
+    encoder is encoder.safetensors, the context encoder in heads.safetensors) in DeepSpeed's bf16 mode: the EMA
+    runs on fp32 averages, and both networks are saved unrounded (the trained one from the fp32 masters), close
+    to the fp32 run's. `averaged`, `trained`: the networks' prefixes in heads.safetensors (None: the encoder)."""
+    check_ok(_run("zero3_cpu2", tmp_path, *OBJECTIVES[objective], "trainer.precision=bf16"))
     losses = [m["loss"] for m in read_metrics(tmp_path)]
-    fp32 = [m["loss"] for m in read_metrics(runs["mocov3", "zero3_cpu2"]) if "loss" in m]
+    fp32 = [m["loss"] for m in read_metrics(runs[objective, "zero3_cpu2"]) if "loss" in m]
     assert losses[0] == pytest.approx(fp32[0], rel=1e-2) and losses == pytest.approx(fp32, rel=5e-2)
-    encoder = load_encoder(tmp_path / "encoder.safetensors").state_dict()
-    heads = load_file(tmp_path / "heads.safetensors")
-    reference = load_file(runs["mocov3", "zero3_cpu2"] / "heads.safetensors")
-    for weight in (encoder["blocks.0.attn.qkv.weight"], heads["momentum.backbone.blocks.0.attn.qkv.weight"]):
-        assert weight.dtype == torch.float32 and not torch.equal(weight, weight.bfloat16().float())
+
+    def network(run, prefix):
+        if prefix is None:
+            return load_encoder(run / "encoder.safetensors").state_dict()
+        return {k[len(prefix):]: v for k, v in load_file(run / "heads.safetensors").items() if k.startswith(prefix)}
+
+    for prefix in (averaged, trained):
+        weight = network(tmp_path, prefix)["blocks.0.attn.qkv.weight"]
+        assert weight.dtype == torch.float32 and not torch.equal(weight, weight.bfloat16().float()), prefix
+    ours, reference = network(tmp_path, averaged), network(runs[objective, "zero3_cpu2"], averaged)
+    assert ours.keys() == reference.keys()
     for name, value in reference.items():
-        if name.startswith("momentum."):
-            torch.testing.assert_close(heads[name], value, atol=2e-2, rtol=0, msg=name)
+        torch.testing.assert_close(ours[name], value, atol=2e-2, rtol=0, msg=name)
 
 
 def test_siglip_under_zero3_clamps_the_logit_scale_inside_the_forward(tmp_path):

@@ -52,7 +52,9 @@ class PeriodicEvaluation:
     def __call__(self, encoder, model=None) -> dict[str, float]:
         """Scores by name (`eval/<evaluator>[_<metric>]`); zeroshot / retrieval use `model`, an image-text objective
         whose image tower is `encoder`."""
-        settings = EvalConfig(evaluators=self.evaluators, fewshot_shots=[5], fewshot_draws=2)
+        # class token + patch average (the default), or the patch average of an encoder without a class token
+        features = "cls_avg" if encoder.cls_token is not None else "avg"
+        settings = EvalConfig(evaluators=self.evaluators, features=features, fewshot_shots=[5], fewshot_draws=2)
         was_training = encoder.training
         results, _, _ = run_evaluators(encoder, self.train_set, self.test_set, settings, self.preprocess,
                                        progress=False, model=model, data_name=self.data_name)
