@@ -4,8 +4,10 @@ From one context block of an image, predict the representations of several targe
 context encoder (the shared backbone) sees only the context block's patches; a narrow predictor ViT takes the
 encoded context tokens and, for each target block, one mask token per target patch (each with the predictor's
 fixed sin-cos position of that patch), and predicts the target encoder's layer-normalised output tokens there
-(smooth L1). The target encoder is an EMA of the context encoder (momentum linear from 0.996 to 1 over 1.25x the
-run, as the reference's `ipe_scale`), run on the whole image.
+(smooth L1). The target encoder is an EMA of the context encoder (momentum linear from 0.996 to 1 over the run;
+`momentum_stretch` lays the ramp over a longer span, as the reference's `ipe_scale`), run on the whole image. Both
+encoders' tokens pass the final LayerNorm, per token, as the reference's (with average pooling ours holds it as
+`fc_norm`, which `pool` applies after averaging).
 
 Masks as the reference's `MaskCollator` (facebookresearch/ijepa, src/masks/multiblock.py): per batch one target
 block size (scale 0.15-0.2 of the grid, aspect 0.75-1.5, from one uniform draw) and one context size (scale
@@ -47,7 +49,7 @@ class IJEPAConfig(ObjectiveConfig):
     min_keep: int = checked(10, ge=0)  # a block placement keeps more than this many patches
     momentum: float = checked(0.996, ge=0, le=1)  # linear to momentum_end over momentum_stretch x the run
     momentum_end: float = checked(1.0, ge=0, le=1)
-    momentum_stretch: float = checked(1.25, ge=1)  # the reference's ipe_scale: the ramp ends past the run
+    momentum_stretch: float = checked(1.0, ge=1)  # the reference's ipe_scale (1.0 in its released configs)
 
 
 def momentum_at(step: int, total_steps: int, start: float, end: float, stretch: float) -> float:
@@ -182,9 +184,6 @@ class IJEPA(Objective):
     def encoder(self) -> VisionTransformer:
         return self.target
 
-    def no_weight_decay(self) -> set[str]:
-        return {"predictor.mask_token"}
-
     def after_optimizer_step(self, step: int, total_steps: int) -> None:
         cfg = self.cfg
         self.ema.update(momentum_at(step, total_steps, cfg.momentum, cfg.momentum_end, cfg.momentum_stretch))
@@ -200,16 +199,22 @@ class IJEPA(Objective):
                              f"grid), this batch has {tuple(images.shape[-2:])}")
         prefix = self.backbone.num_prefix_tokens
         with torch.no_grad():
-            full = self.target.forward_features(images)[:, prefix:]
+            full = self.tokens(self.target, images)[:, prefix:]
             full = F.layer_norm(full.float(), full.shape[-1:])
             wanted = torch.cat([take(full, t) for t in targets])  # (T * B, Kt, D), target block-major
-        encoded = self.backbone.forward_features(images, keep=context)[:, prefix:]
+        encoded = self.tokens(self.backbone, images, context)[:, prefix:]
         predicted = self.predictor(encoded, context, targets)
         loss = F.smooth_l1_loss(predicted.float(), wanted)
         # health: how much the predictions vary across patches and images (0 when collapsed to a constant)
         spread = predicted.detach().float().flatten(0, 1).std(dim=0).mean()
-        return {"loss": loss, "prediction_std": spread, "context_patches": torch.tensor(float(context.shape[1])),
-                "target_patches": torch.tensor(float(targets.shape[-1]))}
+        sizes = torch.tensor([float(context.shape[1]), float(targets.shape[-1])], device=loss.device)
+        return {"loss": loss, "prediction_std": spread, "context_patches": sizes[0], "target_patches": sizes[1]}
+
+    @staticmethod
+    def tokens(vit: VisionTransformer, images: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Output tokens after the final LayerNorm: `norm` (token pooling) or `fc_norm` (average pooling, where
+        `norm` is the identity), applied to every token."""
+        return vit.fc_norm(vit.forward_features(images, keep=keep))
 
     @property
     def masks_grid(self) -> tuple[int, int]:

@@ -25,8 +25,8 @@ def _student_local_fp32(param: torch.Tensor) -> torch.Tensor:
     """This rank's part of a student parameter at full precision: ZeRO-3's fp32 master partition when the module
     holds 16-bit copies, else the local shard itself."""
     local = local_shard(param, padded=True)
-    if local.dtype == torch.float32:
-        return local
+    if local.dtype == torch.float32 or not param.requires_grad:  # frozen: no master copy (DeepSpeed gives None)
+        return local.float()
     if hasattr(param, "ds_tensor") and getattr(param, "_z3_optimizer", None) is not None:
         from deepspeed.utils import safe_get_local_fp32_param  # heavy: only under ZeRO-3
 
