@@ -184,8 +184,18 @@ def test_every_strategy_gives_the_same_losses_encoders_and_heads(runs, objective
                 # turns into whole lr-sized steps. Measured after 5 steps: up to 9e-5 here (1.9e-4 with stochastic
                 # depth and no clipping), every other tensor within 3.1e-5, ZeRO-1/2 exact.
                 tolerance = 3e-4
-            torch.testing.assert_close({**encoder, **heads}[name], value, atol=tolerance, rtol=1e-4,
-                                       msg=f"{config}: {name}")
+            ours = {**encoder, **heads}[name]
+            if objective == "mocov3" and name in ("norm.bias", *(f"blocks.{i}.attn.qkv.bias" for i in range(2))):
+                # Exact gradient zero in MoCo v3: the key bias (softmax ignores a shift of all of a query's logits)
+                # and the final norm's bias (the projector's first BatchNorm removes a constant shift). Their
+                # computed gradients are rounding noise, which Adam turns into lr-sized steps of either sign, and
+                # ZeRO-3's reduce order flips them: measured 1.7e-3 (key bias) and 3.3e-3 after 5 steps at lr <= 1e-3,
+                # the query and value biases within 1.2e-8. Those are compared; the rest is bounded.
+                if name.endswith("qkv.bias"):
+                    ours, value = ours.view(3, -1)[[0, 2]], value.view(3, -1)[[0, 2]]
+                else:
+                    tolerance = 1e-2
+            torch.testing.assert_close(ours, value, atol=tolerance, rtol=1e-4, msg=f"{config}: {name}")
     if objective == "clip":
         assert "eval/zeroshot" in reference_eval[0] and "text.token_embedding.weight" in reference_heads
     if objective == "mocov3":  # the momentum encoder moved, the frozen patch projection did not (nor its copy)
