@@ -39,7 +39,7 @@ from objectives.distillation import (
 from objectives.patches import refuse_hybrid
 from ssl_vit.data.multicrop import local_crop_size
 from ssl_vit.data.token_masks import ibot_masks
-from ssl_vit.ema import EMA, copy_parameters
+from ssl_vit.ema import EMA, teacher_backbone
 from ssl_vit.optim import schedule
 from ssl_vit.schema import checked
 from ssl_vit.vit import VisionTransformer
@@ -135,15 +135,10 @@ class DINO(Objective):
         if cfg.ibot_weight > 0:
             refuse_hybrid(backbone, f"{cfg.name} with iBOT (objective.ibot_weight={cfg.ibot_weight})")
         self.head, self.patch_head = _heads(backbone.embed_dim, cfg)
-        # The teacher: built like the student (under zero.Init it is partitioned the same way), then given the
-        # student's values; frozen, updated only by the EMA.
-        # No stochastic depth or dropout in the teacher (its targets must be deterministic), as in DINO's code.
-        self.teacher = Teacher(VisionTransformer(**{**backbone.config, "drop_path": 0.0, "attn_drop": 0.0,
-                                                    "proj_drop": 0.0}), cfg)
+        # The teacher: the student's backbone and heads built again, given the student's values, frozen.
+        self.teacher = Teacher(teacher_backbone(backbone), cfg)
         student = {"backbone": self.backbone, "head": self.head, "patch_head": self.patch_head}
-        copy_parameters(self.teacher, student)
-        self.teacher.requires_grad_(False)
-        self.ema = EMA(student, self.teacher)  # holds references only (fp32 copies when the teacher is bf16)
+        self.ema = EMA.following(student, self.teacher)  # holds references only (fp32 copies when the teacher is bf16)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, backbone.embed_dim)) if cfg.ibot_weight > 0 else None
         self.register_buffer("centre", torch.zeros(1, cfg.out_dim))
         self.register_buffer("patch_centre", torch.zeros(1, cfg.ibot_out_dim) if cfg.ibot_weight > 0 else None)

@@ -30,7 +30,7 @@ from torch import nn
 
 from objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
 from objectives.patches import refuse_hybrid
-from ssl_vit.ema import EMA, copy_parameters
+from ssl_vit.ema import EMA, teacher_backbone
 from ssl_vit.init import Linear, writable
 from ssl_vit.schema import checked
 from ssl_vit.vit import Block, VisionTransformer, sincos_pos_embed_2d
@@ -173,10 +173,8 @@ class IJEPA(Objective):
                              "objective.predictor_heads)")
         self.predictor = Predictor(backbone.embed_dim, cfg.predictor_dim, cfg.predictor_depth, heads,
                                    backbone.grid_size)
-        self.target = VisionTransformer(**{**backbone.config, "drop_path": 0.0, "attn_drop": 0.0, "proj_drop": 0.0})
-        copy_parameters(self.target, self.backbone)
-        self.target.requires_grad_(False)
-        self.ema = EMA(self.backbone, self.target)
+        self.target = teacher_backbone(backbone)
+        self.ema = EMA.following(self.backbone, self.target)
         self.masks = MultiBlockMasks(backbone.grid_size, cfg.num_targets, tuple(cfg.target_scale),
                                      tuple(cfg.target_aspect_ratio), tuple(cfg.context_scale), cfg.min_keep)
 

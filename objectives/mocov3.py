@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
-from ssl_vit.ema import EMA, copy_parameters
+from ssl_vit.ema import EMA, teacher_backbone
 from ssl_vit.schema import checked
 from ssl_vit.vit import VisionTransformer
 
@@ -146,14 +146,9 @@ class MoCoV3(Objective):
         self.predictor = build_mlp(cfg.predictor_layers, cfg.dim, cfg.mlp_dim, cfg.dim)
         if cfg.freeze_patch_embed:
             backbone.patch_embed.proj.requires_grad_(False)
-        # No stochastic depth or dropout in the momentum encoder: its keys are targets.
-        self.momentum = MomentumEncoder(VisionTransformer(**{**backbone.config, "drop_path": 0.0, "attn_drop": 0.0,
-                                                             "proj_drop": 0.0}),
+        self.momentum = MomentumEncoder(teacher_backbone(backbone),
                                         build_mlp(cfg.projector_layers, width, cfg.mlp_dim, cfg.dim))
-        student = {"backbone": self.backbone, "projector": self.projector}
-        copy_parameters(self.momentum, student)
-        self.momentum.requires_grad_(False)
-        self.ema = EMA(student, self.momentum)
+        self.ema = EMA.following({"backbone": self.backbone, "projector": self.projector}, self.momentum)
 
     def multicrop_options(self) -> dict:
         size = self.data.img_size

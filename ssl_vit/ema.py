@@ -19,6 +19,14 @@ from __future__ import annotations
 import torch
 
 from ssl_vit.partition import local_shard
+from ssl_vit.vit import VisionTransformer
+
+
+def teacher_backbone(backbone: VisionTransformer) -> VisionTransformer:
+    """The backbone built again for an EMA teacher: the same config, without stochastic depth or dropout (its outputs
+    are targets, as in DINO's, MoCo v3's and I-JEPA's code). Built like the student, so zero.Init partitions it the
+    same way; `EMA.following` gives it the student's values."""
+    return VisionTransformer(**{**backbone.config, "drop_path": 0.0, "attn_drop": 0.0, "proj_drop": 0.0})
 
 
 def _student_local_fp32(param: torch.Tensor) -> torch.Tensor:
@@ -63,6 +71,13 @@ class EMA:
         """student, teacher: modules, or {name: module} dicts, whose parameters match by name."""
         self.student, self.teacher = student, teacher
         self._fp32: list[torch.Tensor] | None = None  # fp32 averages when the teacher's tensors are 16-bit
+
+    @classmethod
+    def following(cls, student, teacher: torch.nn.Module) -> EMA:
+        """Start a teacher: it takes the student's values and is frozen (updated only by the returned EMA)."""
+        copy_parameters(teacher, student)
+        teacher.requires_grad_(False)
+        return cls(student, teacher)
 
     @torch.no_grad()
     def update(self, momentum: float) -> None:
