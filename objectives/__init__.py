@@ -18,6 +18,7 @@ from objectives.base import Artifacts, DataInfo, Objective, ObjectiveConfig, Req
 from objectives.clip import CLIP, SigLIP
 from objectives.deit import DeiT
 from objectives.dino import DINO, DINOv2
+from objectives.dinov3 import DINOv3
 from objectives.ijepa import IJEPA
 from objectives.mae import MAE
 from objectives.masked_patch import MaskedPatch
@@ -33,6 +34,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "mae": MAE,
     "dino": DINO,
     "dinov2": DINOv2,
+    "dinov3": DINOv3,
     "mocov3": MoCoV3,
     "ijepa": IJEPA,
     "clip": CLIP,

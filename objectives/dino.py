@@ -76,6 +76,7 @@ class DINOConfig(ObjectiveConfig):
     teacher_momentum: float = checked(0.996, ge=0, le=1)  # cosine to teacher_momentum_end over the run
     teacher_momentum_end: float = checked(1.0, ge=0, le=1)
     freeze_last_layer_steps: int = checked(0, ge=0)  # the head's last layer gets lr 0 for these first steps
+    horizontal_flips: bool = True  # in the multi-crop augmentation (p 0.5); DINOv3 trains without
     # DINOv2's additions (0 = off).
     koleo_weight: float = checked(0.0, ge=0)
     ibot_weight: float = checked(0.0, ge=0)
@@ -136,7 +137,7 @@ class DINO(Objective):
             refuse_hybrid(backbone, f"{cfg.name} with iBOT (objective.ibot_weight={cfg.ibot_weight})")
         self.head, self.patch_head = _heads(backbone.embed_dim, cfg)
         # The teacher: the student's backbone and heads built again, given the student's values, frozen.
-        self.teacher = Teacher(teacher_backbone(backbone), cfg)
+        self.teacher = Teacher(teacher_backbone(backbone), cfg).eval()
         student = {"backbone": self.backbone, "head": self.head, "patch_head": self.patch_head}
         self.ema = EMA.following(student, self.teacher)  # holds references only (fp32 copies when the teacher is bf16)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, backbone.embed_dim)) if cfg.ibot_weight > 0 else None
@@ -155,12 +156,19 @@ class DINO(Objective):
         patch = self.backbone.patch_embed.stride[0]  # pixels per token
         options = dict(local_size=cfg.local_crop_size or local_crop_size(self.data.img_size, patch),
                        n_global=cfg.global_crops, n_local=cfg.local_crops, global_scale=list(cfg.global_crop_scale),
-                       local_scale=list(cfg.local_crop_scale))
+                       local_scale=list(cfg.local_crop_scale), flip=cfg.horizontal_flips)
         if self.mask_token is not None:  # iBOT's masks, drawn in the loader's collate
             size = self.data.img_size
             options["global_masks"] = dict(grid=tuple(self.backbone.patch_embed.grid_for(size, size)),
                                            ratio=tuple(cfg.ibot_mask_ratio), probability=cfg.ibot_mask_probability)
         return options
+
+    def train(self, mode: bool = True):
+        """The teacher stays in eval mode (as DINO's, DINOv2's and DINOv3's): with RoPE, the coordinate
+        augmentations move only the student's positions."""
+        super().train(mode)
+        self.teacher.eval()
+        return self
 
     def frozen_parameters(self) -> dict[str, int]:
         """Parameter-name prefixes -> the number of first steps they are held at lr 0 (a zero-lr group)."""
@@ -198,6 +206,16 @@ class DINO(Objective):
         return {f"teacher.{name}": shard for name, shard in self.ema.fp32_shards().items()}
 
     # ----- forward -----
+    def local_loss_weight(self) -> float:
+        """The weight of the local crops' pairs in the DINO loss (1; DINOv3 lowers it)."""
+        return 1.0
+
+    def anchor_losses(self, batch: dict, global_images: torch.Tensor, student_patches: torch.Tensor
+                      ) -> dict[str, tuple[torch.Tensor, float]]:
+        """Further losses on the student's (masked) global-crop patch tokens, name -> (loss, weight): none here
+        (DINOv3: Gram anchoring)."""
+        return {}
+
     def _tokens(self, network, images: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         return network.backbone.forward_features(images, mask=mask, mask_token=self.mask_token)
 
@@ -248,7 +266,7 @@ class DINO(Objective):
             start = end
         pooled = torch.cat(pooled)
         student_logits = self.head(pooled)
-        dino = cross_view_loss(student_logits, teacher_probs, cfg.student_temp, n_global)
+        dino = cross_view_loss(student_logits, teacher_probs, cfg.student_temp, n_global, self.local_loss_weight())
         outputs = {"dino_loss": dino}
         loss = dino
         if cfg.koleo_weight > 0:
@@ -263,6 +281,10 @@ class DINO(Objective):
             ibot = masked_tokens_loss(student_patch, patch_probs, masks, cfg.student_temp, indices)
             outputs["ibot_loss"] = ibot
             loss = loss + cfg.ibot_weight * ibot
+        for name, (value, weight) in self.anchor_losses(batch, global_images,
+                                                        student_global_tokens[:, prefix:]).items():
+            outputs[name] = value
+            loss = loss + weight * value
         # Collapse monitors: mean entropy of the teacher's targets; KL(teacher || student) = cross-entropy - entropy
         # (every teacher crop enters the averaged cross-entropy equally often).
         entropy = -(teacher_probs * teacher_probs.clamp_min(1e-12).log()).sum(dim=-1).mean()

@@ -81,8 +81,10 @@ def centred_probs(teacher: torch.Tensor, centre: torch.Tensor, teacher_temp: flo
 
 
 def cross_view_loss(student: torch.Tensor, teacher_probs: torch.Tensor, student_temp: float,
-                    n_global: int = 2) -> torch.Tensor:
-    """The cross-entropy of `dino_loss` from teacher probabilities ((n_global * B, K), e.g. Sinkhorn-Knopp's)."""
+                    n_global: int = 2, local_weight: float = 1.0) -> torch.Tensor:
+    """The cross-entropy of `dino_loss` from teacher probabilities ((n_global * B, K), e.g. Sinkhorn-Knopp's).
+    `local_weight` scales the pairs of a local student crop (DINOv3 lowers it to 0.5); the sum is still divided by
+    the number of pairs, as DINOv3 weighs its global and local terms by their shares of the pairs."""
     n_crops = student.shape[0] * n_global // teacher_probs.shape[0]
     if n_crops < 2 or student.shape[0] % n_crops or teacher_probs.shape[0] % n_global:
         raise ValueError(f"{student.shape[0]} student rows are not n_crops x batch for {teacher_probs.shape[0]} "
@@ -93,9 +95,24 @@ def cross_view_loss(student: torch.Tensor, teacher_probs: torch.Tensor, student_
     for i, q_i in enumerate(q):
         for v, log_p_v in enumerate(log_p):
             if v != i:
-                total = total + (-q_i * log_p_v).sum(dim=-1).mean()
+                term = (-q_i * log_p_v).sum(dim=-1).mean()
+                total = total + (term if v < n_global or local_weight == 1.0 else local_weight * term)
                 pairs += 1
     return total / pairs
+
+
+def gram_loss(student: torch.Tensor, teacher: torch.Tensor, remove_negative: bool = False) -> torch.Tensor:
+    """DINOv3's Gram anchoring: the mean squared difference between the per-image Gram matrices of the L2-normalised
+    patch features (patch-to-patch cosine similarities), in fp32. student, teacher: (B, N, D); `remove_negative`
+    sets negative similarities to 0 in both first."""
+    if student.shape != teacher.shape:
+        raise ValueError(f"Gram anchoring compares the same patches: student {tuple(student.shape)}, teacher "
+                         f"{tuple(teacher.shape)}")
+    s, t = F.normalize(student.float(), dim=-1), F.normalize(teacher.detach().float(), dim=-1)
+    gram_s, gram_t = s @ s.transpose(-1, -2), t @ t.transpose(-1, -2)
+    if remove_negative:
+        gram_s, gram_t = gram_s.clamp_min(0), gram_t.clamp_min(0)
+    return F.mse_loss(gram_s, gram_t)
 
 
 @torch.no_grad()

@@ -4,7 +4,8 @@ Datasets yield {"image": uint8 (3, H, W), "label": int, "text": str (optional)}.
 centre crop, or random resized crop + flip when augmenting) is applied once; `image` is the normalised float
 tensor the backbone reads, `pixels` the same crop in [0, 1] before normalisation (for colour targets). `crops` is
 DINO's multi-crop list (global crops first, then local ones; `ssl_vit.data.multicrop`), drawn independently of
-`image`; batched, it is a list with one (B, 3, h, w) tensor per crop. With the multi-crop photometric augmentation
+`image`; batched, it is a list with one (B, 3, h, w) tensor per crop (`gram_crops`: the global crops' boxes again
+for DINOv3's Gram teacher, when the objective asks for them). With the multi-crop photometric augmentation
 on the device, the workers ship uint8 crops and `crop_parameters` (one (B, P) tensor per crop), and `on_device`
 turns them into the normalised crops on the training device. `text` is the caption, tokenised here (in
 the data workers) by the objective's tokenizer when one is given: a (context_length,) int64 tensor. A sample without
@@ -31,10 +32,10 @@ class ViewBuilder:
     """Without augmentation: resize the shorter side to img_size / crop_pct, centre-crop img_size (timm's eval
     transform; `ssl_vit.preprocess`), or with resize_mode "squash" both sides to img_size. `augment`: "none",
     "crop_flip" (random resized crop + flip; True means this) or "augreg" (DeiT's recipe from timm's tools,
-    `ssl_vit.data.augreg`, with its settings `augreg` and, for Mixup / CutMix, `num_classes`). `multicrop`: the
-    keyword arguments of `MultiCropViews` other than the global size and normalisation (needed for the `crops`
-    view), and `global_masks`: the `GlobalCropMasks` settings when the objective masks tokens of the global
-    crops. `tokenizer`: str -> (context_length,) tensor for `text`. `collate` batches samples (and mixes them
+    `ssl_vit.data.augreg`, with its settings `augreg` and, for Mixup / CutMix, `num_classes`). `multicrop`: the keyword
+    arguments of `MultiCropViews` other than the normalisation (needed for the `crops` view; the global size is img_size
+    unless it says `global_size`), and `global_masks`: the `GlobalCropMasks` settings when the objective masks tokens of
+    the global crops. `tokenizer`: str -> (context_length,) tensor for `text`. `collate` batches samples (and mixes them
     under augreg, draws the token masks)."""
 
     def __init__(self, views, img_size: int, mean, std, augment: bool | str = False, crop_scale=(0.35, 1.0),
@@ -58,7 +59,7 @@ class ViewBuilder:
                                  f"multicrop_options()), got {multicrop}")
             multicrop = dict(multicrop)
             masks = multicrop.pop("global_masks", None)
-            self.multicrop = MultiCropViews(img_size, mean=mean, std=std, **multicrop)
+            self.multicrop = MultiCropViews(multicrop.pop("global_size", img_size), mean=mean, std=std, **multicrop)
             if masks is not None:
                 self.global_masks = GlobalCropMasks(n_global=self.multicrop.n_global, **masks)
         mode = v2.InterpolationMode(interpolation)
@@ -102,7 +103,7 @@ class ViewBuilder:
         if self.multicrop is not None and self.multicrop.on_device:
             out["crops"], out["crop_parameters"] = self.multicrop(sample["image"])
         elif self.multicrop is not None:
-            out["crops"] = self.multicrop(sample["image"])
+            out.update(self._split_gram(self.multicrop(sample["image"])))
         if "label" in self.views:
             if "label" not in sample:
                 raise KeyError(f"the objective needs 'label' but the dataset's samples have {sorted(sample)}")
@@ -120,8 +121,13 @@ class ViewBuilder:
         workers left it to the device (`crop_parameters`); any other batch passes as it is."""
         if "crop_parameters" in batch:
             batch = dict(batch)
-            batch["crops"] = finish_crops(self.multicrop, batch["crops"], batch.pop("crop_parameters"))
+            batch.update(self._split_gram(finish_crops(self.multicrop, batch["crops"], batch.pop("crop_parameters"))))
         return batch
+
+    def _split_gram(self, crops: list) -> dict:
+        """{"crops": the student's crops, "gram_crops": the Gram teacher's (the last `n_gram`), if any}."""
+        n = self.multicrop.n_gram
+        return {"crops": crops[:len(crops) - n], **({"gram_crops": crops[len(crops) - n:]} if n else {})}
 
     def collate(self, samples: list[dict]) -> dict:
         """default_collate, then what is drawn per batch: Mixup / CutMix under augreg, the global crops' token

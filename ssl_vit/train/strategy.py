@@ -162,7 +162,7 @@ def configure_deepspeed(accelerator, settings: StrategySettings) -> None:
     if bf16:  # DeepSpeed accumulates gradients in the model's dtype unless told (a JSON setting is kept)
         ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
     zero = ds.setdefault("zero_optimization", {})
-    if zero.get("stage") == 3:
+    if plugin.zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True  # encoder.safetensors is the full encoder
         if settings.ema_teacher:
             # The EMA updates each rank's partition (ssl_vit.ema): a parameter persisted whole on every rank

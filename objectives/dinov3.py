@@ -1,0 +1,190 @@
+"""DINOv3 (Siméoni et al. 2025): DINOv2's losses (Sinkhorn-Knopp, KoLeo, iBOT) plus Gram anchoring, on a RoPE
+backbone with registers, and a high-resolution adaptation stage (`stage=hires`).
+
+Gram anchoring keeps the patch features' similarity structure from degrading over long runs: a Gram teacher (a
+frozen earlier snapshot of the EMA teacher's backbone) sees the global crops again, at `gram_size_factor` times
+their resolution and without photometric distortion, its patch features are resized (bicubic) to the student's
+grid, and the loss is the mean squared difference of the per-image Gram matrices of the L2-normalised patch
+features of the student's (masked) global crops and the Gram teacher's (`objectives.distillation.gram_loss`, as
+facebookresearch/dinov3's `GramLoss` with `img_level`, `apply_norm`).
+
+The schedule, per 0-based step k, as dinov3's train loop and `linear_warmup_cosine_decay` arrays give it:
+- before step `gram_start` the Gram teacher takes the EMA teacher's values (dinov3's `it_load_ema_teacher`), then
+  every `gram_update_every` steps again, at most `gram_max_updates` times (its `rep_update`, `update_frequency`;
+  dinov3 counts those from iteration 0, ours from `gram_start`: the same when one is a multiple of the other);
+- the loss weight is 0 before `gram_start`, then rises over `gram_warmup_steps` on an inclusive cosine from 0 to
+  `gram_weight` and stays there; over the same steps the local crops' DINO weight falls from 1 to
+  `local_loss_weight` (dinov3's `reweight_dino_local_loss`; its configs start both at the same iteration).
+The schedule is a function of the step alone, so a resumed run refreshes where the uninterrupted one does.
+
+`stage=hires` continues a run (`model.init_from=<its run directory>`) at higher resolution: global crops at
+`hires_scale` times the model's size (local crops scaled alike), the Gram teacher at `hires_gram_size_factor`
+times that, fixed for the whole stage at the starting weights, with constant weights `hires_gram_weight` and
+`hires_local_loss_weight` (dinov3_vit7b16_high_res_adapt.yaml: 512 -> 768 px Gram crops, 1.5, 0.5).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from objectives.base import DataInfo, Requirements
+from objectives.dino import DINO, DINOv2Config
+from objectives.distillation import gram_loss
+from ssl_vit.data.multicrop import local_crop_size
+from ssl_vit.ema import copy_parameters, teacher_backbone
+from ssl_vit.schema import checked
+
+STAGES = ("pretrain", "hires")
+GRAM_RESIZES = ("bicubic", "bilinear", "nearest")
+
+
+@dataclass
+class DINOv3Config(DINOv2Config):
+    name: str = "dinov3"
+    horizontal_flips: bool = False  # DINOv3 crops without flips
+    # Gram anchoring (see the module docstring for the schedule)
+    gram_weight: float = checked(2.0, ge=0)
+    gram_start: int = checked(0, ge=0)
+    gram_warmup_steps: int = checked(0, ge=0)
+    gram_update_every: int = checked(10000, ge=0)  # 0: the Gram teacher stays as it was at gram_start
+    gram_max_updates: int = checked(3, ge=0)
+    gram_size_factor: float = checked(2.0, ge=1)  # the Gram teacher's crops: this times the global crops' size
+    gram_resize: str = "bicubic"  # its features to the student's grid (F.interpolate mode, no antialiasing)
+    gram_remove_negative: bool = False
+    local_loss_weight: float = checked(0.5, ge=0)  # the local crops' DINO weight once Gram anchoring is on
+    # the high-resolution adaptation stage
+    stage: str = "pretrain"  # pretrain | hires
+    hires_scale: float = checked(2.0, ge=1)  # global (and local) crops at this times the model's size
+    hires_gram_size_factor: float = checked(1.5, ge=1)
+    hires_gram_weight: float = checked(1.5, ge=0)
+    hires_local_loss_weight: float = checked(0.5, ge=0)
+
+
+@dataclass(frozen=True)
+class GramPlan:
+    """The effective Gram-anchoring settings of a run (the stage's)."""
+
+    weight: float
+    start: int
+    warmup_steps: int
+    update_every: int
+    max_updates: int
+    size_factor: float
+    local_weight: float
+
+    def ramp(self, step: int) -> float:
+        """0 before `start`, then dinov3's inclusive cosine from 0 to 1 over `warmup_steps`, then 1."""
+        if step < self.start:
+            return 0.0
+        done = step - self.start
+        if done >= self.warmup_steps:
+            return 1.0
+        fraction = done / (self.warmup_steps - 1) if self.warmup_steps > 1 else 0.0
+        return (1 - math.cos(math.pi * fraction)) / 2
+
+    def takes_teacher_at(self, step: int) -> bool:
+        """Whether the Gram teacher takes the EMA teacher's values before step `step` (0-based), i.e. after the
+        EMA update of the step before: at `start`, then every `update_every` steps, at most `max_updates` times."""
+        since = step - self.start
+        return since == 0 or (self.update_every > 0 and since > 0 and since % self.update_every == 0
+                              and since // self.update_every <= self.max_updates)
+
+
+def gram_plan(cfg: DINOv3Config) -> GramPlan:
+    if cfg.stage not in STAGES:
+        raise ValueError(f"stage={cfg.stage!r} is invalid; valid choices: {list(STAGES)}")
+    if cfg.stage == "hires":  # the starting weights anchor the whole stage, at constant weights
+        return GramPlan(cfg.hires_gram_weight, 0, 0, 0, 0, cfg.hires_gram_size_factor, cfg.hires_local_loss_weight)
+    return GramPlan(cfg.gram_weight, cfg.gram_start, cfg.gram_warmup_steps, cfg.gram_update_every,
+                    cfg.gram_max_updates, cfg.gram_size_factor, cfg.local_loss_weight)
+
+
+def resize_patch_features(tokens: torch.Tensor, grid: tuple[int, int], to: tuple[int, int], mode: str
+                          ) -> torch.Tensor:
+    """(B, h * w, D) patch tokens on `grid` -> (B, H * W, D) on `to`, resampled as an image (align_corners=False,
+    no antialiasing: dinov3's global_teacher_resize settings)."""
+    if tuple(grid) == tuple(to):
+        return tokens
+    maps = tokens.transpose(1, 2).unflatten(-1, tuple(grid))
+    return F.interpolate(maps.float(), size=tuple(to), mode=mode, align_corners=None if mode == "nearest" else False,
+                         antialias=False).flatten(2).transpose(1, 2).to(tokens.dtype)
+
+
+class DINOv3(DINO):
+    config_class = DINOv3Config
+    # DINOv3's backbone, where the model config leaves it unset: RoPE (base 100, coordinates rescaled by up to 2x
+    # while training) and 4 registers (its storage tokens)
+    needs = Requirements(views=("crops",), ema_teacher=True,
+                         model_defaults={"pos_embed": "rope", "rope_rescale": 2.0, "num_registers": 4})
+    saved_heads = (*DINO.saved_heads, "gram_teacher.")
+
+    def __init__(self, backbone, cfg: DINOv3Config, data: DataInfo):
+        if cfg.gram_resize not in GRAM_RESIZES:
+            raise ValueError(f"gram_resize={cfg.gram_resize!r} is invalid; valid choices: {list(GRAM_RESIZES)}")
+        super().__init__(backbone, cfg, data)
+        self.plan = gram_plan(cfg)
+        patch = self.backbone.patch_embed.stride[0]
+        scale = cfg.hires_scale if cfg.stage == "hires" else 1.0
+        self.global_size = _whole_patches(data.img_size * scale, patch)
+        self.gram_size = _whole_patches(self.global_size * self.plan.size_factor, patch)
+        # the Gram teacher: the teacher's backbone again (no heads), frozen, given the EMA teacher's values
+        self.gram_teacher = teacher_backbone(backbone).eval()
+        copy_parameters(self.gram_teacher, self.teacher.backbone)
+        self.gram_teacher.requires_grad_(False)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.gram_teacher.eval()
+        return self
+
+    def multicrop_options(self) -> dict:
+        options = super().multicrop_options()
+        patch = self.backbone.patch_embed.stride[0]
+        local = self.cfg.local_crop_size
+        options["local_size"] = (_whole_patches(local * self.global_size / self.data.img_size, patch) if local
+                                 else local_crop_size(self.global_size, patch))
+        options["global_size"] = self.global_size
+        if self.gram_size != self.global_size:
+            options["gram_size"] = self.gram_size
+        if "global_masks" in options:
+            options["global_masks"]["grid"] = tuple(self.backbone.patch_embed.grid_for(self.global_size,
+                                                                                        self.global_size))
+        return options
+
+    def local_loss_weight(self) -> float:
+        return 1.0 + (self.plan.local_weight - 1.0) * self.plan.ramp(self._step)
+
+    def gram_weight(self) -> float:
+        return self.plan.weight * self.plan.ramp(self._step)
+
+    def begin_step(self, step: int, total_steps: int) -> None:
+        super().begin_step(step, total_steps)
+        if self.plan.takes_teacher_at(step):  # (stage=hires: step 0, after model.init_heads loaded the heads)
+            copy_parameters(self.gram_teacher, self.teacher.backbone)
+
+    def anchor_losses(self, batch, global_images, student_patches):
+        if self._step < self.plan.start:
+            return {}
+        images = torch.cat(batch["gram_crops"]) if "gram_crops" in batch else global_images
+        with torch.no_grad():
+            teacher = self.gram_teacher.forward_features(images)[:, self.gram_teacher.num_prefix_tokens:]
+        embed = self.backbone.patch_embed
+        teacher = resize_patch_features(teacher, embed.grid_for(*images.shape[-2:]),
+                                        embed.grid_for(*global_images.shape[-2:]), self.cfg.gram_resize)
+        weight = self.gram_weight()
+        return {"gram_loss": (gram_loss(student_patches, teacher, self.cfg.gram_remove_negative), weight)}
+
+    def forward(self, batch):
+        outputs = super().forward(batch)
+        device = outputs["loss"].device
+        outputs.update(gram_weight=torch.tensor(self.gram_weight(), device=device),
+                       local_loss_weight=torch.tensor(self.local_loss_weight(), device=device))
+        return outputs
+
+
+def _whole_patches(pixels: float, patch: int) -> int:
+    return max(patch, round(pixels / patch) * patch)
