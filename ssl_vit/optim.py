@@ -53,8 +53,36 @@ def build_optimizer(model: nn.Module, cfg, num_layers: int | None = None, fused:
     if cfg.name != "adamw":
         raise ValueError(f"unknown optimizer {cfg.name!r}; valid choices: ['adamw']")
     groups = param_groups(model, cfg.weight_decay, cfg.layer_decay, num_layers)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, fused=fused or None)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                  weight_decay=cfg.weight_decay, fused=fused or None)
+    if any(group["frozen_until"] for group in groups):
+        hold_frozen_groups(optimizer)
+    return optimizer
+
+
+def hold_frozen_groups(optimizer: torch.optim.Optimizer) -> None:
+    """Frozen groups (`frozen` set by `apply_schedule`) as DINO freezes its last layer, which drops the layer's
+    gradients: Adam's moments and step count stay at their start, so Adam starts afresh when the group unfreezes
+    (a zero lr alone would let the moments fill during the freeze). Done as step hooks on the optimizer DeepSpeed
+    wraps too (its flat partitions keep their groups' keys): before the step the group's gradients are zeroed,
+    after it its state is reset to a fresh Adam's (state that exists, so that a checkpoint of the freeze has every
+    key a resumed optimizer expects: DCP refuses a missing one)."""
+    def zero_gradients(opt, args, kwargs):
+        for group in opt.param_groups:
+            if group.get("frozen"):
+                for param in group["params"]:
+                    param.grad = torch.zeros_like(param) if param.grad is None else param.grad.zero_()
+
+    def restart_state(opt, args, kwargs):
+        for group in opt.param_groups:
+            if group.get("frozen"):
+                for param in group["params"]:
+                    for value in opt.state.get(param, {}).values():
+                        if torch.is_tensor(value):
+                            value.zero_()
+
+    optimizer.register_step_pre_hook(zero_gradients)
+    optimizer.register_step_post_hook(restart_state)
 
 
 def schedule(base: float, final: float, total_steps: int, warmup_steps: int = 0, kind: str = "cosine",
@@ -88,7 +116,8 @@ def weight_decay_schedule(cfg, total_steps: int) -> np.ndarray:
 
 
 def apply_schedule(optimizer: torch.optim.Optimizer, lr: float, weight_decay: float, step: int = 0) -> None:
-    """Set every group's lr and weight decay for optimizer step `step` (0-based)."""
+    """Set every group's lr and weight decay for optimizer step `step` (0-based); `frozen`: whether it is held."""
     for group in optimizer.param_groups:
-        group["lr"] = 0.0 if step < group.get("frozen_until", 0) else lr * group.get("lr_scale", 1.0)
+        group["frozen"] = step < group.get("frozen_until", 0)
+        group["lr"] = 0.0 if group["frozen"] else lr * group.get("lr_scale", 1.0)
         group["weight_decay"] = weight_decay * group.get("wd_scale", 1.0)

@@ -158,17 +158,36 @@ def test_dinov2_adds_koleo_and_ibot_and_centres_by_sinkhorn_knopp():
     assert dino.centre.abs().sum() > 0 and dino.mask_token is None and dino.patch_head is None
 
 
-def test_the_last_layer_is_held_at_lr_zero_for_the_first_steps():
+def test_the_last_layer_is_held_for_the_first_steps_and_adam_starts_when_it_unfreezes():
+    """DINO's cancel_gradients_last_layer drops the layer's gradients for the first epochs, so Adam first sees it at
+    the unfreezing step: its first update there is a fresh Adam's (bias-corrected moments of that one gradient,
+    lr * g / (|g| + eps)), not one from moments filled during the freeze. The held group keeps a fresh state."""
     objective = _objective(freeze_last_layer_steps=2)
-    optimizer = build_optimizer(objective, type("Optim", (), dict(name="adamw", weight_decay=0.04, layer_decay=None,
-                                                                  lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8))())
-    last = {id(p) for p in objective.head.last_layer.parameters()}
+    lr, wd, eps = 1e-3, 0.04, 1e-8
+    optimizer = build_optimizer(objective, type("Optim", (), dict(name="adamw", weight_decay=wd, layer_decay=None,
+                                                                  lr=lr, beta1=0.9, beta2=0.999, eps=eps))())
+    last = dict(objective.head.last_layer.named_parameters())
+    start = {name: p.detach().clone() for name, p in last.items()}
+    torch.manual_seed(0)
     for step, frozen in [(0, True), (1, True), (2, False)]:
-        apply_schedule(optimizer, 1e-3, 0.04, step)
+        apply_schedule(optimizer, lr, wd, step)
         for group in optimizer.param_groups:
-            is_last = any(id(p) in last for p in group["params"])
-            assert all((id(p) in last) == is_last for p in group["params"])  # the last layer has its own group
-            assert group["lr"] == (0.0 if is_last and frozen else 1e-3)
+            is_last = any(any(p is q for q in last.values()) for p in group["params"])
+            assert all(any(p is q for q in last.values()) == is_last for p in group["params"])  # its own group
+            assert group["lr"] == (0.0 if is_last and frozen else lr)
+        optimizer.zero_grad()
+        objective(_batch())["loss"].backward()
+        grads = {name: p.grad.clone() for name, p in last.items()}
+        assert all(g.abs().sum() > 0 for g in grads.values())
+        optimizer.step()
+        for name, p in last.items():
+            state = optimizer.state[p]
+            if frozen:
+                assert torch.equal(p, start[name]) and all(v.abs().sum() == 0 for v in state.values()), name
+            else:  # decoupled decay, then the fresh Adam step
+                expected = start[name] * (1 - lr * wd) - lr * grads[name] / (grads[name].abs() + eps)
+                torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-7)
+                assert state["step"].item() == 1
 
 
 def test_collapse_is_warned_about_after_a_window(caplog):

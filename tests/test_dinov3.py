@@ -15,13 +15,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ROOT
+from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from objectives import DataInfo, build_objective, load_trained
 from objectives.dinov3 import DINOv3Config, gram_plan, resize_patch_features
 from objectives.distillation import cross_view_loss, gram_loss
+from ssl_vit.cli import register_configs
+from ssl_vit.data import make_loader
 from ssl_vit.data.multicrop import PARAMETERS, MultiCropViews
 from ssl_vit.data.photometric import finish_crops
+from ssl_vit.train import build_components
 from ssl_vit.vit import build_vit
 
 SMALL = dict(out_dim=64, ibot_out_dim=64, hidden_dim=32, bottleneck_dim=16, local_crops=2)
@@ -263,3 +267,20 @@ def test_the_config_trains_reloads_and_continues_at_high_resolution(tmp_path):
     start = load_file(run / "encoder.safetensors")
     heads = load_file(hires / "heads.safetensors")
     assert all(torch.equal(heads[f"gram_teacher.{name}"], value) for name, value in start.items())
+
+
+@pytest.mark.parametrize("placement", ["workers", "device"])
+def test_the_loader_gives_the_gram_crops_apart_wherever_the_photometric_part_runs(placement):
+    """Through the config and the real loader: `crops` holds the student's crops, `gram_crops` the Gram teacher's
+    (normalised; on the device path after `on_device`), at 2x the global size."""
+    register_configs()
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("pretrain", overrides=["objective=dinov3_tiny", "objective.local_crops=2", "model=vit_test",
+                                             f"data.multicrop_photometric={placement}", "data.num_samples=8",
+                                             "output_dir=x"])
+    model, dataset, views, _ = build_components(cfg)
+    batch = views.on_device(next(iter(make_loader(dataset, views, batch_size=4))))
+    assert [tuple(c.shape) for c in batch["crops"]] == [(4, 3, 16, 16)] * 2 + [(4, 3, 8, 8)] * 2
+    assert [tuple(c.shape) for c in batch["gram_crops"]] == [(4, 3, 32, 32)] * 2
+    assert all(c.dtype == torch.float32 for c in batch["gram_crops"]) and "crop_parameters" not in batch
+    assert torch.isfinite(model(batch)["loss"])

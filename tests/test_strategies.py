@@ -32,10 +32,14 @@ SHARDED = {"zero3_cpu2", "fsdp2_cpu2"}  # parameters split across ranks
 OBJECTIVES = {
     "masked_patch": ["objective=masked_patch"],
     "mae": ["objective=mae", "objective.decoder_dim=32", "objective.decoder_depth=1", "objective.decoder_heads=2"],
-    # every DINOv2 part on (Sinkhorn-Knopp, KoLeo, iBOT), the head's last layer frozen for the whole run
-    "dinov2": ["objective=dinov2_tiny", "objective.out_dim=64", "objective.ibot_out_dim=64",
+    # DINOv3: every DINOv2 part on (Sinkhorn-Knopp, KoLeo, iBOT), the heads' last layers held for 3 steps (their
+    # gradients dropped, Adam started at step 4: the checkpoint at step 3 is of a held optimizer state), RoPE and
+    # registers, and Gram anchoring from step 1 (a third sharded backbone, refreshed from the EMA teacher before
+    # step 3: the resumed step), on 32 px Gram crops resized to the student's grid
+    "dinov3": ["objective=dinov3_tiny", "objective.out_dim=64", "objective.ibot_out_dim=64",
                "objective.hidden_dim=32", "objective.bottleneck_dim=16", "objective.local_crops=2",
-               "objective.freeze_last_layer_steps=5"],
+               "objective.freeze_last_layer_steps=3", "objective.gram_start=1", "objective.gram_warmup_steps=2",
+               "objective.gram_update_every=2"],
     # open_clip's text tower and ClipLoss across ranks, accumulation by cached features, zero-shot evaluation
     # the hybrid stem (its ResNet initialised on gathered weights under zero.Init) with DeiT's frozen timm teacher,
     # built whole outside the sharded model ({teacher}: a weights file written by the fixture); with the recipe's
@@ -46,30 +50,28 @@ OBJECTIVES = {
              "objective.text_layers=1", "objective.context_length=16", "data.batch_size=4",
              "trainer.grad_accum_steps=2", "trainer.eval_evaluators=[knn,zeroshot]"],
 }
-# MAE and masked_patch ran under all five when the strategies landed, DINOv2 when it landed: to keep the suite
-# short, CLIP (a second tower, a loss gathered across ranks, accumulation) covers all five, DINOv2 (a sharded
-# teacher, centring, masks) the four that differ in how the teacher is updated (ZeRO-1 = ZeRO-2 for it: whole
-# parameters), masked_patch runs under DDP (the reference of the ZeRO-2 non-finite, ZeRO-3 offload and bf16 tests).
-RUNS = [("clip", config) for config in STRATEGIES] + [("dinov2", config) for config in STRATEGIES
-                                                       if config != "zero1_cpu2"] + [("masked_patch", "ddp_cpu2")]
-# MoCo v3: an EMA momentum encoder, BatchNorm over the global batch (differentiable all-reduces in the forward), keys
-# gathered across ranks, a frozen patch projection inside the sharded model; under the four that differ for it.
+# MAE and masked_patch ran under all five when the strategies landed, DINOv2 when it landed (DINOv3's runs cover
+# its code now): to keep the suite short, CLIP (a second tower, a loss gathered across ranks, accumulation) covers
+# all five, masked_patch runs under DDP (the reference of the ZeRO-2 non-finite, ZeRO-3 offload and bf16 tests).
+RUNS = [("clip", config) for config in STRATEGIES] + [("masked_patch", "ddp_cpu2")]
+# The EMA-teacher objectives under all five: DINOv3 (above); MoCo v3: an EMA momentum encoder, BatchNorm over the
+# global batch (differentiable all-reduces in the forward), keys gathered across ranks, a frozen patch projection
+# inside the sharded model; I-JEPA: an EMA target encoder that is the run's encoder, kept subsets of varying length
+# drawn in the forward, a predictor ViT with its own blocks (FSDP2 units), no class token (periodic evaluation on
+# the patch average).
 OBJECTIVES["mocov3"] = ["objective=mocov3_tiny", "objective.dim=16", "objective.mlp_dim=32"]
-RUNS += [("mocov3", config) for config in STRATEGIES if config != "zero1_cpu2"]
-# I-JEPA: an EMA target encoder that is the run's encoder, kept subsets of varying length drawn in the forward, a
-# predictor ViT with its own blocks (FSDP2 units), no class token (periodic evaluation on the patch average).
 OBJECTIVES["ijepa"] = ["objective=ijepa_tiny", "data.img_size=32", "objective.predictor_dim=32",
                        "objective.predictor_depth=1"]
-RUNS += [("ijepa", config) for config in STRATEGIES if config != "zero1_cpu2"]
+RUNS += [(objective, config) for objective in ("dinov3", "mocov3", "ijepa") for config in STRATEGIES]
 # DeiT (its frozen teacher outside the sharded model, the hybrid's init under zero.Init) ran under all five when it
 # landed; ZeRO-1/2 hold whole parameters as DDP does, so DDP, ZeRO-3 and FSDP2 are the ones that differ for it.
 RUNS += [("deit", config) for config in ("ddp_cpu2", "zero3_cpu2", "fsdp2_cpu2")]
-# Per-block torch.compile (inductor's CPU backend) against these eager runs: supervised and DINOv2 (two crop sizes,
-# a no-grad teacher, masks, periodic evaluation: every kind of recompile) under DDP and FSDP2.
+# Per-block torch.compile (inductor's CPU backend) against these eager runs: supervised and DINOv3 (three crop
+# sizes, no-grad teachers, masks, RoPE, periodic evaluation: every kind of recompile) under DDP and FSDP2.
 OBJECTIVES["supervised"] = ["objective=supervised"]
 RUNS += [("supervised", "ddp_cpu2")]
 # One of them checkpoints its blocks selectively, inside the compiled graph.
-COMPILED = {("supervised", "ddp_cpu2"): [], ("dinov2", "ddp_cpu2"): [], ("dinov2", "fsdp2_cpu2"): [],
+COMPILED = {("supervised", "ddp_cpu2"): [], ("dinov3", "ddp_cpu2"): [], ("dinov3", "fsdp2_cpu2"): [],
             ("supervised", "fsdp2_cpu2"): ["model.grad_checkpointing=true", "model.checkpoint_policy=selective"]}
 TINY = ["data.batch_size=8", "data.num_samples=64", "trainer.max_steps=5", "trainer.log_every=1",
         "optim.lr=1e-3", "optim.warmup_steps=2"]
@@ -128,7 +130,7 @@ def test_compiled_blocks_train_as_the_eager_model_does(runs, compiled, objective
     assert [m["eval/knn"] for m in read_metrics(run) if "eval/knn" in m] == pytest.approx(
         [m["eval/knn"] for m in read_metrics(eager) if "eval/knn" in m], abs=1e-9)
     summary = json.loads((run / "summary.json").read_text())
-    depth = 2 * (2 if objective == "dinov2" else 1)  # vit_test's 2 blocks; DINOv2's teacher has its own
+    depth = 2 * (3 if objective == "dinov3" else 1)  # vit_test's 2 blocks; DINOv3's teacher and Gram teacher too
     assert summary["compiled_blocks"] == depth and summary["compile_s"] > 0
     encoder = load_encoder(run / "encoder.safetensors").state_dict()
     for name, value in load_encoder(eager / "encoder.safetensors").state_dict().items():
@@ -156,7 +158,7 @@ def test_compile_is_refused_under_deepspeed_and_a_bad_mode_is_named():
     check_compile(ddp, "max-autotune")
 
 
-@pytest.mark.parametrize("objective", ["dinov2", "clip", "deit", "mocov3", "ijepa"])
+@pytest.mark.parametrize("objective", ["dinov3", "clip", "deit", "mocov3", "ijepa"])
 def test_every_strategy_gives_the_same_losses_encoders_and_heads(runs, objective):
     reference = [m["loss"] for m in read_metrics(runs[objective, "ddp_cpu2"]) if "loss" in m]
     reference_eval = [m for m in read_metrics(runs[objective, "ddp_cpu2"]) if "eval/knn" in m]
@@ -206,34 +208,36 @@ def test_every_strategy_gives_the_same_losses_encoders_and_heads(runs, objective
 
 
 def test_the_dino_teacher_is_the_same_under_every_strategy(runs):
-    """The EMA teacher after 5 steps (encoder.safetensors is its backbone; heads.safetensors has its heads) equals
-    the DDP teacher within 1e-6 under ZeRO-2/3 and FSDP2, where it is updated shard by shard; the student's last
-    layer, at lr 0 for the whole run, is unchanged under every strategy (a zero-lr group also works in DeepSpeed)."""
+    """The EMA teacher and the Gram teacher after 5 steps (encoder.safetensors is the teacher's backbone;
+    heads.safetensors has the heads and the Gram teacher) equal the DDP ones within 1e-6 under ZeRO-1/2/3 and
+    FSDP2, where they are updated shard by shard. The student's last layers, held for 3 steps, then trained 2 (Adam
+    started afresh, under DeepSpeed on its flat partitions too), moved, and alike everywhere (the equality test)."""
     def teacher(run):
         heads = load_file(run / "heads.safetensors")
         return heads, {**load_encoder(run / "encoder.safetensors").state_dict(),
-                       **{k: v for k, v in heads.items() if k.startswith("teacher.")}}
+                       **{k: v for k, v in heads.items() if k.startswith(("teacher.", "gram_teacher."))}}
 
-    reference_heads, reference = teacher(runs["dinov2", "ddp_cpu2"])
-    initial = reference_heads["teacher.head.last_layer.weight_v"]
+    reference_heads, reference = teacher(runs["dinov3", "ddp_cpu2"])
     assert not torch.equal(reference_heads["head.mlp.0.weight"], reference_heads["teacher.head.mlp.0.weight"])
-    for config in [c for o, c in RUNS if o == "dinov2"]:
-        heads, values = teacher(runs["dinov2", config])
+    assert not torch.equal(reference_heads["gram_teacher.blocks.0.attn.qkv.weight"],
+                           reference["blocks.0.attn.qkv.weight"])  # the snapshot taken before step 3
+    for config in [c for o, c in RUNS if o == "dinov3"]:
+        heads, values = teacher(runs["dinov3", config])
         for name, value in reference.items():
             torch.testing.assert_close(values[name], value, atol=1e-6, rtol=0, msg=f"{config}: {name}")
-        for head in ("head", "patch_head"):  # student == teacher == the initial weights
-            assert torch.equal(heads[f"{head}.last_layer.weight_v"], heads[f"teacher.{head}.last_layer.weight_v"])
-        assert torch.equal(heads["head.last_layer.weight_v"], initial)
+        for head in ("head", "patch_head"):  # the student's moved after unfreezing, away from the teacher's
+            assert not torch.equal(heads[f"{head}.last_layer.weight_v"], heads[f"teacher.{head}.last_layer.weight_v"])
 
 
-@pytest.mark.parametrize("config, objective", [("zero2_cpu2", "dinov2"), ("fsdp2_cpu2", "dinov2"),
+@pytest.mark.parametrize("config, objective", [("zero2_cpu2", "dinov3"), ("fsdp2_cpu2", "dinov3"),
                                                ("zero3_cpu2", "mocov3"), ("fsdp2_cpu2", "mocov3"),
                                                ("fsdp2_cpu2", "ijepa")])
 def test_resume_from_a_sharded_checkpoint_reproduces_the_uninterrupted_losses(runs, tmp_path, config, objective):
     """Steps 4-5 resumed from the step-3 checkpoint of the uninterrupted run (model and optimizer shards, RNG,
-    data position) into a new run directory give that run's losses. DINOv2's checkpoint also holds the sharded EMA
-    teacher and its iBOT masks come from the restored RNG (ZeRO-3: the SIGTERM test below); MoCo v3's holds the
-    momentum encoder and a frozen patch projection, which the optimizer state lacks."""
+    data position) into a new run directory give that run's losses. DINOv3's checkpoint also holds the sharded EMA
+    teacher and Gram teacher (refreshed before step 3, the first resumed one) and its iBOT masks come from the
+    restored RNG (ZeRO-3: the SIGTERM test below); MoCo v3's holds the momentum encoder and a frozen patch
+    projection, which the optimizer state lacks."""
     uninterrupted = runs[objective, config]
     checkpoint = uninterrupted / "checkpoints" / "step_00000003"
     sharded_files = {"zero2_cpu2": "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt",  # optimizer shards
@@ -273,10 +277,10 @@ def _launch_and_signal(config, out, overrides, target):
 
 
 @pytest.mark.parametrize("config, objective, target", [("ddp_cpu2", "masked_patch", "rank1"),
-                                                       ("zero3_cpu2", "dinov2", "launcher")])
+                                                       ("zero3_cpu2", "dinov3", "launcher")])
 def test_sigterm_stops_every_rank_with_a_checkpoint_and_resume_auto_gives_the_uninterrupted_losses(
         runs, tmp_path, config, objective, target):
-    """SIGTERM after step 2 (DDP: to rank 1 alone; ZeRO-3, DINOv2: to the launcher, which forwards it): every rank
+    """SIGTERM after step 2 (DDP: to rank 1 alone; ZeRO-3, DINOv3: to the launcher, which forwards it): every rank
     stops after the step they agree on, writes that step's checkpoint (ZeRO-3: its shards) and exits 75; resuming
     with trainer.resume=auto in the same directory gives the uninterrupted run's losses for the remaining steps."""
     status, output = _launch_and_signal(config, tmp_path, [*EVAL, *OBJECTIVES[objective]], target)
@@ -307,11 +311,11 @@ def _consolidate_script():
 @pytest.mark.parametrize("config", ["zero2_cpu2", "zero3_cpu2", "fsdp2_cpu2"])
 def test_consolidate_turns_a_2_process_checkpoint_into_the_runs_own_files_and_1_process_resume_is_refused(
         runs, tmp_path, config):
-    """scripts/consolidate.py on the final DINOv2 checkpoint written by 2 processes (DeepSpeed's zero_to_fp32, DCP's
+    """scripts/consolidate.py on the final DINOv3 checkpoint written by 2 processes (DeepSpeed's zero_to_fp32, DCP's
     dcp_to_torch_save), in this one process: encoder.safetensors and heads.safetensors equal the run's own exactly
     (the teacher, the student's and teacher's heads, the centres), training_state.pt holds the full state and step;
     resuming those shards on 1 process is refused in one line naming consolidate.py."""
-    run = runs["dinov2", config]
+    run = runs["dinov3", config]
     checkpoint = run / "checkpoints" / "step_00000005"
     assert _consolidate_script().main([str(run), "--out", str(tmp_path / "whole")]) == 0  # the run: its newest
     for name in ("encoder.safetensors", "heads.safetensors"):
@@ -323,7 +327,7 @@ def test_consolidate_turns_a_2_process_checkpoint_into_the_runs_own_files_and_1_
     teacher = load_file(run / "encoder.safetensors")
     assert torch.equal(state["model"]["teacher.backbone.cls_token"], teacher["cls_token"])
     if config == "zero3_cpu2":  # the real CLI on one process
-        proc = launch("model=vit_test", *TINY, *EVAL, *OBJECTIVES["dinov2"], f"trainer.resume={checkpoint}",
+        proc = launch("model=vit_test", *TINY, *EVAL, *OBJECTIVES["dinov3"], f"trainer.resume={checkpoint}",
                       f"out={tmp_path / 'one'}")
         assert proc.returncode != 0
         assert (f"ssl-vit: error: trainer.resume: {checkpoint} was written by 2 processes and this run has 1: its "
@@ -331,7 +335,7 @@ def test_consolidate_turns_a_2_process_checkpoint_into_the_runs_own_files_and_1_
                 in proc.stderr), proc.stderr[-2000:]
         # A new ZeRO-3 run from the run's files with its heads (model.init_heads), loaded into partitioned
         # parameters: one step that moves nothing (lr 1e-12, teacher momentum 1) saves what it started from.
-        check_ok(_run(config, tmp_path / "continued", *OBJECTIVES["dinov2"], f"model.init_from={run}",
+        check_ok(_run(config, tmp_path / "continued", *OBJECTIVES["dinov3"], f"model.init_from={run}",
                       "model.init_heads=true", "trainer.max_steps=1", "optim.lr=1e-12", "optim.min_lr=0",
                       "optim.warmup_steps=0", "objective.teacher_momentum=1"))
         for name in ("encoder.safetensors", "heads.safetensors"):
@@ -453,18 +457,18 @@ def test_bf16_under_zero3_trains_and_saves_the_fp32_master_weights(runs, tmp_pat
     assert weight.dtype == torch.float32 and not torch.equal(weight, weight.bfloat16().float())
 
 
-def test_dinov2_in_bf16_under_zero3_keeps_and_saves_an_fp32_teacher(runs, tmp_path):
+def test_dinov3_in_bf16_under_zero3_keeps_and_saves_an_fp32_teacher(runs, tmp_path):
     """DeepSpeed's bf16 mode casts the teacher to bf16 too: its EMA runs on fp32 averages of each rank's partition
     (from the student's fp32 master partitions), and the saved teacher is that average, not a bf16 copy."""
-    check_ok(_run("zero3_cpu2", tmp_path, *OBJECTIVES["dinov2"], "trainer.precision=bf16"))
+    check_ok(_run("zero3_cpu2", tmp_path, *OBJECTIVES["dinov3"], "trainer.precision=bf16"))
     losses = [m["loss"] for m in read_metrics(tmp_path)]
-    fp32 = [m["loss"] for m in read_metrics(runs["dinov2", "zero3_cpu2"]) if "loss" in m]
+    fp32 = [m["loss"] for m in read_metrics(runs["dinov3", "zero3_cpu2"]) if "loss" in m]
     # bf16 against fp32, from the same initial weights (drawn in fp32). The first step differs by bf16's rounding
     # alone (measured 0.35%); then training compounds it: measured up to 2.5% for the loss by step 4 (its DINO and
     # iBOT parts up to 4% and 7%, with masks drawn otherwise), so 1% for the first step and 5% after.
     assert losses[0] == pytest.approx(fp32[0], rel=1e-2) and losses == pytest.approx(fp32, rel=5e-2)
     teacher = load_encoder(tmp_path / "encoder.safetensors").state_dict()
-    reference = load_encoder(runs["dinov2", "zero3_cpu2"] / "encoder.safetensors").state_dict()
+    reference = load_encoder(runs["dinov3", "zero3_cpu2"] / "encoder.safetensors").state_dict()
     weight = teacher["blocks.0.attn.qkv.weight"]
     assert weight.dtype == torch.float32 and not torch.equal(weight, weight.bfloat16().float())
     for name, value in reference.items():
