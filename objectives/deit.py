@@ -44,7 +44,7 @@ class DeiTConfig(ObjectiveConfig):
     alpha: float = checked(0.5, ge=0, le=1)  # weight of the distillation loss (DeiT: 0.5)
     tau: float = checked(1.0, gt=0)  # soft distillation's temperature (DeiT: 1.0)
     label_smoothing: float = checked(0.0, ge=0, lt=1)  # for class indices; Mixup's soft targets carry their own
-    head_init: HeadInit = HeadInit.timm  # both heads (objective=supervised's option and default)
+    head_init: HeadInit = HeadInit.torch  # both heads (objective=supervised's option and default)
 
 
 def hard_distillation_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 The paper pre-trains with a head of one tanh hidden layer (`head=mlp`) and fine-tunes with a single linear layer
 (`head=linear`). The head starts as a weight-init scheme starts a classifier: `head_init=torch` (PyTorch's default,
-measured best: benchmarks/head_init.py), `timm` (the default), `jax` (big_vision's zero head) or `auto` (the backbone's
+measured best: benchmarks/head_init.py; the default), `timm`, `jax` (big_vision's zero head) or `auto` (the backbone's
 `model.weight_init`). Logs `loss` and top-1 `acc`.
 """
 
@@ -33,8 +33,8 @@ HeadInit = Enum("HeadInit", {name: name for name in ("auto", *WEIGHT_INITS)}, ty
 class SupervisedConfig(ObjectiveConfig):
     name: str = "supervised"
     head: HeadKind = HeadKind.mlp
-    # timm: trunc-normal(0.02), the head of before; torch (PyTorch's default) measured better (benchmarks/head_init.py)
-    head_init: HeadInit = HeadInit.timm
+    # torch (PyTorch's default) measured best (benchmarks/head_init.py); timm: trunc-normal(0.02), the head of before
+    head_init: HeadInit = HeadInit.torch
     hidden_dim: int | None = checked(None, ge=1)  # the tanh layer's width; None: the backbone's width
     label_smoothing: float = checked(0.0, ge=0, lt=1)
 

@@ -56,8 +56,10 @@ class ModelConfig:
     # learned | sincos | rope | none (ssl_vit.vit.POS_EMBEDS). rope: DINOv3's 2-D rotary embeddings (ssl_vit.rope):
     # periods rope_theta ** (2i / (D/2)) (DINOv3: 100) or log-spaced in [rope_min_period, rope_max_period],
     # coordinates over each side (rope_normalize separate | min | max) and moved while training by rope_shift,
-    # rope_jitter, rope_rescale (DINOv3's shift / jitter / rescale; None: off)
+    # rope_jitter, rope_rescale (DINOv3's shift / jitter / rescale; None: off). rope_kind: dinov3 (that) | axial |
+    # mixed (RoPE-ViT's variants as timm has them: patch-index coordinates; mixed learns its frequencies)
     pos_embed: str | None = None
+    rope_kind: str | None = None
     rope_theta: float | None = checked(None, gt=0)
     rope_min_period: float | None = checked(None, gt=0)
     rope_max_period: float | None = checked(None, gt=0)

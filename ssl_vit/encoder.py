@@ -79,9 +79,9 @@ class VisionEncoder(nn.Module):
         """[tokens entering the blocks, output of block 1, ..., output of block L]: transformers' hidden_states
         (up to index `stop` only: later blocks are not run)."""
         x = self.vit.norm_pre(self.vit.embed(pixel_values))
-        rope = self.vit.rope_tables(self.vit.patch_embed.grid_for(*pixel_values.shape[-2:]))
+        ropes = self.vit.rope_tables(self.vit.patch_embed.grid_for(*pixel_values.shape[-2:]))
         states = [x]
-        for block in self.vit.blocks[:stop]:
+        for block, rope in list(zip(self.vit.blocks, ropes or [None] * len(self.vit.blocks), strict=True))[:stop]:
             x = block(x, rope)
             states.append(x)
         return states

@@ -8,6 +8,14 @@ between a min and a max period), laid out "rotate-half" (the pairs are x[j] and 
 DINOv3 moves the coordinates: a shift of both axes by U(-shift, shift), a per-axis scale log-uniform in
 [1 / jitter, jitter], and a common scale log-uniform in [1 / rescale, rescale]. Prefix tokens (class token,
 registers) are not rotated.
+
+`kind` picks the variant (`model.rope_kind`): "dinov3" (above), or the two of the RoPE-ViT paper (Heo et al. 2024,
+naver-ai/rope-vit) that timm carries, on patch-index coordinates (column, row) with the pairs interleaved (x[2j],
+x[2j + 1]): "axial" (timm's RotaryEmbeddingCat: frequency theta ** (-j / (D / 4)) per axis, the first half of the
+pairs rotated by the column, the second by the row; theta 100 in timm's vit_*_rope models) and "mixed" (timm's
+RotaryEmbeddingMixed: learned frequencies per block and head for both axes together, started at magnitudes
+theta ** (-4j / D) (theta 10) along a random direction per block and head, no weight decay). The coordinate
+augmentations apply to each variant's own coordinates.
 """
 
 from __future__ import annotations
@@ -20,6 +28,20 @@ import torch
 from torch import nn
 
 ROPE_NORMALIZATIONS = ("separate", "min", "max")
+ROPE_KINDS = ("dinov3", "axial", "mixed")
+
+
+def augment_coords(coords: torch.Tensor, shift=None, jitter=None, rescale=None) -> torch.Tensor:
+    """(N, 2) coordinates shifted by U(-shift, shift) per axis, scaled log-uniformly in [1 / jitter, jitter] per axis
+    and in [1 / rescale, rescale] together (DINOv3's training-time augmentations; each when set)."""
+    device = coords.device
+    if shift is not None:
+        coords = coords + torch.empty(2, device=device).uniform_(-shift, shift)
+    if jitter is not None:
+        coords = coords * torch.empty(2, device=device).uniform_(-math.log(jitter), math.log(jitter)).exp()
+    if rescale is not None:
+        coords = coords * torch.empty(1, device=device).uniform_(-math.log(rescale), math.log(rescale)).exp()
+    return coords
 
 
 class Rope2D(nn.Module):
@@ -67,16 +89,10 @@ class Rope2D(nn.Module):
         scale = {"separate": (rows, cols), "min": (min(rows, cols),) * 2, "max": (max(rows, cols),) * 2}[self.normalize]
         axes = [torch.arange(0.5, n, device=device, dtype=torch.float32) / s for n, s in zip(grid, scale, strict=True)]
         coords = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).flatten(0, 1) * 2 - 1
-        if self.training:
-            if self.shift is not None:
-                coords = coords + torch.empty(2, device=device).uniform_(-self.shift, self.shift)
-            if self.jitter is not None:
-                coords = coords * torch.empty(2, device=device).uniform_(-math.log(self.jitter),
-                                                                         math.log(self.jitter)).exp()
-            if self.rescale is not None:
-                coords = coords * torch.empty(1, device=device).uniform_(-math.log(self.rescale),
-                                                                         math.log(self.rescale)).exp()
-        return coords
+        return self.augmented(coords)
+
+    def augmented(self, coords: torch.Tensor) -> torch.Tensor:
+        return augment_coords(coords, self.shift, self.jitter, self.rescale) if self.training else coords
 
     def forward(self, grid: Sequence[int], keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(sin, cos) of the grid's patches, (H * W, head_dim) each; with `keep` (B, K) patch indices, (B, K,
@@ -89,25 +105,119 @@ class Rope2D(nn.Module):
         return sin, cos
 
 
+def index_coords(grid: Sequence[int], device=None) -> torch.Tensor:
+    """(H * W, 2) (column, row) patch indices in raster order (timm's 'xy' grid of the RoPE-ViT models)."""
+    rows, cols = grid
+    row, col = torch.meshgrid(torch.arange(rows, device=device, dtype=torch.float32),
+                              torch.arange(cols, device=device, dtype=torch.float32), indexing="ij")
+    return torch.stack([col, row], dim=-1).flatten(0, 1)
+
+
+class AxialRope(Rope2D):
+    """RoPE-ViT's axial variant (timm's RotaryEmbeddingCat): (sin, cos, "interleaved") tables."""
+
+    def __init__(self, head_dim: int, theta: float = 100.0, shift=None, jitter=None, rescale=None):
+        super().__init__(head_dim, theta, shift=shift, jitter=jitter, rescale=rescale)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        quarter = self.head_dim // 4
+        self.periods.copy_((self.theta ** (torch.arange(quarter, dtype=torch.float32) / quarter)).to(
+            self.periods.device))  # 1 / frequency
+
+    def forward(self, grid, keep=None):
+        angles = (self.augmented(index_coords(grid, self.periods.device))[:, :, None] / self.periods).flatten(1)
+        angles = angles.repeat_interleave(2, dim=-1)  # (HW, head_dim): [column, row] frequencies, each pair twice
+        sin, cos = angles.sin(), angles.cos()
+        if keep is not None:
+            sin, cos = sin[keep], cos[keep]
+        return sin, cos, "interleaved"
+
+
+class MixedRope(nn.Module):
+    """RoPE-ViT's mixed variant (timm's RotaryEmbeddingMixed): `freqs` (2, depth, heads, head_dim / 2), learned;
+    per block, (sin, cos, "interleaved") tables of shape (1, heads, HW, head_dim) (or (B, heads, K, head_dim) rows)."""
+
+    def __init__(self, head_dim: int, depth: int, num_heads: int, theta: float = 10.0, shift=None, jitter=None,
+                 rescale=None):
+        super().__init__()
+        if head_dim % 4:
+            raise ValueError(f"RoPE needs a head dimension divisible by 4 (2 axes x sin / cos pairs), got {head_dim}")
+        self.head_dim, self.depth, self.num_heads, self.theta = head_dim, depth, num_heads, theta
+        self.shift, self.jitter, self.rescale = shift, jitter, rescale
+        self.freqs = nn.Parameter(torch.empty(2, depth, num_heads, head_dim // 2))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        magnitude = self.theta ** (-torch.arange(0, self.head_dim, 4, dtype=torch.float32) / self.head_dim)
+        angle = torch.rand(self.depth, self.num_heads, 1) * 2 * math.pi
+        x = torch.cat([magnitude * angle.cos(), magnitude * (angle + math.pi / 2).cos()], dim=-1)
+        y = torch.cat([magnitude * angle.sin(), magnitude * (angle + math.pi / 2).sin()], dim=-1)
+        self.freqs.copy_(torch.stack([x, y]).to(self.freqs.device, self.freqs.dtype))
+
+    def no_weight_decay(self) -> set[str]:
+        return {"freqs"}
+
+    def forward(self, grid, keep=None):
+        """One table set per block: a list of `depth` (sin, cos, "interleaved")."""
+        coords = index_coords(grid, self.freqs.device)  # (HW, 2) column, row
+        if self.training:
+            coords = augment_coords(coords, self.shift, self.jitter, self.rescale)
+        freqs = self.freqs.float()
+        angles = coords[:, 0, None] * freqs[0, :, :, None] + coords[:, 1, None] * freqs[1, :, :, None]
+        angles = angles.repeat_interleave(2, dim=-1)[:, None]  # (depth, 1, heads, HW, head_dim)
+        sin, cos = angles.sin(), angles.cos()
+        if keep is not None:  # (depth, B, heads, K, head_dim)
+            index = keep[None, :, None, :, None].expand(self.depth, -1, self.num_heads, -1, self.head_dim)
+            sin = sin.expand(-1, keep.shape[0], -1, -1, -1).gather(3, index)
+            cos = cos.expand(-1, keep.shape[0], -1, -1, -1).gather(3, index)
+        return [(sin[i], cos[i], "interleaved") for i in range(self.depth)]
+
+
+def build_rope(kind: str, head_dim: int, depth: int, num_heads: int, theta=None, min_period=None, max_period=None,
+               normalize="separate", shift=None, jitter=None, rescale=None) -> nn.Module:
+    """The `kind` variant; theta defaults to its reference's (DINOv3 100, axial 100, mixed 10)."""
+    if kind not in ROPE_KINDS:
+        raise ValueError(f"rope_kind {kind!r} is not one of {list(ROPE_KINDS)}")
+    if kind != "dinov3":
+        if min_period is not None or max_period is not None or normalize != "separate":
+            raise ValueError(f"rope_kind={kind!r} takes rope_theta (patch-index coordinates): rope_min_period, "
+                             "rope_max_period and rope_normalize are the dinov3 variant's")
+        if kind == "axial":
+            return AxialRope(head_dim, theta or 100.0, shift, jitter, rescale)
+        return MixedRope(head_dim, depth, num_heads, theta or 10.0, shift, jitter, rescale)
+    if theta is None and min_period is None:
+        theta = 100.0  # DINOv3's base
+    return Rope2D(head_dim, theta, min_period, max_period, normalize, shift, jitter, rescale)
+
+
+def rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): the pairs (x[2j], x[2j + 1]) turned a quarter."""
+    return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat([-second, first], dim=-1)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
+def apply_rope(q: torch.Tensor, k: torch.Tensor, rope: tuple | None):
     """Rotate the last rows (the patch tokens) of q and k, (B, heads, N, head_dim), by the (sin, cos) tables
-    ((P, head_dim) or (B, P, head_dim)); the N - P prefix tokens in front stay as they are. In the tables' dtype
-    (fp32), cast back to q's."""
+    ((P, head_dim) or (B, P, head_dim); the mixed variant's (1 or B, heads, P, head_dim)); the
+    N - P prefix tokens in front stay as they are. Pairs laid out rotate-half, or interleaved when the tables say
+    so (a third entry). In the tables' dtype (fp32), cast back to q's."""
     if rope is None:
         return q, k
-    sin, cos = rope
+    sin, cos = rope[:2]
+    turn = rotate_interleaved if len(rope) > 2 else rotate_half
     if sin.ndim == 3:  # per image: broadcast over the heads
         sin, cos = sin[:, None], cos[:, None]
     prefix = q.shape[-2] - sin.shape[-2]
 
     def rotate(x):
         patches = x[..., prefix:, :].to(sin.dtype)
-        rotated = (patches * cos + rotate_half(patches) * sin).to(x.dtype)
+        rotated = (patches * cos + turn(patches) * sin).to(x.dtype)
         return torch.cat([x[..., :prefix, :], rotated], dim=-2)
 
     return rotate(q), rotate(k)

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import (
 
 from ssl_vit.geometry import check_divisible, pair
 from ssl_vit.init import LayerScale, Linear, PatchProjection, check_scheme, init_embeddings
-from ssl_vit.rope import Rope2D, apply_rope
+from ssl_vit.rope import apply_rope, build_rope
 from ssl_vit.stem import HybridPatchEmbed, check_stem
 
 GLOBAL_POOLS = ("token", "avg")
@@ -420,6 +420,7 @@ class VisionTransformer(nn.Module):
         rope_shift: float | None = None,
         rope_jitter: float | None = None,
         rope_rescale: float | None = None,
+        rope_kind: str = "dinov3",
         no_embed_class: bool = False,
         pos_embed_interp: str = "bicubic",
         pos_embed_antialias: bool = True,
@@ -485,10 +486,11 @@ class VisionTransformer(nn.Module):
         self.pos_embed = (nn.Parameter(torch.empty(1, self.num_pos_prefix + self.patch_embed.num_patches, embed_dim),
                                        requires_grad=pos_embed == "learned")
                           if pos_embed in ("learned", "sincos") else None)
-        if rope_theta is None and rope_min_period is None:
-            rope_theta = 100.0  # DINOv3's base
-        self.rope = (Rope2D(embed_dim // num_heads, rope_theta, rope_min_period, rope_max_period, rope_normalize,
-                            rope_shift, rope_jitter, rope_rescale) if pos_embed == "rope" else None)
+        self.rope = (build_rope(rope_kind, embed_dim // num_heads, depth, num_heads, rope_theta, rope_min_period,
+                                rope_max_period, rope_normalize, rope_shift, rope_jitter, rope_rescale)
+                     if pos_embed == "rope" else None)
+        # DINOv3 holds the key bias at zero (with RoPE it would rotate with the key's position); RoPE-ViT keeps it
+        mask_k_bias = pos_embed == "rope" and rope_kind == "dinov3"
         self.norm_pre = norm_layer(embed_dim) if pre_norm else nn.Identity()
 
         block = ParallelBlock if parallel_block else Block
@@ -497,7 +499,7 @@ class VisionTransformer(nn.Module):
         self.blocks = nn.Sequential(*[
             block(embed_dim, num_heads, mlp_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, norm_layer=norm_layer,
                   layer_scale=layer_scale, drop_path=rate, attn_drop=attn_drop, proj_drop=proj_drop,
-                  weight_init=weight_init, act_layer=act_layer, mask_k_bias=pos_embed == "rope")
+                  weight_init=weight_init, act_layer=act_layer, mask_k_bias=mask_k_bias)
             for rate in drop_rates
         ])
         # As in timm: average pooling normalises after pooling (fc_norm), token pooling before (norm).
@@ -574,22 +576,24 @@ class VisionTransformer(nn.Module):
         return torch.cat([prefix.expand(tokens.shape[0], -1, -1), tokens], dim=1)
 
     def rope_tables(self, grid: Sequence[int] | None, keep: torch.Tensor | None = None):
-        """What every block's attention rotates the patch tokens by (pos_embed=rope): the (sin, cos) tables of the
-        `grid`'s patches, or of those at `keep` (B, K); None for the other kinds of position embedding."""
+        """What each block's attention rotates the patch tokens by (pos_embed=rope), one entry per block: the (sin,
+        cos) tables of the `grid`'s patches, or of those at `keep` (B, K) (the same for every block, or the mixed
+        variant's own per block); None for the other kinds of position embedding."""
         if self.rope is None:
             return None
         if grid is None:
             raise ValueError("this backbone has rotary position embeddings (pos_embed='rope'): the blocks need the "
                              "patch grid, run_blocks(tokens, grid, keep)")
-        return self.rope(grid, keep)
+        tables = self.rope(grid, keep)
+        return tables if isinstance(tables, list) else [tables] * len(self.blocks)
 
     def run_blocks(self, tokens: torch.Tensor, grid: Sequence[int] | None = None,
                    keep: torch.Tensor | None = None) -> torch.Tensor:
         """Pre-norm, all blocks (each activation-checkpointed when set), then the final norm. `grid` and `keep`
         (as given to `embed_patches`) place the patch tokens for rotary position embeddings."""
-        rope = self.rope_tables(grid, keep)
+        ropes = self.rope_tables(grid, keep) or [None] * len(self.blocks)
         x = self.norm_pre(tokens)
-        for block in self.blocks:
+        for block, rope in zip(self.blocks, ropes, strict=True):
             x = block(x, rope)
         return self.norm(x)
 
@@ -637,9 +641,9 @@ class VisionTransformer(nn.Module):
         """Token outputs (B, n, D) of the last `last_k` blocks, each through the final norm (DINO's eval features)."""
         if not 1 <= last_k <= len(self.blocks):
             raise ValueError(f"last_k must be in [1, {len(self.blocks)}], got {last_k}")
-        x, rope = self.norm_pre(self.embed(images)), self.rope_tables(self.patch_embed.grid_for(*images.shape[-2:]))
+        x, ropes = self.norm_pre(self.embed(images)), self.rope_tables(self.patch_embed.grid_for(*images.shape[-2:]))
         outputs = []
-        for index, block in enumerate(self.blocks):
+        for index, (block, rope) in enumerate(zip(self.blocks, ropes or [None] * len(self.blocks), strict=True)):
             x = block(x, rope)
             if index >= len(self.blocks) - last_k:
                 outputs.append(self.norm(x))
@@ -648,9 +652,9 @@ class VisionTransformer(nn.Module):
     @torch.no_grad()
     def attention_maps(self, images: torch.Tensor) -> list[torch.Tensor]:
         """Softmax attention weights (B, heads, n, n) of every block, through the explicit attention path."""
-        x, rope = self.norm_pre(self.embed(images)), self.rope_tables(self.patch_embed.grid_for(*images.shape[-2:]))
+        x, ropes = self.norm_pre(self.embed(images)), self.rope_tables(self.patch_embed.grid_for(*images.shape[-2:]))
         maps = []
-        for block in self.blocks:
+        for block, rope in zip(self.blocks, ropes or [None] * len(self.blocks), strict=True):
             x, weights = block(x, rope, return_attention=True)
             maps.append(weights)
         return maps

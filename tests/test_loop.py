@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics
+from conftest import assert_weights_close, read_metrics
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
@@ -108,9 +108,9 @@ def test_fused_adamw_skips_a_non_finite_update_on_the_device_and_the_loop_reads_
     assert "non-finite loss at step 2: update skipped" in caplog.text
     final = [load_file(str(tmp_path / run / "checkpoints" / "step_00000006" / "model.safetensors"))
              for run in ("host", "device")]
-    for key, value in final[0].items():  # the key bias has a zero gradient in exact arithmetic: Adam scales up
-        atol = 1e-4 if key.endswith("qkv.bias") else 1e-5  # the two kernels' rounding there (as compiled vs eager)
-        torch.testing.assert_close(final[1][key], value, atol=atol, rtol=1e-4, msg=key)
+    # the two kernels' rounding: measured after 6 steps, up to 3.3e-4 in the key bias (the default torch-init
+    # head), the query and value biases within 4e-9
+    assert_weights_close(final[1], final[0], atol=1e-5, rtol=1e-4, key_bias_atol=1e-3)
 
 
 def test_the_guard_keeps_the_first_ruinous_update_on_the_device_until_asked():
@@ -143,8 +143,9 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     assert big["global_batch"] == small["global_batch"] == 16
     a = load_file(str(tmp_path / "big" / "checkpoints" / "step_00000003" / "model.safetensors"))
     b = load_file(str(tmp_path / "acc" / "checkpoints" / "step_00000003" / "model.safetensors"))
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=2e-5, rtol=1e-4)
+    # measured after 3 steps: the key bias up to 4.9e-5 apart (the sums' order; the default torch-init head), every
+    # other tensor within 1.2e-7
+    assert_weights_close(b, a, atol=2e-5, rtol=1e-4, key_bias_atol=2e-4)
 
 
 def test_bf16_autocast_on_the_cpu_gives_the_fp32_losses_within_bf16_rounding(tmp_path):

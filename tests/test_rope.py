@@ -10,8 +10,10 @@ import timm
 import torch
 from timm.layers import RotaryEmbeddingDinoV3
 
-from ssl_vit.interop.timm import from_timm
-from ssl_vit.rope import Rope2D, apply_rope
+from ssl_vit.interop.hf_dinov3 import dinov3_refusals
+from ssl_vit.interop.timm import from_timm, timm_dinov3_args
+from ssl_vit.optim import build_optimizer
+from ssl_vit.rope import AxialRope, MixedRope, Rope2D, apply_rope, build_rope
 from ssl_vit.vit import VisionTransformer
 
 
@@ -84,6 +86,65 @@ def test_rotation_keeps_the_prefix_and_relative_positions():
     keep = torch.tensor([[2, 5]])
     gathered = rope((1, 6), keep)
     torch.testing.assert_close(gathered[0][0], sin[[2, 5]])
+
+
+def test_the_axial_and_mixed_tables_rotate_as_timms_rope_vit_embeddings():
+    """RoPE-ViT's variants as timm builds them for its vit_*_rope[_mixed]_224 models (RotaryEmbeddingCat with
+    in_pixels=False and RotaryEmbeddingMixed, 'xy' grids, temperatures 100 and 10), applied to q with timm's
+    apply_rot_embed_cat behind 2 prefix tokens: ours rotates alike, on a non-square grid, per block for mixed."""
+    from timm.layers import RotaryEmbeddingCat, RotaryEmbeddingMixed, apply_rot_embed_cat
+
+    torch.manual_seed(0)
+    heads, head_dim, depth, grid = 2, 16, 3, (3, 5)
+    q = torch.randn(2, heads, 2 + 15, head_dim)
+    theirs = RotaryEmbeddingCat(dim=head_dim, temperature=100.0, in_pixels=False, grid_indexing="xy")
+    ours = build_rope("axial", head_dim, depth, heads, 100.0)
+    assert isinstance(ours, AxialRope)
+    expected = torch.cat([q[:, :, :2], apply_rot_embed_cat(q[:, :, 2:], theirs.get_embed(list(grid)))], dim=2)
+    torch.testing.assert_close(apply_rope(q, q, ours(grid))[0], expected, atol=1e-6, rtol=1e-6)
+    theirs = RotaryEmbeddingMixed(dim=heads * head_dim, depth=depth, num_heads=heads, temperature=10.0)
+    ours = build_rope("mixed", head_dim, depth, heads)
+    assert isinstance(ours, MixedRope) and ours.freqs.shape == theirs.freqs.shape
+    # the init: per block and head, pairs (x, y) of timm's magnitudes along one random direction
+    quarter = head_dim // 4
+    torch.testing.assert_close(ours.freqs.norm(dim=0)[..., :quarter], theirs.freqs.norm(dim=0)[..., :quarter])
+    with torch.no_grad():
+        ours.freqs.copy_(theirs.freqs + 0.1 * torch.randn_like(theirs.freqs))
+        theirs.freqs.copy_(ours.freqs)
+    embeds = theirs.get_embed(list(grid))  # (depth, heads, N, 2 * head_dim)
+    for block, tables in enumerate(ours(grid)):
+        expected = torch.cat([q[:, :, :2], apply_rot_embed_cat(q[:, :, 2:], embeds[block])], dim=2)
+        torch.testing.assert_close(apply_rope(q, q, tables)[0], expected, atol=1e-6, rtol=1e-6)
+    keep = torch.tensor([[0, 4, 7], [14, 1, 2]])
+    kept = ours(grid, keep)[1]
+    for image in range(2):
+        torch.testing.assert_close(kept[0][image], ours(grid)[1][0][0][:, keep[image]])
+    with pytest.raises(ValueError, match=r"rope_kind 'spiral' is not one of \['dinov3', 'axial', 'mixed'\]"):
+        build_rope("spiral", head_dim, depth, heads)
+    with pytest.raises(ValueError, match=r"rope_kind='axial' takes rope_theta .*rope_normalize are the dinov3"):
+        build_rope("axial", head_dim, depth, heads, normalize="max")
+
+
+@pytest.mark.parametrize("name", ["vit_small_patch16_rope_224", "vit_small_patch16_rope_mixed_224"])
+def test_timms_rope_vit_models_import_with_their_outputs(name):
+    """timm's RoPE-ViT ports (Eva, axial and mixed RoPE, layer scale, a qkv bias with a key part: RoPE-ViT keeps it),
+    random weights moved off their init, 2 blocks at 64 px: every output token equals timm's; the mixed frequencies
+    come along as rope.freqs."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, img_size=64, embed_dim=64, num_heads=2, depth=2).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    ours = from_timm(model).eval()
+    assert ours.config["rope_kind"] == ("mixed" if "mixed" in name else "axial")
+    images = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.forward_features(images), model.forward_features(images), atol=1e-5,
+                                   rtol=1e-5)
+    # the exports that write DINOv3's RoPE refuse the variant by name
+    with pytest.raises(ValueError, match=f"rope_kind='{ours.config['rope_kind']}'"):
+        timm_dinov3_args(ours.config)
+    assert any("rope_kind=" in problem for problem in dinov3_refusals(ours.config))
 
 
 @pytest.mark.parametrize("name", ["vit_small_patch16_dinov3", "vit_small_patch16_dinov3_qkvb"])
@@ -174,11 +235,13 @@ def test_dinov3vitmodel_both_ways_exact(tmp_path, qkv_bias):
             from_hf(tmp_path / "keyed")
 
 
+@pytest.mark.parametrize("kind", ["dinov3", "axial", "mixed"])
 @pytest.mark.parametrize("objective", [["objective=dinov2_tiny", "objective.out_dim=64", "objective.ibot_out_dim=64",
                                         "objective.local_crops=2"], ["objective=mae"], ["objective=masked_patch"]])
-def test_model_pos_embed_rope_trains_the_objectives_that_place_tokens_themselves(objective):
-    """Through the config: multi-crop at two grids with iBOT's masked tokens, MAE's kept subsets and masked-patch
-    prediction's replaced patches, each a finite loss with gradients reaching every block."""
+def test_model_pos_embed_rope_trains_the_objectives_that_place_tokens_themselves(objective, kind):
+    """Through the config, each variant: multi-crop at two grids with iBOT's masked tokens, MAE's kept subsets and
+    masked-patch prediction's replaced patches, each a finite loss with gradients reaching every block (and the mixed
+    variant's frequencies, which get no weight decay)."""
     from hydra import compose, initialize_config_dir
 
     from ssl_vit.cli import register_configs
@@ -188,12 +251,17 @@ def test_model_pos_embed_rope_trains_the_objectives_that_place_tokens_themselves
     register_configs()
     with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
         cfg = compose("pretrain", overrides=[*objective, "model=vit_test", "model.pos_embed=rope",
-                                             "model.rope_rescale=2", "data.num_samples=8", "output_dir=x"])
+                                             f"model.rope_kind={kind}", "model.rope_rescale=2", "data.num_samples=8",
+                                             "output_dir=x"])
     model, dataset, views, _ = build_components(cfg)
     assert model.backbone.pos_embed is None and model.backbone.rope.rescale == 2
     loss = model(next(iter(make_loader(dataset, views, batch_size=4))))["loss"]
     loss.backward()
     assert torch.isfinite(loss) and all(block.attn.qkv.weight.grad.abs().sum() > 0 for block in model.backbone.blocks)
+    if kind == "mixed":
+        assert model.backbone.rope.freqs.grad.abs().sum() > 0
+        groups = build_optimizer(model, cfg.optim).param_groups
+        assert [g["weight_decay"] for g in groups if any(p is model.backbone.rope.freqs for p in g["params"])] == [0]
 
 
 def test_a_rope_encoder_exports_as_timms_dinov3_and_loads_there_with_our_outputs(tmp_path):

@@ -23,11 +23,13 @@ _REQUIRED = {"pos_embed": ("rope", "DINOv3ViTModel has rotary position embedding
              "class_token": (True, "DINOv3ViTModel has a class token"),
              "global_pool": ("token", "DINOv3ViTModel pools the class token"),
              "rope_normalize": ("separate", "DINOv3ViTModel normalises the coordinates over each side"),
+             "rope_kind": ("dinov3", "DINOv3ViTModel has DINOv3's RoPE"),
              "stem": ("patch", "DINOv3ViTModel embeds pixel patches"),
              "dist_token": (False, "no distillation token"), "parallel_block": (False, "no parallel blocks"),
              "qk_norm": (False, "no QK-norm"), "pre_norm": (False, "no norm before the blocks"),
              "norm_bias": (True, "LayerNorms with biases"), "no_embed_class": (False, "nothing to place")}
 _DEFAULTS = {"pos_embed": "learned", "class_token": True, "global_pool": "token", "rope_normalize": "separate",
+             "rope_kind": "dinov3",
              "stem": "patch", "dist_token": False, "parallel_block": False, "qk_norm": False, "pre_norm": False,
              "norm_bias": True, "no_embed_class": False}
 

@@ -11,7 +11,17 @@ from pathlib import Path
 import timm
 import torch
 from safetensors.torch import save_file
-from timm.layers import GELU, GELUTanh, HybridEmbed, LayerScale, QuickGELU, RotaryEmbeddingDinoV3, StdConv2dSame
+from timm.layers import (
+    GELU,
+    GELUTanh,
+    HybridEmbed,
+    LayerScale,
+    QuickGELU,
+    RotaryEmbeddingCat,
+    RotaryEmbeddingDinoV3,
+    RotaryEmbeddingMixed,
+    StdConv2dSame,
+)
 from timm.models.eva import Eva
 from timm.models.resnetv2 import ResNetV2
 from timm.models.vision_transformer import Block, ParallelScalingBlock
@@ -106,8 +116,8 @@ def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embe
     if isinstance(model, Eva):
         return _from_timm_dinov3(model, layer_scale)
     if not isinstance(model, TimmViT):
-        raise ValueError(f"only timm VisionTransformer models and its DINOv3 models (Eva with DINOv3's RoPE) can be "
-                         f"imported, not {type(model).__name__}")
+        raise ValueError(f"only timm VisionTransformer models and its RoPE models (Eva with DINOv3's or RoPE-ViT's "
+                         f"RoPE) can be imported, not {type(model).__name__}")
     block = model.blocks[0]
     parallel = isinstance(block, ParallelScalingBlock)
     if not parallel and not isinstance(block, Block):
@@ -151,13 +161,38 @@ def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embe
 DINOV3_LAYER_SCALE = 1e-5  # DINOv3's init value (timm's vit_*_dinov3 init_values), for a fresh rebuild
 
 
+def _rope_kwargs(rope: nn.Module) -> dict:
+    """Our RoPE options for an Eva's rope module (DINOv3's, or RoPE-ViT's axial / mixed); ValueError for others."""
+    if isinstance(rope, RotaryEmbeddingDinoV3):
+        if rope.grid_offset != 0 or not rope.rotate_half:
+            raise ValueError("this timm DINOv3 model has a rope grid offset or an interleaved rope layout, which "
+                             "ssl-vit's ViT does not build")
+        return dict(rope_kind="dinov3", rope_theta=rope.temperature if rope.min_period is None else None,
+                    rope_min_period=rope.min_period, rope_max_period=rope.max_period,
+                    rope_normalize=rope.normalize_coords, rope_shift=rope.shift_coords,
+                    rope_jitter=rope.jitter_coords, rope_rescale=rope.rescale_coords)
+    augment = dict(rope_shift=rope.shift_coords, rope_jitter=rope.jitter_coords, rope_rescale=rope.rescale_coords)
+    if isinstance(rope, RotaryEmbeddingMixed) and rope.grid_indexing == "xy":
+        return dict(rope_kind="mixed", rope_theta=rope.temperature, **augment)
+    if (isinstance(rope, RotaryEmbeddingCat) and rope.grid_indexing == "xy" and rope.grid_type == "index"
+            and not rope.in_pixels and not rope.rotate_half and rope.grid_offset == 0 and rope.ref_feat_shape is None):
+        return dict(rope_kind="axial", rope_theta=rope.temperature, **augment)
+    settings = ", ".join(f"{key}={getattr(rope, key, None)!r}"
+                         for key in ("grid_indexing", "in_pixels", "rotate_half", "ref_feat_shape"))
+    raise ValueError(f"of timm's Eva models, those with DINOv3's RoPE (vit_*_dinov3) and RoPE-ViT's axial / mixed "
+                     f"ones (vit_*_rope[_mixed]_*: 'xy' patch-index grids, interleaved pairs) import; this one has "
+                     f"{type(rope).__name__} ({settings})")
+
+
 def _from_timm_dinov3(model: Eva, layer_scale: float | None = None) -> VisionTransformer:
-    """Rebuild timm's `vit_*_patch16_dinov3[_qkvb]` (Eva with DINOv3's RoPE) as ours with pos_embed=rope. Pooled
-    as upstream DINOv3 does (the class token after the final norm), whatever timm's global_pool says."""
-    rope = model.rope
-    if not isinstance(rope, RotaryEmbeddingDinoV3) or model.pos_embed is not None:
-        raise ValueError("of timm's Eva models only the DINOv3 ones import (rope_type='dinov3', no absolute position "
-                         f"embeddings); this one has {type(rope).__name__} and pos_embed={model.pos_embed is not None}")
+    """Rebuild timm's RoPE ViTs (Eva): `vit_*_patch16_dinov3[_qkvb]` (DINOv3's RoPE) and RoPE-ViT's
+    `vit_*_patch16_rope[_mixed]_224` (axial / mixed) as ours with pos_embed=rope. Pooled as upstream DINOv3 does
+    (the class token after the final norm), whatever timm's global_pool says."""
+    if model.pos_embed is not None or model.rope is None:
+        raise ValueError("of timm's Eva models only the RoPE ones without absolute position embeddings import "
+                         f"(vit_*_dinov3, vit_*_rope[_mixed]_*); this one has rope={type(model.rope).__name__}, "
+                         f"pos_embed={model.pos_embed is not None}")
+    rope = _rope_kwargs(model.rope)
     block = model.blocks[0]
     unsupported = [name for name, present in (
         ("SwiGLU / gated MLP", not hasattr(block.mlp, "fc1")), ("post-norm blocks", not hasattr(block, "norm1")),
@@ -165,7 +200,6 @@ def _from_timm_dinov3(model: Eva, layer_scale: float | None = None) -> VisionTra
          or getattr(block.attn, "gate", None) is not None),
         ("a norm inside the MLP or attention", not isinstance(block.mlp.norm, nn.Identity)
          or not isinstance(getattr(block.attn, "norm", nn.Identity()), nn.Identity)),
-        ("rope grid offset", rope.grid_offset != 0), ("interleaved rope layout", not rope.rotate_half),
         ("a norm before the blocks", not isinstance(model.norm_pre, nn.Identity))) if present]
     if unsupported:
         raise ValueError(f"this timm DINOv3 model has {', '.join(unsupported)}, which ssl-vit's ViT does not build")
@@ -176,16 +210,15 @@ def _from_timm_dinov3(model: Eva, layer_scale: float | None = None) -> VisionTra
         num_heads=block.attn.num_heads, mlp_dim=block.mlp.fc1.out_features, class_token=model.cls_token is not None,
         global_pool="token" if model.cls_token is not None else "avg",
         num_registers=0 if model.reg_token is None else model.reg_token.shape[1],
-        pos_embed="rope", rope_theta=rope.temperature if rope.min_period is None else None,
-        rope_min_period=rope.min_period, rope_max_period=rope.max_period, rope_normalize=rope.normalize_coords,
-        rope_shift=rope.shift_coords, rope_jitter=rope.jitter_coords, rope_rescale=rope.rescale_coords,
-        qkv_bias=block.attn.q_bias is not None, qk_norm=not isinstance(block.attn.q_norm, nn.Identity),
+        pos_embed="rope", **rope,
+        qkv_bias=block.attn.q_bias is not None if hasattr(block.attn, "q_bias") else block.attn.qkv.bias is not None,
+        qk_norm=not isinstance(block.attn.q_norm, nn.Identity),
         norm_bias=block.norm1.bias is not None, norm_eps=block.norm1.eps, act_layer=activation_name(block.mlp.act),
         layer_scale=(layer_scale or DINOV3_LAYER_SCALE) if has_layer_scale else None)
     ours = VisionTransformer(**kwargs)
     state = {}
     for name, value in model.state_dict().items():
-        if name.endswith("attn.k_bias"):
+        if name.endswith("attn.k_bias") or name.startswith("head."):  # an encoder: no classifier
             continue
         if name.endswith((".attn.q_bias", ".attn.v_bias")):
             prefix = name.rsplit(".", 1)[0]
@@ -276,7 +309,8 @@ _TIMM_DINOV3_REQUIRED = {"class_token": (True, True), "global_pool": ("token", "
                          "rope_normalize": ("separate", "separate"), "stem": ("patch", "patch"),
                          "dist_token": (False, False), "parallel_block": (False, False), "qk_norm": (False, False),
                          "pre_norm": (False, False), "norm_bias": (True, True), "norm_eps": (1e-5, 1e-6),
-                         "act_layer": ("gelu", "gelu"), "rope_min_period": (None, None)}
+                         "act_layer": ("gelu", "gelu"), "rope_min_period": (None, None),
+                         "rope_kind": ("dinov3", "dinov3")}
 
 
 def timm_dinov3_args(config: dict) -> tuple[str, dict]:
