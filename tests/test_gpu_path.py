@@ -137,7 +137,7 @@ def test_deepspeed_bf16_accumulates_gradients_in_fp32_unless_its_json_says_other
     from ssl_vit.train.strategy import StrategySettings, configure_deepspeed
 
     def configured(json: dict, precision: Precision) -> dict:
-        plugin = SimpleNamespace(deepspeed_config=json)
+        plugin = SimpleNamespace(deepspeed_config=json, zero_stage=json.get("zero_optimization", {}).get("stage", 2))
         accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=2)
         configure_deepspeed(accelerator, StrategySettings(precision, micro_batch=4, grad_accum_steps=2))
         return json
