@@ -19,7 +19,7 @@ import pytest
 import timm
 import torch
 from accelerate.utils import DistributedType
-from conftest import ACCELERATE_LAUNCH, ROOT, check_ok, launch, read_metrics
+from conftest import ACCELERATE_LAUNCH, ROOT, assert_weights_close, check_ok, launch, read_metrics
 from safetensors.torch import load_file, save_file
 
 from ssl_vit.artifacts import load_encoder
@@ -121,8 +121,8 @@ def compiled(runs, tmp_path_factory):
 
 @pytest.mark.parametrize("objective, config", list(COMPILED))
 def test_compiled_blocks_train_as_the_eager_model_does(runs, compiled, objective, config):
-    """Losses within 1e-5 of the eager run, the same periodic evaluation, the same weights (1e-5), and the compile
-    recorded; the kernels landed in the cache a resumed run reads."""
+    """Losses within 1e-5 of the eager run, the same periodic evaluation, the same weights (1e-6; the key bias 1e-3),
+    and the compile recorded; the kernels landed in the cache a resumed run reads."""
     run = compiled[objective, config]
     eager = runs[objective, config] if (objective, config) in runs else runs[objective, "ddp_cpu2"]
     assert [m["loss"] for m in read_metrics(run) if "loss" in m] == pytest.approx(
@@ -132,17 +132,12 @@ def test_compiled_blocks_train_as_the_eager_model_does(runs, compiled, objective
     summary = json.loads((run / "summary.json").read_text())
     depth = 2 * (3 if objective == "dinov3" else 1)  # vit_test's 2 blocks; DINOv3's teacher and Gram teacher too
     assert summary["compiled_blocks"] == depth and summary["compile_s"] > 0
-    encoder = load_encoder(run / "encoder.safetensors").state_dict()
-    for name, value in load_encoder(eager / "encoder.safetensors").state_dict().items():
-        compiled_value = encoder[name]
-        if name.endswith("attn.qkv.bias"):
-            # The key bias has a true gradient of zero (softmax is shift-invariant along the keys): its gradient is
-            # rounding noise, which Adam turns into lr-sized steps whose sign the order of the float sums decides.
-            # Measured after 5 steps: up to 1.7e-5 for the key bias, 6e-8 for every other tensor.
-            keys = slice(value.shape[0] // 3, 2 * value.shape[0] // 3)
-            torch.testing.assert_close(compiled_value[keys], value[keys], atol=1e-4, rtol=0, msg=name)
-            compiled_value = torch.cat([compiled_value[: keys.start], value[keys], compiled_value[keys.stop:]])
-        torch.testing.assert_close(compiled_value, value, atol=1e-6, rtol=0, msg=name)
+    # The key bias has a true gradient of zero (softmax is shift-invariant along the keys): its gradient is rounding
+    # noise, which Adam turns into lr-sized steps whose sign the order of the float sums decides. Measured after 5
+    # steps: up to 4.1e-4 for the key bias (supervised, its torch-init head), 7.5e-8 for every other tensor.
+    assert_weights_close(load_encoder(run / "encoder.safetensors").state_dict(),
+                         load_encoder(eager / "encoder.safetensors").state_dict(), atol=1e-6, rtol=0,
+                         key_bias_atol=1e-3)
     assert any((run.parent / "inductor").rglob("*.py"))  # inductor wrote its generated code to the cache
 
 
