@@ -266,7 +266,11 @@ class DINO(Objective):
             start = end
         pooled = torch.cat(pooled)
         student_logits = self.head(pooled)
-        dino = cross_view_loss(student_logits, teacher_probs, cfg.student_temp, n_global, self.local_loss_weight())
+        local_weight = self.local_loss_weight()
+        dino = cross_view_loss(student_logits, teacher_probs, cfg.student_temp, n_global, local_weight)
+        with torch.no_grad():  # the monitors read the plain cross-entropy (every pair weighed alike)
+            plain = dino.detach() if local_weight == 1.0 else cross_view_loss(
+                student_logits.detach(), teacher_probs, cfg.student_temp, n_global)
         outputs = {"dino_loss": dino}
         loss = dino
         if cfg.koleo_weight > 0:
@@ -288,9 +292,9 @@ class DINO(Objective):
         # Collapse monitors: mean entropy of the teacher's targets; KL(teacher || student) = cross-entropy - entropy
         # (every teacher crop enters the averaged cross-entropy equally often).
         entropy = -(teacher_probs * teacher_probs.clamp_min(1e-12).log()).sum(dim=-1).mean()
-        outputs.update(loss=loss, teacher_entropy=entropy, kl_teacher_student=dino.detach() - entropy,
+        outputs.update(loss=loss, teacher_entropy=entropy, kl_teacher_student=plain - entropy,
                        teacher_temp=torch.tensor(temp, device=loss.device))
-        self._last_monitor = torch.stack([dino.detach(), entropy])
+        self._last_monitor = torch.stack([plain, entropy])
         return outputs
 
     def _watch_collapse(self) -> None:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from objectives import DataInfo, build_objective, load_trained
 from objectives.dinov3 import DINOv3Config, gram_plan, resize_patch_features
-from objectives.distillation import cross_view_loss, gram_loss
+from objectives.distillation import cross_view_loss, gram_loss, sinkhorn_knopp
 from ssl_vit.cli import register_configs
 from ssl_vit.data import make_loader
 from ssl_vit.data.multicrop import PARAMETERS, MultiCropViews
@@ -171,6 +171,13 @@ def test_the_gram_teachers_features_are_resized_on_the_image_grid():
     assert resize_patch_features(field(4, 3), (4, 3), (4, 3), "bicubic") is not None
 
 
+def sinkhorn_probs(model, batch):
+    with torch.no_grad():
+        logits = model.teacher.head(model.teacher.backbone.pool(model.teacher.backbone.forward_features(
+            torch.cat(batch["crops"][:2]))))
+    return sinkhorn_knopp(logits, model.teacher_temp(), model.cfg.sinkhorn_iterations)
+
+
 def test_the_logged_gram_loss_is_the_reference_on_the_gram_teachers_resized_features():
     model = _objective(gram_start=0, gram_warmup_steps=0, gram_weight=2.0).eval()
     torch.manual_seed(3)
@@ -193,6 +200,12 @@ def test_the_logged_gram_loss_is_the_reference_on_the_gram_teachers_resized_feat
     parts = out["dino_loss"] + 0.1 * out["koleo_loss"] + out["ibot_loss"] + 2.0 * out["gram_loss"]
     assert out["loss"].item() == pytest.approx(parts.item(), rel=1e-6)
     assert out["gram_weight"].item() == 2.0 and out["local_loss_weight"].item() == 0.5
+    # the KL monitor stays KL(teacher || student): the plain cross-entropy, not the reweighted loss, minus entropy
+    plain = cross_view_loss(model.head(torch.cat([model.backbone.pool(student_tokens) for student_tokens in (
+        model.backbone.forward_features(torch.cat(batch["crops"][:2]), mask=masks, mask_token=model.mask_token),
+        model.backbone.forward_features(torch.cat(batch["crops"][2:])))])).detach(), sinkhorn_probs(model, batch),
+        model.cfg.student_temp, 2)
+    assert out["kl_teacher_student"].item() == pytest.approx((plain - out["teacher_entropy"]).item(), rel=1e-5)
     late = _objective(gram_start=5)
     late.begin_step(4, 10)
     assert "gram_loss" not in late(batch)
