@@ -125,16 +125,22 @@ def test_the_axial_and_mixed_tables_rotate_as_timms_rope_vit_embeddings():
         build_rope("axial", head_dim, depth, heads, normalize="max")
 
 
-@pytest.mark.parametrize("name", ["vit_small_patch16_rope_224", "vit_small_patch16_rope_mixed_224"])
-def test_timms_rope_vit_models_import_with_their_outputs(name):
-    """timm's RoPE-ViT ports (Eva, axial and mixed RoPE, layer scale, a qkv bias with a key part: RoPE-ViT keeps it),
-    random weights moved off their init, 2 blocks at 64 px: every output token equals timm's; the mixed frequencies
-    come along as rope.freqs."""
+def _perturbed_timm(name: str):
+    """timm's `name` at 2 blocks, width 64, 64 px, every weight moved off its init (gammas and biases too)."""
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, img_size=64, embed_dim=64, num_heads=2, depth=2).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize("name", ["vit_small_patch16_rope_224", "vit_small_patch16_rope_mixed_224"])
+def test_timms_rope_vit_models_import_with_their_outputs(name):
+    """timm's RoPE-ViT ports (Eva, axial and mixed RoPE, layer scale, a qkv bias with a key part: RoPE-ViT keeps it),
+    random weights moved off their init, 2 blocks at 64 px: every output token equals timm's; the mixed frequencies
+    come along as rope.freqs."""
+    model = _perturbed_timm(name)
     ours = from_timm(model).eval()
     assert ours.config["rope_kind"] == ("mixed" if "mixed" in name else "axial")
     images = torch.randn(2, 3, 64, 64)
@@ -151,11 +157,7 @@ def test_timms_rope_vit_models_import_with_their_outputs(name):
 def test_timms_dinov3_vits_import_with_their_outputs(name):
     """Random weights (gammas and biases moved off their init) at 2 blocks, 64 px: every output token equals timm's
     at the native grid and another one (RoPE needs no resampling); the class token is the pooled embedding."""
-    torch.manual_seed(0)
-    model = timm.create_model(name, pretrained=False, img_size=64, embed_dim=64, num_heads=2, depth=2).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
+    model = _perturbed_timm(name)
     ours = from_timm(model).eval()
     assert ours.config["pos_embed"] == "rope" and ours.num_prefix_tokens == 5 and ours.pos_embed is None
     for size in (64, 48):
