@@ -1,6 +1,7 @@
 """2-D rotary position embeddings (ssl_vit.rope, model.pos_embed=rope) against DINOv3's formulas and timm's port,
 and timm's DINOv3 ViTs imported with their outputs (1e-5, fp32)."""
 
+import json
 import math
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 from timm.layers import RotaryEmbeddingDinoV3
 
 from ssl_vit.interop.hf_dinov3 import dinov3_refusals
-from ssl_vit.interop.timm import from_timm, timm_dinov3_args
+from ssl_vit.interop.timm import export_timm, from_timm
 from ssl_vit.optim import build_optimizer
 from ssl_vit.rope import AxialRope, MixedRope, Rope2D, apply_rope, build_rope
 from ssl_vit.vit import VisionTransformer
@@ -136,10 +137,11 @@ def _perturbed_timm(name: str):
 
 
 @pytest.mark.parametrize("name", ["vit_small_patch16_rope_224", "vit_small_patch16_rope_mixed_224"])
-def test_timms_rope_vit_models_import_with_their_outputs(name):
+def test_timms_rope_vit_models_import_with_their_outputs_and_export_back(name, tmp_path):
     """timm's RoPE-ViT ports (Eva, axial and mixed RoPE, layer scale, a qkv bias with a key part: RoPE-ViT keeps it),
     random weights moved off their init, 2 blocks at 64 px: every output token equals timm's; the mixed frequencies
-    come along as rope.freqs."""
+    come along as rope.freqs. Trained further here (every weight moved again), --to timm writes a model directory
+    timm builds as that architecture, with our outputs; transformers' DINOv3 export refuses the variant by name."""
     model = _perturbed_timm(name)
     ours = from_timm(model).eval()
     assert ours.config["rope_kind"] == ("mixed" if "mixed" in name else "axial")
@@ -147,10 +149,21 @@ def test_timms_rope_vit_models_import_with_their_outputs(name):
     with torch.no_grad():
         torch.testing.assert_close(ours.forward_features(images), model.forward_features(images), atol=1e-5,
                                    rtol=1e-5)
-    # the exports that write DINOv3's RoPE refuse the variant by name
-    with pytest.raises(ValueError, match=f"rope_kind='{ours.config['rope_kind']}'"):
-        timm_dinov3_args(ours.config)
+        for param in ours.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    export_timm(ours, tmp_path / "timm")
+    assert json.loads((tmp_path / "timm" / "config.json").read_text())["architecture"] == name
+    loaded = timm.create_model(f"local-dir:{tmp_path / 'timm'}", pretrained=True).eval()
+    assert type(loaded.rope) is type(model.rope)
+    with torch.no_grad():
+        exported = loaded.forward_features(images)
+        torch.testing.assert_close(exported, ours.forward_features(images), atol=1e-5, rtol=1e-5)
+        assert (exported - model.forward_features(images)).abs().max() > 1e-2  # the moved weights, not timm's
     assert any("rope_kind=" in problem for problem in dinov3_refusals(ours.config))
+    odd = VisionTransformer(img_size=32, patch_size=16, embed_dim=64, depth=1, num_heads=2, pos_embed="rope",
+                            rope_kind=ours.config["rope_kind"], rope_theta=100.0, norm_eps=1e-5)
+    with pytest.raises(ValueError, match=rf"rope_kind='{ours.config['rope_kind']}' .*cannot express: norm_eps=1e-05"):
+        export_timm(odd, tmp_path / "refused")
 
 
 @pytest.mark.parametrize("name", ["vit_small_patch16_dinov3", "vit_small_patch16_dinov3_qkvb"])
@@ -269,8 +282,6 @@ def test_model_pos_embed_rope_trains_the_objectives_that_place_tokens_themselves
 def test_a_rope_encoder_exports_as_timms_dinov3_and_loads_there_with_our_outputs(tmp_path):
     """--to timm of a RoPE encoder: a timm model directory of the DINOv3 port (Eva) that timm builds from its
     config.json and loads; its tokens are ours. A setting Eva cannot express is refused by name."""
-    from ssl_vit.interop.timm import export_timm
-
     torch.manual_seed(1)
     timm_model = timm.create_model("vit_small_patch16_dinov3_qkvb", pretrained=False, img_size=64, embed_dim=64,
                                    num_heads=2, depth=2).eval()

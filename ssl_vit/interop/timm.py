@@ -304,24 +304,34 @@ def timm_model_args(config: dict) -> dict:
     return args
 
 
-# What timm's DINOv3 port requires of an encoder config: key -> (value, the encoder's default where unset).
-_TIMM_DINOV3_REQUIRED = {"class_token": (True, True), "global_pool": ("token", "token"),
-                         "rope_normalize": ("separate", "separate"), "stem": ("patch", "patch"),
-                         "dist_token": (False, False), "parallel_block": (False, False), "qk_norm": (False, False),
-                         "pre_norm": (False, False), "norm_bias": (True, True), "norm_eps": (1e-5, 1e-6),
-                         "act_layer": ("gelu", "gelu"), "rope_min_period": (None, None),
-                         "rope_kind": ("dinov3", "dinov3")}
+# What timm's RoPE models (Eva) require of an encoder config: key -> (value, the encoder's default where unset).
+# Every kind: class-token pooling after the final norm, pixel patches, LayerNorm with biases, GELU.
+_TIMM_ROPE_REQUIRED = {"class_token": (True, True), "global_pool": ("token", "token"), "stem": ("patch", "patch"),
+                       "dist_token": (False, False), "parallel_block": (False, False), "qk_norm": (False, False),
+                       "pre_norm": (False, False), "norm_bias": (True, True), "act_layer": ("gelu", "gelu")}
+# Per kind: the DINOv3 port (vit_*_dinov3: periods over each side, eps 1e-5, q / v biases) or RoPE-ViT's
+# (vit_*_rope[_mixed]_224: rope_theta on patch indices, eps 1e-6, a fused qkv bias with its key part).
+_TIMM_ROPE_KINDS = {
+    "dinov3": ({"norm_eps": (1e-5, 1e-6), "rope_normalize": ("separate", "separate"),
+                "rope_min_period": (None, None)}, dict(rope_type="dinov3", rope_rotate_half=True)),
+    "axial": ({"norm_eps": (1e-6, 1e-6)}, dict(rope_type="cat", attn_type="rope", rope_grid_indexing="xy")),
+    "mixed": ({"norm_eps": (1e-6, 1e-6)}, dict(rope_type="mixed", attn_type="rope", rope_grid_indexing="xy")),
+}
 
 
-def timm_dinov3_args(config: dict) -> tuple[str, dict]:
-    """(architecture, Eva keyword arguments) that rebuild a RoPE encoder as timm's DINOv3 port; ValueError naming
-    what they cannot express. RoPE's training-time shift / jitter / rescale are not written (timm's Eva takes no
-    such arguments; they change nothing at inference)."""
-    problems = [f"{key}={config.get(key, default)!r}" for key, (wanted, default) in _TIMM_DINOV3_REQUIRED.items()
-                if config.get(key, default) != wanted]
+def timm_rope_args(config: dict) -> tuple[str, dict]:
+    """(architecture, Eva keyword arguments) that rebuild a RoPE encoder as timm's DINOv3 port (rope_kind dinov3)
+    or its RoPE-ViT models (axial, mixed); ValueError naming what they cannot express. RoPE's training-time shift /
+    jitter / rescale are not written (they change nothing at inference)."""
+    kind = config.get("rope_kind", "dinov3")
+    required, rope_args = _TIMM_ROPE_KINDS[kind]
+    problems = [f"{key}={config.get(key, default)!r}" for key, (wanted, default)
+                in (_TIMM_ROPE_REQUIRED | required).items() if config.get(key, default) != wanted]
     if problems:
-        raise ValueError("timm's DINOv3 models (Eva: class token pooling, pixel patches, LayerNorm eps 1e-5 with "
-                         "biases, GELU, rope_theta periods over each side) cannot express: " + ", ".join(problems)
+        raise ValueError(f"timm's RoPE models of rope_kind={kind!r} (Eva: class token pooling, pixel patches, "
+                         f"LayerNorm eps {required['norm_eps'][0]} with biases, GELU"
+                         + (", rope_theta periods over each side" if kind == "dinov3" else "")
+                         + ") cannot express: " + ", ".join(problems)
                          + ". --to hf --hf-arch dinov3 / onnx / safetensors take what transformers / ONNX can.")
     width = config["embed_dim"]
     mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
@@ -332,18 +342,20 @@ def timm_dinov3_args(config: dict) -> tuple[str, dict]:
     args = dict(img_size=size if isinstance(size, int) else list(size), patch_size=config["patch_size"],
                 in_chans=config.get("in_chans", 3), embed_dim=width, depth=config["depth"],
                 num_heads=config["num_heads"], mlp_ratio=mlp_dim / width, qkv_bias=config.get("qkv_bias", True),
-                init_values=config.get("layer_scale"), rope_type="dinov3",
-                rope_temperature=config.get("rope_theta") or 100.0, rope_rotate_half=True, use_rot_pos_emb=True,
-                use_abs_pos_emb=False, num_reg_tokens=config.get("num_registers", 0), use_fc_norm=False,
-                global_pool="token", dynamic_img_size=True, num_classes=0)
-    return ("vit_small_patch16_dinov3_qkvb" if args["qkv_bias"] else "vit_small_patch16_dinov3"), args
+                init_values=config.get("layer_scale"), rope_temperature=config.get("rope_theta") or 100.0,
+                use_rot_pos_emb=True, use_abs_pos_emb=False, num_reg_tokens=config.get("num_registers", 0),
+                use_fc_norm=False, global_pool="token", dynamic_img_size=True, num_classes=0, **rope_args)
+    if kind == "dinov3":
+        return ("vit_small_patch16_dinov3_qkvb" if args["qkv_bias"] else "vit_small_patch16_dinov3"), args
+    return f"vit_small_patch16_rope{'_mixed' if kind == 'mixed' else ''}_224", args
 
 
-def _timm_dinov3_state(state: dict) -> dict:
-    """Our state dict under timm's Eva names (ls gammas -> gamma_1/2, the fused qkv bias -> q_bias, v_bias)."""
+def _timm_rope_state(state: dict, kind: str) -> dict:
+    """Our state dict under timm's Eva names: ls gammas -> gamma_1/2; for DINOv3's port the fused qkv bias ->
+    q_bias, v_bias (its key part is masked: Eva's k_bias is a zero buffer)."""
     out = {}
     for name, value in state.items():
-        if name.endswith("attn.qkv.bias"):
+        if kind == "dinov3" and name.endswith("attn.qkv.bias"):
             q_bias, _, v_bias = value.chunk(3)
             prefix = name.removesuffix("qkv.bias")
             out.update({f"{prefix}q_bias": q_bias, f"{prefix}v_bias": v_bias})
@@ -359,7 +371,7 @@ def export_timm(encoder, out_dir, preprocess=None):
     `timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file="DIR/model.safetensors"), **args)`."""
     config = encoder.config
     rope = config.get("pos_embed") == "rope"
-    architecture, args = timm_dinov3_args(config) if rope else (timm_architecture(config), timm_model_args(config))
+    architecture, args = timm_rope_args(config) if rope else (timm_architecture(config), timm_model_args(config))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     size = args["img_size"] if isinstance(args["img_size"], list) else [args["img_size"]] * 2
@@ -374,8 +386,9 @@ def export_timm(encoder, out_dir, preprocess=None):
            "global_pool": args["global_pool"], "model_args": args, "pretrained_cfg": pretrained_cfg}
     (out_dir / "config.json").write_text(json.dumps(hub, indent=2) + "\n")
     state = {k: v.detach().float().contiguous().clone() for k, v in encoder.state_dict().items()}
-    save_file(_timm_dinov3_state(state) if rope else state, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    if rope:
+        state = _timm_rope_state(state, config.get("rope_kind", "dinov3"))
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
 
