@@ -29,6 +29,7 @@ from torch import nn
 
 ROPE_NORMALIZATIONS = ("separate", "min", "max")
 ROPE_KINDS = ("dinov3", "axial", "mixed")
+ROPE_THETA = {"dinov3": 100.0, "axial": 100.0, "mixed": 10.0}  # each reference's base where unset
 
 
 def augment_coords(coords: torch.Tensor, shift=None, jitter=None, rescale=None) -> torch.Tensor:
@@ -185,10 +186,10 @@ def build_rope(kind: str, head_dim: int, depth: int, num_heads: int, theta=None,
             raise ValueError(f"rope_kind={kind!r} takes rope_theta (patch-index coordinates): rope_min_period, "
                              "rope_max_period and rope_normalize are the dinov3 variant's")
         if kind == "axial":
-            return AxialRope(head_dim, theta or 100.0, shift, jitter, rescale)
-        return MixedRope(head_dim, depth, num_heads, theta or 10.0, shift, jitter, rescale)
+            return AxialRope(head_dim, theta or ROPE_THETA[kind], shift, jitter, rescale)
+        return MixedRope(head_dim, depth, num_heads, theta or ROPE_THETA[kind], shift, jitter, rescale)
     if theta is None and min_period is None:
-        theta = 100.0  # DINOv3's base
+        theta = ROPE_THETA[kind]
     return Rope2D(head_dim, theta, min_period, max_period, normalize, shift, jitter, rescale)
 
 

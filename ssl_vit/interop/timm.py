@@ -30,6 +30,7 @@ from torch import nn
 
 from ssl_vit.artifacts import file_fingerprint
 from ssl_vit.preprocess import INTERPOLATIONS, Preprocess
+from ssl_vit.rope import ROPE_KINDS, ROPE_THETA
 from ssl_vit.stem import RESNET_CHANNELS
 from ssl_vit.vit import VisionTransformer
 
@@ -324,6 +325,8 @@ def timm_rope_args(config: dict) -> tuple[str, dict]:
     or its RoPE-ViT models (axial, mixed); ValueError naming what they cannot express. RoPE's training-time shift /
     jitter / rescale are not written (they change nothing at inference)."""
     kind = config.get("rope_kind", "dinov3")
+    if kind not in _TIMM_ROPE_KINDS:
+        raise ValueError(f"rope_kind {kind!r} is not one of {list(ROPE_KINDS)}")
     required, rope_args = _TIMM_ROPE_KINDS[kind]
     problems = [f"{key}={config.get(key, default)!r}" for key, (wanted, default)
                 in (_TIMM_ROPE_REQUIRED | required).items() if config.get(key, default) != wanted]
@@ -342,7 +345,7 @@ def timm_rope_args(config: dict) -> tuple[str, dict]:
     args = dict(img_size=size if isinstance(size, int) else list(size), patch_size=config["patch_size"],
                 in_chans=config.get("in_chans", 3), embed_dim=width, depth=config["depth"],
                 num_heads=config["num_heads"], mlp_ratio=mlp_dim / width, qkv_bias=config.get("qkv_bias", True),
-                init_values=config.get("layer_scale"), rope_temperature=config.get("rope_theta") or 100.0,
+                init_values=config.get("layer_scale"), rope_temperature=config.get("rope_theta") or ROPE_THETA[kind],
                 use_rot_pos_emb=True, use_abs_pos_emb=False, num_reg_tokens=config.get("num_registers", 0),
                 use_fc_norm=False, global_pool="token", dynamic_img_size=True, num_classes=0, **rope_args)
     if kind == "dinov3":
