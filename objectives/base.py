@@ -5,7 +5,8 @@ The engine meets it at these points, and only these:
 
     needs = Objective.requirements(cfg)      # declared as data: views, EMA teacher, image-text, fixed backbone, ...
     objective = Objective(backbone, cfg, data)   # built under the strategy's construction context (zero.Init)
-    data               text_tokenizer(), multicrop_options() (for the `text` and `crops` views)
+    data               text_tokenizer(), multicrop_options(), teacher_inputs() (the `text`, `crops`,
+                       `teacher_images` views)
     optimizer groups   no_weight_decay(), frozen_parameters()
     every step         begin_step(step, total); micro_steps(batches, engine); after_optimizer_step(step, total)
     saving             artifacts(full_state) -> encoder / heads / metadata; fp32_shards() (16-bit runs)
@@ -42,13 +43,15 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import ClassVar, Protocol
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ssl_vit.schema import to_container
+from ssl_vit.artifacts import load_encoder, load_heads, read_preprocess, run_files
+from ssl_vit.schema import to_container, validate_config
 from ssl_vit.vit import Block, ParallelBlock, VisionTransformer
 
 
@@ -154,6 +157,12 @@ class Objective(nn.Module, ABC):
         and `global_mask_indices`)."""
         return None
 
+    def teacher_inputs(self) -> list | None:
+        """For objectives that read the `teacher_images` view: each frozen teacher's input recipe
+        (ssl_vit.preprocess.Preprocess: size, interpolation, normalisation); the data layer cuts every teacher's view
+        from the student's crop box."""
+        return None
+
     def frozen_parameters(self) -> dict[str, int]:
         """Parameter-name prefixes -> how many first steps they are held at learning rate 0 (a zero-lr optimizer
         group: unlike dropping gradients, this also works under DeepSpeed)."""
@@ -223,3 +232,50 @@ class Objective(nn.Module, ABC):
         """DeepSpeed's zero.Init turns every float tensor made during construction into the training dtype except
         the buffers this names (its keep_in_fp32 rule, after transformers' attribute)."""
         return list(self.fp32_buffers)
+
+
+def typed_config(cls: type[Objective], cfg):
+    """`cfg` on the objective's schema: a key it lacks or a wrong type fails, its range rules are checked. A config
+    typed already (by Hydra from the registered schema, or built from it) is taken as it is; an untyped one (an
+    objective named module:Class, a config read back from a run's metadata) is typed here."""
+    if is_dataclass(cfg) or (isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is cls.config_class):
+        return cfg
+    typed = OmegaConf.merge(OmegaConf.structured(cls.config_class), cfg)
+    validate_config(typed, prefix="objective.")
+    return typed
+
+
+def load_run(run, objective_class: Callable[[str], type[Objective]], image_text: bool = False,
+             weights: bool = True) -> Objective:
+    """The objective a run trained, rebuilt from its encoder.safetensors and heads.safetensors (which record the
+    objective's name and config; `objective_class` maps that name to its class), in eval mode; ValueError naming
+    what is missing. `image_text`: refuse, before building anything, a run whose objective is not an image-text
+    model. `weights=False`: the objective as built, holding the encoder's weights only (to fill from a checkpoint)."""
+    encoder_path, heads_path = run_files(run)
+    if not (encoder_path.is_file() and heads_path.is_file()):
+        raise ValueError(f"{str(run)!r} is not a run directory with encoder.safetensors and heads.safetensors")
+    heads, meta = load_heads(heads_path)
+    if "objective_config" not in meta:
+        raise ValueError(f"{heads_path} records no objective config (written before it was recorded); train again")
+    cls = objective_class(meta.get("objective", ""))
+    cfg = cls.rebuild_config(typed_config(cls, json.loads(meta["objective_config"])))
+    if image_text and not cls.requirements(cfg).image_text:
+        raise ValueError(f"{str(run)!r} was trained with objective={cfg.name}; this needs an image-text model "
+                         "(objective=clip or siglip, or a distill run with an image-text teacher)")
+    backbone, preprocess = load_encoder(encoder_path), read_preprocess(encoder_path)
+    if "data_info" in meta:
+        data = DataInfo(**json.loads(meta["data_info"]))
+    else:  # written before it was recorded: image-text runs, which need no class count
+        data = DataInfo(0, backbone.patch_embed.img_size[0], *((preprocess.mean, preprocess.std) if preprocess else
+                                                              ([], [])))
+    model = cls(backbone, cfg, data)
+    if not weights:
+        return model
+    # copies: `backbone` is also the objective's own backbone, which heads.safetensors may overwrite (DINO's student,
+    # I-JEPA's context encoder) before the encoder's values reach the teacher / target encoder
+    encoder = {name: value.clone() for name, value in backbone.state_dict().items()}
+    missing, unexpected = model.load_state_dict(model.state_from_artifacts(encoder, heads), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{heads_path} does not fit its objective config: missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}")
+    return model.eval()

@@ -37,9 +37,11 @@ class Preprocess:
         self.mean, self.std = [float(v) for v in self.mean], [float(v) for v in self.std]
 
     def view_builder(self, views=("image", "label"), augment: bool | str = False, crop_scale=(0.35, 1.0),
-                     multicrop: dict | None = None, tokenizer=None, augreg=None, num_classes: int | None = None):
+                     multicrop: dict | None = None, tokenizer=None, augreg=None, num_classes: int | None = None,
+                     teacher_inputs=None):
         return ViewBuilder(views, self.img_size, self.mean, self.std, augment, crop_scale, self.interpolation,
-                           self.crop_pct, multicrop, tokenizer, self.resize_mode, augreg, num_classes)
+                           self.crop_pct, multicrop, tokenizer, self.resize_mode, augreg, num_classes,
+                           teacher_inputs)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

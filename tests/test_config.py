@@ -49,7 +49,7 @@ def test_unknown_group_option_lists_the_valid_ones():
         _compose("objective=simclr")
     assert "Could not find 'objective/simclr'" in str(err.value)
     # schemas live apart and are not listed; the _tiny options are this machine's scale of these
-    tiny = ("dino", "dinov2", "dinov3", "mocov3", "ijepa", "clip", "siglip")
+    tiny = ("dino", "dinov2", "dinov3", "mocov3", "ijepa", "clip", "siglip", "distill")
     assert _listed_options(err, "objective") == sorted([*OBJECTIVES, *(f"{n}_tiny" for n in tiny)])
     with pytest.raises(ConfigCompositionException) as err:
         _compose("model=vit_b17")

@@ -115,6 +115,7 @@ def test_image_text_uses_of_its_run_are_refused_by_name(runs, tmp_path):
     from conftest import export_script
 
     with pytest.raises(ValueError, match="trained with objective=linear_head_objective:LinearHead; this needs an "
-                                         "image-text model \\(one of \\['clip', 'siglip'\\]\\)"):
+                                         "image-text model \\(objective=clip or siglip, or a distill run with "
+                                         "an image-text teacher\\)"):
         load_trained(runs / "ddp_cpu2", image_text=True)
     assert export_script().main([str(runs / "ddp_cpu2"), "--to", "open_clip", "--out", str(tmp_path)]) == 2

@@ -26,8 +26,8 @@ def test_supervised_loss_is_cross_entropy_of_its_head(head, layers):
 
 def test_registry_lists_valid_names_for_an_unknown_objective():
     assert issubclass(OBJECTIVES["supervised"], Objective)
-    expected = (r"unknown objective 'byol'; valid choices: \['clip', 'deit', 'dino', 'dinov2', 'dinov3', 'ijepa', "
-                r"'mae', 'masked_patch', 'mocov3', 'siglip', 'supervised'\]")
+    expected = (r"unknown objective 'byol'; valid choices: \['clip', 'deit', 'dino', 'dinov2', 'dinov3', 'distill', "
+                r"'ijepa', 'mae', 'masked_patch', 'mocov3', 'siglip', 'supervised'\]")
     with pytest.raises(ValueError, match=expected):
         build_objective(OmegaConf.create({"name": "byol"}), build_vit("vit_test"), DataInfo(2, 16))
 

@@ -2,7 +2,10 @@
 
 Datasets yield {"image": uint8 (3, H, W), "label": int, "text": str (optional)}. The spatial transform (resize and
 centre crop, or random resized crop + flip when augmenting) is applied once; `image` is the normalised float
-tensor the backbone reads, `pixels` the same crop in [0, 1] before normalisation (for colour targets). `crops` is
+tensor the backbone reads, `pixels` the same crop in [0, 1] before normalisation (for colour targets). `teacher_images` is
+one tensor per distillation teacher: the crop of `image` again, cut from the same box (and flipped with it) but
+resized to that teacher's size with its interpolation and normalised with its statistics (a teacher's own
+processor when no augmentation runs). `crops` is
 DINO's multi-crop list (global crops first, then local ones; `ssl_vit.data.multicrop`), drawn independently of
 `image`; batched, it is a list with one (B, 3, h, w) tensor per crop (`gram_crops`: the global crops' boxes again
 for DINOv3's Gram teacher, when the objective asks for them). With the multi-crop photometric augmentation
@@ -16,7 +19,8 @@ from __future__ import annotations
 
 import torch
 from torch.utils.data import default_collate
-from torchvision.transforms import v2
+from torchvision.transforms import RandomResizedCrop, v2
+from torchvision.transforms.v2 import functional as TF
 
 from ssl_vit.data.augreg import AugRegTransform, BatchMixer, mixes
 from ssl_vit.data.config import AUGMENTS, AugRegConfig
@@ -25,7 +29,7 @@ from ssl_vit.data.multicrop import MultiCropViews
 from ssl_vit.data.photometric import finish_crops
 from ssl_vit.data.token_masks import GlobalCropMasks
 
-VIEW_KINDS = ("image", "pixels", "crops", "label", "text")
+VIEW_KINDS = ("image", "pixels", "crops", "teacher_images", "label", "text")
 
 
 class ViewBuilder:
@@ -35,12 +39,14 @@ class ViewBuilder:
     `ssl_vit.data.augreg`, with its settings `augreg` and, for Mixup / CutMix, `num_classes`). `multicrop`: the keyword
     arguments of `MultiCropViews` other than the normalisation (needed for the `crops` view; the global size is img_size
     unless it says `global_size`), and `global_masks`: the `GlobalCropMasks` settings when the objective masks tokens of
-    the global crops. `tokenizer`: str -> (context_length,) tensor for `text`. `collate` batches samples (and mixes them
-    under augreg, draws the token masks)."""
+    the global crops. `teacher_inputs`: for the `teacher_images` view, one input recipe per teacher (objects with
+    img_size, mean, std, interpolation: ssl_vit.preprocess.Preprocess). `tokenizer`: str -> (context_length,) tensor
+    for `text`. `collate` batches samples (and mixes them under augreg, draws the token masks)."""
 
     def __init__(self, views, img_size: int, mean, std, augment: bool | str = False, crop_scale=(0.35, 1.0),
                  interpolation: str = "bilinear", crop_pct: float = 1.0, multicrop: dict | None = None,
-                 tokenizer=None, resize_mode: str = "shortest", augreg=None, num_classes: int | None = None):
+                 tokenizer=None, resize_mode: str = "shortest", augreg=None, num_classes: int | None = None,
+                 teacher_inputs=None):
         unknown = [v for v in views if v not in VIEW_KINDS]
         if unknown:
             raise ValueError(f"unknown view(s) {unknown}; valid choices: {list(VIEW_KINDS)}")
@@ -63,6 +69,17 @@ class ViewBuilder:
             if masks is not None:
                 self.global_masks = GlobalCropMasks(n_global=self.multicrop.n_global, **masks)
         mode = v2.InterpolationMode(interpolation)
+        self.paired = None
+        if "teacher_images" in self.views:
+            if not teacher_inputs:
+                raise ValueError("the teacher_images view needs the teachers' input recipes (the objective's "
+                                 "teacher_inputs()), got none")
+            if augment == "augreg":
+                raise ValueError("data.augment=augreg transforms the student's image alone (timm's transform), but "
+                                 "distillation teachers must see the same crop; use data.augment=crop_flip or none")
+            self.paired = PairedCrops([(img_size, interpolation, mean, std)]
+                                      + [(t.img_size, t.interpolation, t.mean, t.std) for t in teacher_inputs],
+                                      augment == "crop_flip", tuple(crop_scale), crop_pct, resize_mode)
         if augment == "crop_flip":
             self.spatial = v2.Compose([
                 v2.RandomResizedCrop(img_size, scale=tuple(crop_scale), interpolation=mode, antialias=True),
@@ -94,12 +111,11 @@ class ViewBuilder:
         out = {}
         if self.augreg is not None and "image" in self.views:
             out["image"] = self.augreg(sample["image"])
+        elif self.paired is not None:
+            student, *teachers = self.paired(sample["image"])
+            out.update(self._image_views(student), teacher_images=teachers)
         elif "image" in self.views or "pixels" in self.views:
-            pixels = self.spatial(sample["image"]).float().div_(255)
-            if "pixels" in self.views:
-                out["pixels"] = pixels
-            if "image" in self.views:
-                out["image"] = (pixels - self.mean) / self.std
+            out.update(self._image_views(self.spatial(sample["image"]).float().div_(255)))
         if self.multicrop is not None and self.multicrop.on_device:
             out["crops"], out["crop_parameters"] = self.multicrop(sample["image"])
         elif self.multicrop is not None:
@@ -114,6 +130,13 @@ class ViewBuilder:
                 where = sample.get("meta", {}).get("path") or sample.get("key") or "a sample"
                 raise MissingTextError(f"{where} has no caption")
             out["text"] = self.tokenizer(text) if self.tokenizer is not None else text
+        return out
+
+    def _image_views(self, pixels: torch.Tensor) -> dict:
+        """`pixels` ([0, 1]) and `image` (normalised) of a spatially transformed crop, those the objective reads."""
+        out = {"pixels": pixels} if "pixels" in self.views else {}
+        if "image" in self.views:
+            out["image"] = (pixels - self.mean) / self.std
         return out
 
     def on_device(self, batch: dict) -> dict:
@@ -142,3 +165,41 @@ class ViewBuilder:
             generator = torch.Generator().manual_seed(seed ^ 0x1B0_7A5C)  # not the mixer's stream
             batch.update(self.global_masks.draw(len(samples), generator))
         return self.mixer(batch, seed) if self.mixer is not None else batch
+
+
+class PairedCrops:
+    """One crop of an image at several resolutions: the student's and each distillation teacher's, every one with
+    its own size, interpolation and normalisation. Augmenting, one random resized crop box (and one flip) is drawn
+    and each view resized from the original image's box (no resampling twice); without augmentation each view is
+    the eval transform at its own size (resize the shorter side to size / crop_pct, centre crop; or squash), which is
+    that teacher's own processor and covers the same region. `recipes`: (size, interpolation, mean, std) per view,
+    the student's first. Returns the student's crop in [0, 1] and each teacher's normalised."""
+
+    def __init__(self, recipes, augment: bool, crop_scale=(0.35, 1.0), crop_pct: float = 1.0,
+                 resize_mode: str = "shortest"):
+        self.augment, self.crop_scale = augment, tuple(crop_scale)
+        self.sizes = [int(size) for size, *_ in recipes]
+        self.modes = [v2.InterpolationMode(interpolation) for _, interpolation, *_ in recipes]
+        self.stats = [(torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1),
+                       torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)) for *_, mean, std in recipes]
+        if resize_mode == "squash":
+            self.eval_transforms = [v2.Resize((size, size), interpolation=mode, antialias=True)
+                                    for size, mode in zip(self.sizes, self.modes, strict=True)]
+        else:
+            self.eval_transforms = [v2.Compose([v2.Resize(int(size / crop_pct) if crop_pct < 1 else size,
+                                                          interpolation=mode, antialias=True), v2.CenterCrop(size)])
+                                    for size, mode in zip(self.sizes, self.modes, strict=True)]
+
+    def crops(self, image: torch.Tensor) -> list[torch.Tensor]:
+        """The uint8 crops, the student's first."""
+        if not self.augment:
+            return [transform(image) for transform in self.eval_transforms]
+        top, left, height, width = RandomResizedCrop.get_params(image, self.crop_scale, (3 / 4, 4 / 3))
+        flip = bool(torch.rand(()) < 0.5)
+        crops = [TF.resized_crop(image, top, left, height, width, [size, size], interpolation=mode, antialias=True)
+                 for size, mode in zip(self.sizes, self.modes, strict=True)]
+        return [TF.horizontal_flip(crop) for crop in crops] if flip else crops
+
+    def __call__(self, image: torch.Tensor) -> list[torch.Tensor]:
+        student, *teachers = (crop.float().div_(255) for crop in self.crops(image))
+        return [student] + [(crop - mean) / std for crop, (mean, std) in zip(teachers, self.stats[1:], strict=True)]

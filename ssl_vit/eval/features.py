@@ -71,9 +71,11 @@ def features_from_tokens(encoder, images: torch.Tensor, kind: str, last_k: int =
 @torch.no_grad()
 def extract_features(encoder, dataset, views, kind: str = "cls", last_k: int = 4, batch_size: int = 256,
                      num_workers: int = 0, device: str | torch.device | None = None, progress: bool = True,
-                     desc: str = "features") -> tuple[torch.Tensor, torch.Tensor]:
+                     desc: str = "features", embed=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, F) float32 features and (N,) labels of a map-style dataset, in dataset order, encoder in eval mode, on
     `device` (None: where the encoder is, which is not moved: during training it is the live model on its device).
+    `embed`: images -> features, instead of the feature `kind` of the encoder's tokens (a distilled student's
+    adaptor: then `encoder` is the module holding it).
 
     Samples that cannot be read (BadSampleError: a corrupt or empty image file) are left out with their labels, so
     N can be smaller than len(dataset); the first few are logged by name and the total at the end."""
@@ -88,7 +90,9 @@ def extract_features(encoder, dataset, views, kind: str = "cls", last_k: int = 4
     for images, targets, bad in tqdm(loader, desc=desc, disable=not progress, leave=False):
         dropped += bad
         if images is not None:
-            features.append(features_from_tokens(encoder, images.to(device), kind, last_k).float().cpu())
+            images = images.to(device)
+            embedded = embed(images) if embed is not None else features_from_tokens(encoder, images, kind, last_k)
+            features.append(embedded.float().cpu())
             labels.append(targets)
     encoder.train(was_training)
     if dropped:

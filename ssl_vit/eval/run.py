@@ -6,6 +6,7 @@ and retrieval take an image-text model's run directory (objective=clip / siglip)
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import asdict
@@ -53,17 +54,17 @@ def evaluate(cfg, progress: bool = True) -> dict:
     unknown = [e for e in cfg.eval.evaluators if e not in EVALUATORS]
     if unknown:
         raise ConfigError(f"unknown evaluator(s) {unknown}; valid choices: {list(EVALUATORS)}")
-    if cfg.eval.features not in FEATURE_KINDS:
-        raise ConfigError(f"unknown eval.features {cfg.eval.features!r}; valid choices: {list(FEATURE_KINDS)}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     cfg.checkpoint = resolve_run(cfg.checkpoint)  # an output group: its newest run
     encoder, encoder_identity, recorded = load_any_encoder(cfg.checkpoint)
-    model = None
-    if any(name in TEXT_EVALUATORS for name in cfg.eval.evaluators):
-        model = load_image_text_model(cfg.checkpoint, cfg.eval.evaluators)
+    model, embed = None, None
+    text = any(name in TEXT_EVALUATORS for name in cfg.eval.evaluators)
+    if text or cfg.eval.features not in FEATURE_KINDS:
+        model = load_run_model(cfg.checkpoint, cfg.eval, text)
         encoder = model.encoder
+        embed = adaptor_features(model, cfg.eval.features)
     native = encoder.patch_embed.img_size[0]
     img_size = cfg.data.img_size or (recorded.img_size if recorded else native)
     if img_size != native:
@@ -82,7 +83,7 @@ def evaluate(cfg, progress: bool = True) -> dict:
                           f"{list(cfg.eval.evaluators)}")
     results, timings, feature_dim = run_evaluators(encoder, train_set, test_set, cfg.eval, preprocess,
                                                    cfg.cache_dir, identity, cfg.seed, progress, model=model,
-                                                   data_name=cfg.data.name)
+                                                   data_name=cfg.data.name, embed=embed)
     return {"checkpoint": cfg.checkpoint, "data": cfg.data.name, "features": cfg.eval.features,
             "preprocess": asdict(preprocess), "num_train": len(train_set), "num_test": len(test_set),
             "feature_dim": feature_dim, "results": results, "timings": timings}
@@ -90,9 +91,10 @@ def evaluate(cfg, progress: bool = True) -> dict:
 
 def run_evaluators(encoder, train_set, test_set, ecfg, preprocess: Preprocess, cache_dir=None, identity=None,
                    seed: int = 0, progress: bool = True, model=None,
-                   data_name: str = "") -> tuple[dict, dict, int | None]:
+                   data_name: str = "", embed=None) -> tuple[dict, dict, int | None]:
     """The evaluators `ecfg.evaluators` names, on one encoder, its inputs prepared as `preprocess` says; features
-    are extracted once (cached when `cache_dir` and `identity` are given). zeroshot and retrieval use `model` (an
+    are extracted once (cached when `cache_dir` and `identity` are given), by `embed` (images -> features: an
+    adaptor of a distilled student, `adaptor_features`) where given. zeroshot and retrieval use `model` (an
     image-text model whose image tower is `encoder`) on the test set. Returns (results, timings in seconds,
     feature dimension)."""
     needs_model = [name for name in ecfg.evaluators if name in TEXT_EVALUATORS]
@@ -106,8 +108,8 @@ def run_evaluators(encoder, train_set, test_set, ecfg, preprocess: Preprocess, c
             key = cache_key(**(identity or {}), split=split, kind=ecfg.features, last_k=ecfg.last_k)
             start = time.perf_counter()
             features[split] = cached(cache_dir if identity else None, key, lambda d=dataset, s=split: extract_features(
-                encoder, d, views, ecfg.features, ecfg.last_k, ecfg.batch_size, progress=progress,
-                desc=f"{s} features"))
+                model if embed is not None else encoder, d, views, ecfg.features, ecfg.last_k, ecfg.batch_size,
+                progress=progress, desc=f"{s} features", embed=embed))
             timings[f"features_{split}_s"] = time.perf_counter() - start
         (train_x, train_y), (test_x, test_y) = features["train"], features["test"]
         feature_dim = train_x.shape[1]
@@ -134,12 +136,29 @@ def run_evaluators(encoder, train_set, test_set, ecfg, preprocess: Preprocess, c
     return results, timings, feature_dim
 
 
-def load_image_text_model(checkpoint: str, evaluators):
-    """The image-text objective of a run directory, for zeroshot / retrieval; ConfigError naming why not."""
+def load_run_model(checkpoint: str, ecfg, image_text: bool):
+    """The objective of a run directory: an image-text model for zeroshot / retrieval (`image_text`), one with
+    adaptors for eval.features=<adaptor>; ConfigError naming why not."""
     try:
-        return load_trained(checkpoint, image_text=True)
+        return load_trained(checkpoint, image_text=image_text)
     except ValueError as err:
-        raise ConfigError(f"eval={'+'.join(evaluators)}: {err}") from err
+        if image_text:
+            raise ConfigError(f"eval={'+'.join(ecfg.evaluators)}: {err}") from err
+        raise ConfigError(f"unknown eval.features {ecfg.features!r}; valid choices: {list(FEATURE_KINDS)}, or an "
+                          f"adaptor's name for a run of objective=distill ({err})") from err
+
+
+def adaptor_features(model, features: str):
+    """images -> the features of adaptor `features` of a distilled student (objective=distill's
+    `summary_features`), or None for a feature kind of the encoder's tokens (FEATURE_KINDS); ConfigError for
+    neither."""
+    if features in FEATURE_KINDS:
+        return None
+    names = list(getattr(model, "feature_names", []))
+    if features not in names:
+        raise ConfigError(f"unknown eval.features {features!r}; valid choices: {list(FEATURE_KINDS)}"
+                          + (f" or this run's adaptors {names}" if names else ""))
+    return functools.partial(model.summary_features, name=features)
 
 
 def zeroshot_eval(model, test_set, preprocess: Preprocess, ecfg, data_name: str, progress: bool = False) -> dict:

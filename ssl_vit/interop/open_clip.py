@@ -165,6 +165,14 @@ def export_open_clip(model, out_dir: str | Path, preprocess=None) -> Path:
 def load_open_clip_spec(rest: str) -> tuple[VisionTransformer, Preprocess, dict]:
     """(encoder, open_clip's preprocessing, identity) of `open_clip:<rest>` (ssl_vit.interop.sources names the
     forms)."""
+    model, vision_cfg, identity, _ = load_open_clip_model(rest)
+    encoder = from_open_clip_visual(model.visual, vision_cfg.get("ls_init_value"))
+    return encoder, open_clip_preprocess(model.visual), identity
+
+
+def load_open_clip_model(rest: str):
+    """(open_clip model, its vision config, identity, the name open_clip.get_tokenizer takes) of
+    `open_clip:<rest>`: a model directory, or <model name>:<checkpoint file>."""
     import open_clip  # heavy: open_clip models only
 
     path = Path(rest).expanduser()
@@ -172,25 +180,23 @@ def load_open_clip_spec(rest: str) -> tuple[VisionTransformer, Preprocess, dict]
         config_file = path / "open_clip_config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"open_clip:{rest}: no open_clip_config.json in the directory")
-        model, _, transform = open_clip.create_model_and_transforms(f"local-dir:{path}")
+        model, _, _ = open_clip.create_model_and_transforms(f"local-dir:{path}")
         vision_cfg = json.loads(config_file.read_text())["model_cfg"]["vision_cfg"]
         weights = next(iter(sorted(path.glob("open_clip_model.*"))), None)
         identity = file_fingerprint(weights) if weights else {"open_clip": str(path)}
-    else:
-        name, _, file = rest.partition(":")
-        if "/" in name:
-            raise FileNotFoundError(f"open_clip:{rest}: {name!r} is not a directory (an open_clip model directory "
-                                    "holds open_clip_config.json)")
-        if name not in open_clip.list_models():
-            raise ValueError(f"open_clip:{rest}: {name!r} is not an open_clip model name; e.g. "
-                             f"{open_clip.list_models()[:6]} (or open_clip:<model directory>)")
-        if not file or not Path(file).is_file():
-            raise FileNotFoundError(f"open_clip:{rest}: give the checkpoint file as open_clip:{name}:<file>")
-        model, _, transform = open_clip.create_model_and_transforms(name, pretrained=file)
-        vision_cfg = open_clip.get_model_config(name)["vision_cfg"]
-        identity = file_fingerprint(Path(file)) | {"open_clip": name}
-    encoder = from_open_clip_visual(model.visual, vision_cfg.get("ls_init_value"))
-    return encoder, open_clip_preprocess(model.visual), identity
+        return model, vision_cfg, identity, f"local-dir:{path}"
+    name, _, file = rest.partition(":")
+    if "/" in name:
+        raise FileNotFoundError(f"open_clip:{rest}: {name!r} is not a directory (an open_clip model directory "
+                                "holds open_clip_config.json)")
+    if name not in open_clip.list_models():
+        raise ValueError(f"open_clip:{rest}: {name!r} is not an open_clip model name; e.g. "
+                         f"{open_clip.list_models()[:6]} (or open_clip:<model directory>)")
+    if not file or not Path(file).is_file():
+        raise FileNotFoundError(f"open_clip:{rest}: give the checkpoint file as open_clip:{name}:<file>")
+    model, _, _ = open_clip.create_model_and_transforms(name, pretrained=file)
+    return model, open_clip.get_model_config(name)["vision_cfg"], file_fingerprint(Path(file)) | {"open_clip": name}, \
+        name
 
 
 def open_clip_preprocess(visual) -> Preprocess:

@@ -290,8 +290,10 @@ def build_components(cfg, source: Pretrained | None = None, device_type: str = "
         multicrop = dict(multicrop, photometric_on=placement)
     try:
         views = preprocess.view_builder(needs.views, augment, cfg.data.crop_scale, multicrop,
-                                        objective.text_tokenizer(), augreg=cfg.data.augreg,
-                                        num_classes=len(dataset.classes) or None)
+                                        objective.text_tokenizer() if "text" in needs.views else None,
+                                        augreg=cfg.data.augreg,
+                                        num_classes=len(dataset.classes) or None,
+                                        teacher_inputs=objective.teacher_inputs())
     except ValueError as err:
         raise ConfigError(str(err)) from err
     return objective, dataset, views, preprocess

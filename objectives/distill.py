@@ -1,0 +1,341 @@
+"""Multi-teacher feature distillation, as AM-RADIO (Ranzinger et al. 2024) and C-RADIO train their students: one
+student ViT learns from N frozen teachers at once, each through its own adaptor heads.
+
+Each teacher (objectives.feature_teacher: any encoder the project imports) sees the student's crop at its own size
+and normalisation (the `teacher_images` view: the data layer cuts every view from the same box). Per teacher the
+student has two adaptors, 2-layer MLPs (Linear, GELU, Linear) as RADIO's: one on its summary (the pooled embedding)
+predicting the teacher's summary (a CLIP teacher's image embedding, another's pooled embedding), one on every patch
+token predicting the teacher's patch features, which are resized to the student's grid (bilinear; a 14 px teacher's
+grid against a 16 px student's). Losses, per teacher weighted by `summary_weight` / `patch_weight`:
+
+    summary   1 - cos(adaptor(student summary), teacher summary)
+    patches   patch_cosine_weight x (1 - cos) + patch_smooth_l1_weight x smooth-L1, averaged over the tokens
+              (AM-RADIO's 0.9 / 0.1)
+
+on standardised teacher features: each channel of each teacher's summary and patch features is centred and scaled
+by running statistics over the global batch (the first 1 / (1 - stats_momentum) steps their cumulative mean, an
+EMA after; `standardize=none` turns it off). Standardising keeps a teacher with large activations from dominating
+the sum of losses. C-RADIO's PHI-S goes one step further (a Hadamard rotation after PCA, so that every direction,
+not every channel, has the same variance); it needs each teacher's full covariance estimated over the data before
+training starts, whereas per-channel statistics are estimated online, in the same pass, with nothing to
+precompute: that is why they are used here. The adaptors' outputs are de-standardised (x std + mean) wherever
+they stand in for a teacher: zero-shot through a CLIP teacher's adaptor, k-NN on a DINO teacher's.
+
+Teachers are loaded whole outside zero.Init and outside the module tree (no optimizer, checkpoint or export sees
+them), run in eval mode without gradients, in bf16 where the device has it (`teacher_precision`), and a teacher too
+large to replicate is sharded across the ranks for inference (`shard: true`: FSDP2, each block gathered for its
+forward only). Their dimensions are recorded in the config, so the student and its adaptors rebuild without them
+(`load_teachers=false`); an image-text teacher's text tower is loaded from its source only when text is embedded
+(eval=zeroshot / retrieval of the student run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from omegaconf import MISSING, OmegaConf
+from torch import nn
+
+from objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
+from objectives.distillation import all_reduce
+from objectives.feature_teacher import (
+    TEACHER_FORMS,
+    FeatureTeacher,
+    is_image_text_source,
+    load_feature_teacher,
+    load_text_side,
+    shard_for_inference,
+)
+from ssl_vit.init import whole_modules
+from ssl_vit.schema import checked
+
+TEACHER_PRECISIONS = ("auto", "bf16", "fp32")
+STANDARDIZE = ("running", "none")
+
+
+@dataclass
+class TeacherConfig:
+    source: str = checked(MISSING, example="objective.teachers=[{source: outputs/<clip run>, name: clip}] (forms: "
+                                           + ", ".join(TEACHER_FORMS) + ")")
+    name: str | None = None  # its adaptors' name (eval.features=<name>); default teacher<i>
+    summary_weight: float = checked(1.0, ge=0)
+    patch_weight: float = checked(1.0, ge=0)
+    img_size: int | None = checked(None, ge=1)  # its input size; default its own preprocessing's
+    shard: bool = False  # split across the ranks for inference (FSDP2) instead of a whole copy per rank
+    # recorded when the run is built, so that the student rebuilds without the teacher
+    summary_dim: int | None = None
+    patch_dim: int | None = None
+    image_text: bool | None = None
+
+
+@dataclass
+class DistillConfig(ObjectiveConfig):
+    name: str = "distill"
+    teachers: list[TeacherConfig] = field(default_factory=list)
+    adaptor_hidden_dim: int = checked(1024, ge=1)
+    patch_cosine_weight: float = checked(0.9, ge=0)
+    patch_smooth_l1_weight: float = checked(0.1, ge=0)
+    standardize: str = "running"  # running | none
+    stats_momentum: float = checked(0.99, ge=0, lt=1)
+    teacher_precision: str = "auto"  # auto (bf16 on a GPU that has it, else fp32) | bf16 | fp32
+    text_teacher: str | None = None  # the image-text teacher zero-shot goes through; default the first one
+    load_teachers: bool = True  # false: the student and its adaptors only (evaluation, reloading)
+
+
+class Adaptor(nn.Module):
+    """RADIO's adaptor head: Linear, GELU, Linear."""
+
+    def __init__(self, in_dim: int, hidden_dim: int, out_dim: int):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(in_dim, hidden_dim), nn.GELU(), nn.Linear(hidden_dim, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class RunningStandardizer(nn.Module):
+    """Per-channel mean and variance of a teacher's features over the global batch: the cumulative mean of the
+    batch statistics for the first 1 / (1 - momentum) updates, an EMA with `momentum` after."""
+
+    _keep_in_fp32_modules_strict = ["mean", "sq_mean", "count"]  # running averages: bf16 would round updates away
+    eps = 1e-6
+
+    def __init__(self, dim: int, momentum: float, enabled: bool = True):
+        super().__init__()
+        self.momentum, self.enabled = momentum, enabled
+        self.register_buffer("mean", torch.zeros(dim))
+        self.register_buffer("sq_mean", torch.ones(dim))
+        self.register_buffer("count", torch.zeros(1))
+
+    @torch.no_grad()
+    def update(self, features: torch.Tensor) -> None:
+        """Fold in (N, D) rows of this rank; every rank's rows count (all-reduced)."""
+        if not self.enabled:
+            return
+        features = features.float()
+        totals = torch.cat([features.sum(0), features.square().sum(0),
+                            torch.tensor([len(features)], dtype=torch.float32, device=features.device)])
+        totals = all_reduce(totals)
+        dim = features.shape[1]
+        rows = totals[-1]
+        weight = (1 / (self.count + 1)).clamp(min=1 - self.momentum)
+        self.mean.lerp_(totals[:dim] / rows, weight)
+        self.sq_mean.lerp_(totals[dim:2 * dim] / rows, weight)
+        self.count += 1
+
+    def std(self) -> torch.Tensor:
+        return (self.sq_mean - self.mean.square()).clamp(min=self.eps).sqrt()
+
+    def standardize(self, features: torch.Tensor, channel_dim: int = -1) -> torch.Tensor:
+        if not self.enabled:
+            return features
+        shape = [1] * features.dim()
+        shape[channel_dim] = -1
+        return (features - self.mean.view(shape)) / self.std().view(shape)
+
+    def restore(self, features: torch.Tensor) -> torch.Tensor:
+        """The inverse of `standardize`: an adaptor's output in its teacher's own feature space."""
+        return features * self.std() + self.mean if self.enabled else features
+
+
+def cosine_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """1 - cosine similarity along the last dimension, averaged over the rest."""
+    return (1 - F.cosine_similarity(prediction, target, dim=-1)).mean()
+
+
+def resize_patch_features(features: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """(B, D, h, w) patch features on a teacher's grid -> (B, H x W, D) on the student's grid (bilinear, as RADIO)."""
+    if tuple(features.shape[-2:]) != tuple(grid):
+        features = F.interpolate(features, size=tuple(grid), mode="bilinear", align_corners=False)
+    return features.flatten(2).transpose(1, 2)
+
+
+def _check_choice(key: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"objective.{key}={value!r} is invalid; valid choices: {list(choices)}")
+
+
+class Distill(Objective):
+    config_class = DistillConfig
+    needs = Requirements(views=("image", "teacher_images"))
+    saved_heads = ("summary_adaptors.", "patch_adaptors.", "summary_stats.", "patch_stats.")
+
+    def __init__(self, backbone, cfg: DistillConfig, data: DataInfo):
+        super().__init__(backbone, cfg, data)
+        _check_choice("teacher_precision", cfg.teacher_precision, TEACHER_PRECISIONS)
+        _check_choice("standardize", cfg.standardize, STANDARDIZE)
+        if not cfg.teachers:
+            raise ValueError("objective=distill needs at least one teacher: objective.teachers=[{source: <run dir | "
+                             "timm:... | hf:... | open_clip:...>, name: <name>}, ...]")
+        for index, teacher_cfg in enumerate(cfg.teachers):
+            if teacher_cfg.name is None:
+                teacher_cfg.name = f"teacher{index}"
+        names = [t.name for t in cfg.teachers]
+        bad = [n for n in names if not n.isidentifier()]
+        if bad or len(set(names)) != len(names):
+            raise ValueError(f"objective.teachers: names must be distinct identifiers (letters, digits, _), got "
+                             f"{names}")
+        teachers = self._load_teachers(cfg) if cfg.load_teachers else []
+        object.__setattr__(self, "teachers", teachers)  # outside the module tree: no optimizer, state or strategy
+        missing = [t.name for t in cfg.teachers if t.summary_dim is None or t.patch_dim is None]
+        if missing:
+            raise ValueError(f"objective.teachers {missing} record no feature dimensions (objective.load_teachers="
+                             "false rebuilds a student whose run recorded them)")
+        if cfg.text_teacher is not None and cfg.text_teacher not in names:
+            raise ValueError(f"objective.text_teacher={cfg.text_teacher!r} is not a teacher; valid choices: {names}")
+        hidden, width, stats = cfg.adaptor_hidden_dim, backbone.embed_dim, cfg.standardize == "running"
+        self.summary_adaptors = nn.ModuleDict({t.name: Adaptor(width, hidden, t.summary_dim) for t in cfg.teachers})
+        self.patch_adaptors = nn.ModuleDict({t.name: Adaptor(width, hidden, t.patch_dim) for t in cfg.teachers})
+        self.summary_stats = nn.ModuleDict({t.name: RunningStandardizer(t.summary_dim, cfg.stats_momentum, stats)
+                                            for t in cfg.teachers})
+        self.patch_stats = nn.ModuleDict({t.name: RunningStandardizer(t.patch_dim, cfg.stats_momentum, stats)
+                                          for t in cfg.teachers})
+        self._teachers_device: torch.device | None = None
+        object.__setattr__(self, "_text_side", None)
+
+    @staticmethod
+    def _load_teachers(cfg: DistillConfig) -> list[FeatureTeacher]:
+        """Each teacher whole, outside zero.Init and without moving the run's random stream; its dimensions and
+        kind recorded in `cfg`."""
+        teachers = []
+        for teacher_cfg in cfg.teachers:
+            try:
+                with whole_modules(), torch.random.fork_rng(devices=[]):
+                    teacher = load_feature_teacher(teacher_cfg.source, teacher_cfg.img_size)
+            except (ValueError, FileNotFoundError, OSError, RuntimeError) as err:
+                raise ValueError(f"objective.teachers[{teacher_cfg.name}]: {err} (valid forms: {TEACHER_FORMS})") \
+                    from err
+            teacher_cfg.summary_dim, teacher_cfg.patch_dim = teacher.summary_dim, teacher.patch_dim
+            teacher_cfg.image_text = is_image_text_source(teacher_cfg.source)
+            teachers.append(teacher)
+        return teachers
+
+    @classmethod
+    def requirements(cls, cfg) -> Requirements:
+        """An image-text model (zero-shot, retrieval) when a teacher embeds text too."""
+        image_text = any(t.image_text if t.image_text is not None else is_image_text_source(t.source)
+                         for t in cfg.teachers)
+        return Requirements(views=cls.needs.views, image_text=image_text)
+
+    @classmethod
+    def rebuild_config(cls, cfg):
+        """The student and its adaptors from the recorded dimensions; the teachers stay where they are."""
+        return OmegaConf.merge(OmegaConf.structured(cls.config_class), cfg, {"load_teachers": False})
+
+    def teacher_inputs(self) -> list:
+        return [teacher.preprocess for teacher in self.teachers]
+
+    # ----- the step -----
+    def _teacher_dtype(self, device: torch.device) -> torch.dtype:
+        if self.cfg.teacher_precision == "bf16" or (self.cfg.teacher_precision == "auto" and device.type == "cuda"
+                                                    and torch.cuda.is_bf16_supported()):
+            return torch.bfloat16
+        return torch.float32
+
+    def _place_teachers(self, device: torch.device) -> None:
+        """On the training device (once): in the teacher precision, sharded across the ranks where asked."""
+        if self._teachers_device == device:
+            return
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        for teacher, teacher_cfg in zip(self.teachers, self.cfg.teachers, strict=True):
+            teacher.to(device=device, dtype=self._teacher_dtype(device))
+            if teacher_cfg.shard and distributed and torch.distributed.get_world_size() > 1:
+                shard_for_inference(teacher, device)
+        self._teachers_device = device
+
+    def teacher_features(self, teacher_images: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(summary (B, Ds), patch features (B, Dp, h, w)) of each teacher on its view, fp32, outside any autocast
+        (a teacher runs in its own precision)."""
+        self._place_teachers(teacher_images[0].device)
+        with torch.autocast(teacher_images[0].device.type, enabled=False):
+            return [teacher(images) for teacher, images in zip(self.teachers, teacher_images, strict=True)]
+
+    def forward(self, batch: dict) -> dict[str, torch.Tensor]:
+        images = batch["image"]
+        tokens = self.backbone.forward_features(images)
+        summary, patches = self.backbone.pool(tokens), tokens[:, self.backbone.num_prefix_tokens:]
+        grid = self.backbone.patch_embed.grid_for(images.shape[-2], images.shape[-1])
+        cfg, loss, metrics = self.cfg, 0.0, {}
+        for teacher_cfg, (target_summary, target_patches) in zip(
+                cfg.teachers, self.teacher_features(batch["teacher_images"]), strict=True):
+            name = teacher_cfg.name
+            summary_stats, patch_stats = self.summary_stats[name], self.patch_stats[name]
+            if self.training:
+                summary_stats.update(target_summary)
+                patch_stats.update(target_patches.flatten(2).transpose(1, 2).flatten(0, 1))
+            target_summary = summary_stats.standardize(target_summary)
+            target_patches = resize_patch_features(patch_stats.standardize(target_patches, channel_dim=1), grid)
+            predicted_summary = self.summary_adaptors[name](summary).float()
+            predicted_patches = self.patch_adaptors[name](patches).float()
+            summary_loss = cosine_loss(predicted_summary, target_summary)
+            patch_cosine = cosine_loss(predicted_patches, target_patches)
+            patch_smooth_l1 = F.smooth_l1_loss(predicted_patches, target_patches)
+            patch_loss = cfg.patch_cosine_weight * patch_cosine + cfg.patch_smooth_l1_weight * patch_smooth_l1
+            loss = loss + teacher_cfg.summary_weight * summary_loss + teacher_cfg.patch_weight * patch_loss
+            metrics.update({f"{name}_summary_loss": summary_loss.detach(), f"{name}_patch_loss": patch_loss.detach(),
+                            f"{name}_patch_cosine": 1 - patch_cosine.detach()})
+        return {"loss": loss, **metrics}
+
+    # ----- the adaptors as the teachers' stand-ins -----
+    @property
+    def feature_names(self) -> list[str]:
+        """The adaptors that give features (eval.features=<name>): one per teacher."""
+        return [t.name for t in self.cfg.teachers]
+
+    def summary_features(self, images: torch.Tensor, name: str) -> torch.Tensor:
+        """(B, Ds): the student's prediction of teacher `name`'s summary, in that teacher's own space."""
+        if name not in self.summary_adaptors:
+            raise ValueError(f"no adaptor {name!r}; valid choices: {self.feature_names}")
+        summary = self.backbone.pool(self.backbone.forward_features(images))
+        return self.summary_stats[name].restore(self.summary_adaptors[name](summary).float())
+
+    def patch_features(self, images: torch.Tensor, name: str) -> torch.Tensor:
+        """(B, N, Dp): the student's prediction of teacher `name`'s patch features on the student's grid."""
+        if name not in self.patch_adaptors:
+            raise ValueError(f"no adaptor {name!r}; valid choices: {self.feature_names}")
+        patches = self.backbone.forward_features(images)[:, self.backbone.num_prefix_tokens:]
+        return self.patch_stats[name].restore(self.patch_adaptors[name](patches).float())
+
+    # ----- image-text: through the adaptor of an image-text teacher, with that teacher's text tower -----
+    @property
+    def text_teacher(self) -> str:
+        if self.cfg.text_teacher is not None:
+            return self.cfg.text_teacher
+        image_text = [t.name for t in self.cfg.teachers if t.image_text]
+        if not image_text:
+            raise ValueError(f"no image-text teacher among {self.feature_names}: zero-shot and retrieval need one "
+                             "(an open_clip model or a clip / siglip run)")
+        return image_text[0]
+
+    def text_side(self) -> nn.Module:
+        """The text tower of the image-text teacher, loaded from its source at first use (never trained or saved
+        with the student)."""
+        if self._text_side is None:
+            source = next(t.source for t in self.cfg.teachers if t.name == self.text_teacher)
+            with whole_modules(), torch.random.fork_rng(devices=[]):
+                object.__setattr__(self, "_text_side", load_text_side(source))
+        return self._text_side
+
+    def text_tokenizer(self):
+        return self.text_side().text_tokenizer()
+
+    @property
+    def zeroshot_templates(self) -> list[str]:
+        return list(getattr(self.text_side(), "zeroshot_templates", []))
+
+    def encode_image(self, images: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+        features = self.summary_features(images, self.text_teacher)
+        return F.normalize(features, dim=-1) if normalize else features
+
+    def encode_text(self, tokens: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+        text = self.text_side()
+        first = next(text.parameters(), None)
+        if first is not None and first.device != tokens.device:
+            text.to(tokens.device)
+        return text.encode_text(tokens, normalize=normalize)
+
+
+__all__ = ["Adaptor", "Distill", "DistillConfig", "RunningStandardizer", "TeacherConfig", "cosine_loss",
+           "resize_patch_features"]
