@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from omegaconf import MISSING, OmegaConf
@@ -51,6 +53,7 @@ from objectives.feature_teacher import (
 from ssl_vit.init import whole_modules
 from ssl_vit.schema import checked
 
+log = logging.getLogger("ssl_vit")
 TEACHER_PRECISIONS = ("auto", "bf16", "fp32")
 STANDARDIZE = ("running", "none")
 
@@ -242,7 +245,11 @@ class Distill(Objective):
         for teacher, teacher_cfg in zip(self.teachers, self.cfg.teachers, strict=True):
             teacher.to(device=device, dtype=self._teacher_dtype(device))
             if teacher_cfg.shard and distributed and torch.distributed.get_world_size() > 1:
+                whole = sum(p.numel() for p in teacher.parameters())
                 shard_for_inference(teacher, device)
+                local = sum(p.to_local().numel() for p in teacher.parameters())
+                log.info("teacher %s: sharded across %d processes for inference (FSDP2), %d of its %d parameters "
+                         "on this one", teacher_cfg.name, torch.distributed.get_world_size(), local, whole)
         self._teachers_device = device
 
     def teacher_features(self, teacher_images: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:

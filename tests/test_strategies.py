@@ -22,7 +22,8 @@ from accelerate.utils import DistributedType
 from conftest import ACCELERATE_LAUNCH, ROOT, assert_weights_close, check_ok, launch, read_metrics
 from safetensors.torch import load_file, save_file
 
-from ssl_vit.artifacts import load_encoder
+from ssl_vit.artifacts import load_encoder, save_encoder
+from ssl_vit.preprocess import Preprocess
 from ssl_vit.schema import ConfigError
 from ssl_vit.train.strategy import check_compile
 from ssl_vit.vit import build_vit
@@ -68,6 +69,15 @@ RUNS += [(objective, config) for objective in ("dinov3", "mocov3", "ijepa") for 
 # DeiT (its frozen teacher outside the sharded model, the hybrid's init under zero.Init) ran under all five when it
 # landed; ZeRO-1/2 hold whole parameters as DDP does, so DDP, ZeRO-3 and FSDP2 are the ones that differ for it.
 RUNS += [("deit", config) for config in ("ddp_cpu2", "zero3_cpu2", "fsdp2_cpu2")]
+# Multi-teacher distillation: two frozen teachers built whole outside the sharded model ({distill_teacher}: our
+# encoder file at another patch grid, 7 x 7 against the student's 8 x 8; {vit_teacher}: timm's ViT-Ti/16 at 32 px,
+# a 2 x 2 grid), their running feature statistics all-reduced over the ranks; under ZeRO-3 the first teacher is
+# itself sharded across the ranks for inference (FSDP2 inside a DeepSpeed run), replicated elsewhere.
+OBJECTIVES["distill"] = ["objective=distill_tiny", "objective.adaptor_hidden_dim=32",
+                         "objective.teachers=[{source: '{distill_teacher}', name: ours, img_size: 21}, "
+                         "{source: 'timm:vit_tiny_patch16_224:{vit_teacher}', name: vit, img_size: 32}]"]
+RUNS += [("distill", config) for config in ("ddp_cpu2", "zero3_cpu2", "fsdp2_cpu2")]
+PER_RUN = {("distill", "zero3_cpu2"): ["objective.teachers.0.shard=true"]}
 # Per-block torch.compile (inductor's CPU backend) against these eager runs: supervised and DINOv3 (three crop
 # sizes, no-grad teachers, masks, RoPE, periodic evaluation: every kind of recompile) under DDP and FSDP2.
 OBJECTIVES["supervised"] = ["objective=supervised"]
@@ -86,15 +96,27 @@ def _run(config, out, *overrides, env=None):
     return launch(*model, *TINY, *overrides, f"hydra.run.dir={out}", config=config, env=env)
 
 
+def _fill(override: str, files: dict) -> str:
+    """An override with its {name} placeholders replaced by the fixture's files."""
+    for name, path in files.items():
+        override = override.replace("{" + name + "}", str(path))
+    return override
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("strategies")
     teacher = root / "resnet10t.safetensors"
     save_file(timm.create_model("resnet10t", num_classes=8).state_dict(), str(teacher))
+    files = {"teacher": teacher, "distill_teacher": root / "distill_teacher.safetensors",
+             "vit_teacher": root / "vit_tiny.safetensors"}
+    save_encoder(build_vit("vit_test", img_size=21, patch_size=3), files["distill_teacher"],
+                 Preprocess(21, mean=[0.5] * 3, std=[0.25] * 3))
+    save_file(timm.create_model("vit_tiny_patch16_224", num_classes=0).state_dict(), str(files["vit_teacher"]))
     done = {}
     for objective, config in RUNS:
         # the config file alone sets every strategy up (nothing in the environment)
-        overrides = [o.format(teacher=teacher) for o in OBJECTIVES[objective]]
+        overrides = [_fill(o, files) for o in OBJECTIVES[objective] + PER_RUN.get((objective, config), [])]
         proc = check_ok(_run(config, root / f"{objective}-{config}", *EVAL, *overrides,
                              env={"ACCELERATE_USE_CPU": None}))
         (root / f"{objective}-{config}.log").write_text(proc.stdout + proc.stderr)
@@ -155,7 +177,7 @@ def test_compile_is_refused_under_deepspeed_and_a_bad_mode_is_named():
     check_compile(ddp, "max-autotune")
 
 
-@pytest.mark.parametrize("objective", ["dinov3", "clip", "deit", "mocov3", "ijepa"])
+@pytest.mark.parametrize("objective", ["dinov3", "clip", "deit", "mocov3", "ijepa", "distill"])
 def test_every_strategy_gives_the_same_losses_encoders_and_heads(runs, objective):
     reference = [m["loss"] for m in read_metrics(runs[objective, "ddp_cpu2"]) if "loss" in m]
     reference_eval = [m for m in read_metrics(runs[objective, "ddp_cpu2"]) if "eval/knn" in m]
@@ -199,6 +221,27 @@ def test_every_strategy_gives_the_same_losses_encoders_and_heads(runs, objective
                                reference_encoder["blocks.0.attn.qkv.weight"])
         for name in ("patch_embed.proj.weight", "patch_embed.proj.bias"):
             assert torch.equal(reference_heads[f"momentum.backbone.{name}"], reference_encoder[name])
+
+
+def test_distill_teachers_stay_outside_the_model_and_the_sharded_one_is_split(runs):
+    """Under ZeRO-3 the first teacher ran sharded across both ranks (FSDP2, each rank a part of it) and still gave
+    DDP's losses (the equality test above); no strategy saved a teacher weight: the checkpoint holds the student,
+    its adaptors and the feature statistics only."""
+    log = Path(f"{runs['distill', 'zero3_cpu2']}.log").read_text()
+    shares = [line for line in log.splitlines() if "teacher ours: sharded across 2 processes" in line]
+    assert len(shares) == 2, log[-3000:]  # one line per rank
+    whole = build_vit("vit_test", img_size=21, patch_size=3)
+    total = sum(p.numel() for p in whole.parameters())
+    local = [int(line.split("(FSDP2), ")[1].split(" of ")[0]) for line in shares]
+    assert all(f"of its {total} parameters" in line for line in shares) and all(n < total for n in local)
+    assert sum(local) == total  # the shards cover the teacher, each parameter split along its first dimension
+    for config in ("ddp_cpu2", "zero3_cpu2", "fsdp2_cpu2"):
+        heads = load_file(runs["distill", config] / "heads.safetensors")
+        assert {k.split(".")[0] for k in heads} == {"summary_adaptors", "patch_adaptors", "summary_stats",
+                                                    "patch_stats"}
+    checkpoint = load_file(runs["distill", "ddp_cpu2"] / "checkpoints" / "step_00000005" / "model.safetensors")
+    assert {k.split(".")[0] for k in checkpoint} == {"backbone", "summary_adaptors", "patch_adaptors",
+                                                     "summary_stats", "patch_stats"}
 
 
 def test_the_dino_teacher_is_the_same_under_every_strategy(runs):

@@ -1,0 +1,361 @@
+"""objective=distill (multi-teacher distillation, AM-RADIO's losses): the losses, the standardisation and the
+resizing of teacher grids against independent computations, teacher views against each library's own processor,
+frozen teachers out of checkpoints and exports, zero-shot through an exact CLIP adaptor equal to the teacher's, and
+the real CLI: a student of a CLIP run and another encoder, evaluated through its adaptors."""
+
+import copy
+import json
+import math
+
+import numpy as np
+import pytest
+import timm
+import torch
+from conftest import ROOT, check_ok, launch, read_metrics
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from objectives import DataInfo, load_trained
+from objectives.clip import CLIP
+from objectives.distill import Distill, DistillConfig, RunningStandardizer, TeacherConfig, resize_patch_features
+from objectives.feature_teacher import load_feature_teacher
+from ssl_vit.artifacts import load_encoder, save_encoder, save_encoder_state, save_heads
+from ssl_vit.cli import register_configs
+from ssl_vit.config import EvalConfig
+from ssl_vit.data.views import PairedCrops, ViewBuilder
+from ssl_vit.eval.run import evaluate, zeroshot_eval
+from ssl_vit.preprocess import Preprocess
+from ssl_vit.schema import ConfigError
+from ssl_vit.train.build import build_components
+from ssl_vit.vit import build_vit
+
+CLIP_TOWERS = dict(embed_dim=12, context_length=16, text_width=16, text_heads=2, text_layers=1)
+
+
+def _save_run(model, out, preprocess):
+    """A run directory of `model` (encoder.safetensors + heads.safetensors, as the trainer writes them)."""
+    artifacts = model.artifacts(model.state_dict())
+    save_encoder_state(artifacts.encoder, model.encoder.config, out / "encoder.safetensors", preprocess, step=0)
+    save_heads(artifacts.heads, out / "heads.safetensors", step=0, **artifacts.metadata)
+    return out
+
+
+@pytest.fixture(scope="module")
+def teachers(tmp_path_factory):
+    """A CLIP run (random towers; 48 px, 16 px patches: a 3 x 3 grid) and an encoder file with 14 px patches at
+    70 px (a 5 x 5 grid), its own normalisation."""
+    root = tmp_path_factory.mktemp("teachers")
+    torch.manual_seed(1)
+    clip = CLIP(build_vit("vit_test", img_size=48, patch_size=16, pre_norm=True),
+                OmegaConf.structured(CLIP.config_class(**CLIP_TOWERS)), DataInfo(0, 48))
+    clip_run = _save_run(clip, root / "clip", Preprocess(48, mean=[0.4] * 3, std=[0.3] * 3))
+    encoder = save_encoder(build_vit("vit_test", img_size=70, patch_size=14), root / "dino.safetensors",
+                           Preprocess(70, mean=[0.5] * 3, std=[0.25] * 3))
+    return {"clip": clip_run, "dino": encoder}
+
+
+def _student(teachers, **overrides):
+    cfg = OmegaConf.structured(DistillConfig(**{"adaptor_hidden_dim": 24, **overrides}, teachers=[
+        TeacherConfig(source=str(teachers["clip"]), name="clip"),
+        TeacherConfig(source=str(teachers["dino"]), name="dino", patch_weight=0.5)]))
+    return Distill(build_vit("vit_test", img_size=64, patch_size=16), cfg, DataInfo(0, 64))
+
+
+def _gelu(x):
+    return 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+
+
+def _mlp(adaptor, x):
+    w1, b1, w2, b2 = (t.detach().double().numpy() for t in (adaptor.fc1.weight, adaptor.fc1.bias,
+                                                            adaptor.fc2.weight, adaptor.fc2.bias))
+    return _gelu(x @ w1.T + b1) @ w2.T + b2
+
+
+def _bilinear(features, out_h, out_w):
+    """(C, h, w) -> (C, out_h, out_w): half-pixel centres, clamped at the edges (align_corners=False)."""
+    def axis(n_in, n_out):
+        source = np.maximum((np.arange(n_out) + 0.5) * n_in / n_out - 0.5, 0)
+        low = np.floor(source).astype(int)
+        return low, np.minimum(low + 1, n_in - 1), source - low
+    (r0, r1, fr), (c0, c1, fc) = axis(features.shape[1], out_h), axis(features.shape[2], out_w)
+    rows = features[:, r0] * (1 - fr)[None, :, None] + features[:, r1] * fr[None, :, None]
+    return rows[:, :, c0] * (1 - fc)[None, None, :] + rows[:, :, c1] * fc[None, None, :]
+
+
+def _cosine(a, b):
+    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+def _smooth_l1(a, b):
+    d = np.abs(a - b)
+    return np.where(d < 1, 0.5 * d ** 2, d - 0.5).mean()
+
+
+def _standardised(rows):
+    mean, var = rows.mean(0), (rows ** 2).mean(0) - rows.mean(0) ** 2
+    return lambda x: (x - mean) / np.sqrt(np.maximum(var, 1e-6))
+
+
+def test_the_loss_is_radios_on_standardised_teacher_features_resized_to_the_students_grid(teachers):
+    """The first training step's loss, written out in numpy: each teacher's summary and patches standardised by
+    the batch's per-channel statistics (the first update takes them whole), the 14 px teacher's 5 x 5 and the CLIP
+    teacher's 3 x 3 grids resized bilinearly to the student's 4 x 4 (16 px patches), adaptors Linear-GELU-Linear,
+    1 - cos on the summary, 0.9 (1 - cos) + 0.1 smooth-L1 on the patches, per-teacher weights."""
+    torch.manual_seed(0)
+    student = _student(teachers).train()
+    generator = torch.Generator().manual_seed(0)
+    batch = {"image": torch.randn(3, 3, 64, 64, generator=generator),
+             "teacher_images": [torch.randn(3, 3, 48, 48, generator=generator),
+                                torch.randn(3, 3, 70, 70, generator=generator)]}
+    out = student(batch)
+    tokens = student.backbone.forward_features(batch["image"]).detach().double().numpy()
+    summary, patches = tokens[:, 0], tokens[:, 1:]
+    clip = load_trained(teachers["clip"])
+    dino = load_encoder(teachers["dino"])
+    with torch.no_grad():
+        clip_tokens = clip.backbone.forward_features(batch["teacher_images"][0])
+        targets = {"clip": (clip.image_proj(clip_tokens[:, 0]), clip_tokens[:, 1:], 3),
+                   "dino": (*(lambda t: (t[:, 0], t[:, 1:]))(dino.forward_features(batch["teacher_images"][1])), 5)}
+    expected = 0.0
+    for name, patch_weight in (("clip", 1.0), ("dino", 0.5)):
+        teacher_summary, teacher_patches, side = (t.double().numpy() if torch.is_tensor(t) else t
+                                                  for t in targets[name])
+        target_summary = _standardised(teacher_summary)(teacher_summary)
+        channels = teacher_patches.shape[-1]
+        standardised = _standardised(teacher_patches.reshape(-1, channels))(teacher_patches)
+        target_patches = np.stack([_bilinear(image.T.reshape(channels, side, side), 4, 4).reshape(channels, 16).T
+                                   for image in standardised])
+        predicted_summary = _mlp(student.summary_adaptors[name], summary)
+        predicted_patches = _mlp(student.patch_adaptors[name], patches)
+        summary_loss = (1 - _cosine(predicted_summary, target_summary)).mean()
+        patch_loss = (0.9 * (1 - _cosine(predicted_patches, target_patches)).mean()
+                      + 0.1 * _smooth_l1(predicted_patches, target_patches))
+        assert out[f"{name}_summary_loss"].item() == pytest.approx(summary_loss, abs=1e-5)
+        assert out[f"{name}_patch_loss"].item() == pytest.approx(patch_loss, abs=1e-5)
+        expected += summary_loss + patch_weight * patch_loss
+    assert out["loss"].item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_resizing_a_14_px_teachers_grid_to_a_16_px_students_is_bilinear_with_half_pixel_centres():
+    features = torch.randn(2, 5, 16, 16, dtype=torch.float64)  # a 14 px teacher at 224: 16 x 16
+    resized = resize_patch_features(features, (14, 14))  # a 16 px student at 224: 14 x 14
+    assert resized.shape == (2, 196, 5)
+    for image in range(2):
+        expected = _bilinear(features[image].numpy(), 14, 14).reshape(5, 196).T
+        np.testing.assert_allclose(resized[image].numpy(), expected, atol=1e-12)
+    upsampled = resize_patch_features(features[:, :, :3, :3], (4, 4))  # a coarser teacher grid, upsampled
+    np.testing.assert_allclose(upsampled[0].numpy(), _bilinear(features[0, :, :3, :3].numpy(), 4, 4)
+                               .reshape(5, 16).T, atol=1e-12)
+    assert torch.equal(resize_patch_features(features, (16, 16)), features.flatten(2).transpose(1, 2))
+
+
+def test_running_statistics_are_the_cumulative_mean_then_an_ema():
+    """momentum 0.5: the first update takes the batch's statistics, the second averages both batches, from the
+    third on each batch weighs 1 - momentum; standardize / restore are inverse, and running 'none' is identity."""
+    stats = RunningStandardizer(3, momentum=0.5)
+    rng = np.random.default_rng(0)
+    batches = [rng.normal(loc=3, scale=2, size=(20, 3)) for _ in range(4)]
+    mean, square = batches[0].mean(0), (batches[0] ** 2).mean(0)
+    for index, batch in enumerate(batches):
+        stats.update(torch.tensor(batch, dtype=torch.float32))
+        if index:
+            weight = max(1 / (index + 1), 0.5)
+            mean, square = (1 - weight) * mean + weight * batch.mean(0), (1 - weight) * square + weight * (batch ** 2).mean(0)
+        np.testing.assert_allclose(stats.mean.numpy(), mean, rtol=1e-5)
+        np.testing.assert_allclose(stats.std().numpy(), np.sqrt(square - mean ** 2), rtol=1e-4)
+    x = torch.randn(5, 3)
+    torch.testing.assert_close(stats.restore(stats.standardize(x)), x, atol=1e-5, rtol=0)
+    torch.testing.assert_close(stats.standardize(x), (x - stats.mean) / stats.std())
+    off = RunningStandardizer(3, momentum=0.5, enabled=False)
+    off.update(x)
+    assert torch.equal(off.standardize(x), x) and off.count.item() == 0
+
+
+def _image(height, width):
+    rng = np.random.default_rng(3)
+    base = np.linspace(0, 255, height * width * 3).reshape(height, width, 3)
+    return np.clip(base + rng.normal(0, 40, size=base.shape), 0, 255).astype(np.uint8)
+
+
+def test_teacher_views_equal_each_teachers_own_processor(teachers, tmp_path):
+    """Without augmentation a teacher's view is its library's own processor applied to the image (the recipe its
+    loader read: size, interpolation, normalisation): ours exactly; timm's and open_clip's eval transforms and
+    transformers' ViTImageProcessor (all PIL) within PIL's resampling rounding. A non-square image is resized by its
+    shorter side and centre-cropped, as they do."""
+    import open_clip
+    from timm.data import create_transform, resolve_data_config
+    from transformers import ViTImageProcessor
+
+    vit = timm.create_model("vit_tiny_patch16_224", num_classes=0)
+    save_file(vit.state_dict(), str(tmp_path / "vit.safetensors"))
+    timm_teacher = load_feature_teacher(f"timm:vit_tiny_patch16_224:{tmp_path / 'vit.safetensors'}", img_size=48)
+    ours = load_feature_teacher(str(teachers["dino"]))
+    recipes = [ours.preprocess, timm_teacher.preprocess,
+               Preprocess(40, mean=list(open_clip.OPENAI_DATASET_MEAN), std=list(open_clip.OPENAI_DATASET_STD),
+                          interpolation="bicubic")]
+    picture = _image(60, 80)
+    tensor = torch.from_numpy(picture).permute(2, 0, 1).contiguous()
+    views = ViewBuilder(("image", "teacher_images"), 32, [0.5] * 3, [0.5] * 3, teacher_inputs=recipes)
+    student, *teacher_views = (lambda out: [out["image"], *out["teacher_images"]])(views({"image": tensor}))
+    assert [tuple(v.shape) for v in teacher_views] == [(3, 70, 70), (3, 48, 48), (3, 40, 40)]
+    torch.testing.assert_close(teacher_views[0], ours.preprocess.view_builder(("image",))({"image": tensor})["image"],
+                               atol=0, rtol=0)
+    data_config = resolve_data_config({}, model=vit)
+    assert (data_config["mean"], data_config["std"]) == (tuple(recipes[1].mean), tuple(recipes[1].std))
+    timm_view = create_transform(**{**data_config, "input_size": (3, 48, 48), "crop_pct": 1.0})(
+        Image.fromarray(picture))
+    open_clip_view = open_clip.image_transform(40, is_train=False)(Image.fromarray(picture))
+    for ours_view, theirs in ((teacher_views[1], timm_view), (teacher_views[2], open_clip_view)):
+        difference = (ours_view - theirs).abs()  # PIL vs torchvision's antialiased resampling
+        assert difference.mean() < 0.02 and difference.max() < 0.5, (difference.mean(), difference.max())
+    square = _image(64, 64)
+    square_views = ViewBuilder(("image", "teacher_images"), 32, [0.5] * 3, [0.5] * 3,
+                               teacher_inputs=[Preprocess(48, mean=[0.5] * 3, std=[0.5] * 3)])
+    ours_view = square_views({"image": torch.from_numpy(square).permute(2, 0, 1).contiguous()})["teacher_images"][0]
+    processor = ViTImageProcessor(size={"height": 48, "width": 48}, resample=Image.BILINEAR, image_mean=[0.5] * 3,
+                                  image_std=[0.5] * 3)
+    hf_view = torch.from_numpy(processor(Image.fromarray(square), return_tensors="np")["pixel_values"][0])
+    difference = (ours_view - hf_view).abs()
+    assert difference.mean() < 0.02 and difference.max() < 0.5, (difference.mean(), difference.max())
+    assert student.shape == (3, 32, 32)
+
+
+def test_augmented_teacher_views_are_cut_from_the_students_box():
+    """With random resized crops and flips every view comes from one box: a teacher recipe at the student's size
+    and normalisation gives the student's own crop, pixel for pixel, at any seed."""
+    crops = PairedCrops([(32, "bilinear", [0.5] * 3, [0.5] * 3), (32, "bilinear", [0.5] * 3, [0.5] * 3),
+                         (64, "bicubic", [0.2] * 3, [0.3] * 3)], augment=True, crop_scale=(0.2, 0.6))
+    image = torch.from_numpy(_image(50, 70)).permute(2, 0, 1).contiguous()
+    for seed in range(6):
+        torch.manual_seed(seed)
+        student, same, larger = crops(image)
+        torch.testing.assert_close((student - 0.5) / 0.5, same, atol=1e-6, rtol=0)
+        assert larger.shape == (3, 64, 64)
+    torch.manual_seed(0)
+    first = crops(image)[0]
+    torch.manual_seed(1)
+    assert not torch.equal(first, crops(image)[0])  # a new box per draw
+
+
+def test_teachers_are_frozen_outside_the_module_tree_and_the_optimizer(teachers):
+    torch.manual_seed(0)
+    student = _student(teachers).train()
+    before = [copy.deepcopy(t.state_dict()) for t in student.teachers]
+    assert all(not p.requires_grad for t in student.teachers for p in t.parameters())
+    assert not any(name.startswith("teachers") for name, _ in student.named_parameters())
+    assert {name.split(".")[0] for name in student.state_dict()} == {
+        "backbone", "summary_adaptors", "patch_adaptors", "summary_stats", "patch_stats"}
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        batch = {"image": torch.randn(2, 3, 64, 64, generator=generator),
+                 "teacher_images": [torch.randn(2, 3, 48, 48, generator=generator),
+                                    torch.randn(2, 3, 70, 70, generator=generator)]}
+        student(batch)["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for teacher, state in zip(student.teachers, before, strict=True):
+        assert not teacher.training
+        for name, value in teacher.state_dict().items():
+            assert torch.equal(value, state[name]), name
+    assert student.summary_stats["dino"].count.item() == 2
+    # the run's artifacts: the student's encoder and its adaptors + statistics, the teachers' dimensions recorded
+    artifacts = student.artifacts(student.state_dict())
+    assert set(artifacts.encoder) == set(student.backbone.state_dict())
+    assert {k.split(".")[0] for k in artifacts.heads} == {"summary_adaptors", "patch_adaptors", "summary_stats",
+                                                           "patch_stats"}
+    recorded = json.loads(artifacts.metadata["objective_config"])["teachers"]
+    assert [(t["summary_dim"], t["patch_dim"], t["image_text"]) for t in recorded] == [(12, 32, True),
+                                                                                      (32, 32, False)]
+
+
+def test_zero_shot_through_an_exact_clip_adaptor_equals_the_teachers(teachers):
+    """A student with the CLIP teacher's image tower and an adaptor that reproduces its projection exactly
+    (GELU(a) - GELU(-a) = a: hidden [P; -P], out [I, -I] scaled by the statistics it is de-standardised with)
+    classifies every test image as the teacher does, through the teacher's own text tower."""
+    clip = load_trained(teachers["clip"])
+    cfg = OmegaConf.structured(DistillConfig(adaptor_hidden_dim=2 * CLIP_TOWERS["embed_dim"],
+                                             teachers=[TeacherConfig(source=str(teachers["clip"]), name="clip")]))
+    student = Distill(load_encoder(teachers["clip"] / "encoder.safetensors"), cfg, DataInfo(0, 48)).eval()
+    stats = student.summary_stats["clip"]
+    with torch.no_grad():
+        stats.update(torch.randn(64, 12) * 3 + 1)  # any statistics: the adaptor undoes them
+        projection = clip.image_proj.weight
+        adaptor = student.summary_adaptors["clip"]
+        adaptor.fc1.weight.copy_(torch.cat([projection, -projection]))
+        adaptor.fc1.bias.zero_()
+        identity = torch.eye(12)
+        adaptor.fc2.weight.copy_(torch.cat([identity, -identity], dim=1) / stats.std()[:, None])
+        adaptor.fc2.bias.copy_(-stats.mean / stats.std())
+    images = torch.randn(5, 3, 48, 48)
+    torch.testing.assert_close(student.encode_image(images), clip.encode_image(images), atol=1e-5, rtol=1e-5)
+    from ssl_vit.data.synthetic import SyntheticShapes
+
+    test_set = SyntheticShapes(num_samples=200, img_size=48, seed=5)
+    settings = EvalConfig(evaluators=["zeroshot"], batch_size=64)
+    preprocess = Preprocess(48, mean=[0.4] * 3, std=[0.3] * 3)
+    ours = zeroshot_eval(student, test_set, preprocess, settings, "synthetic")
+    theirs = zeroshot_eval(clip, test_set, preprocess, settings, "synthetic")
+    assert ours["accuracy"] == theirs["accuracy"] and ours["templates"] == theirs["templates"]
+
+
+def _compose(name, *overrides):
+    register_configs()
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        return compose(name, overrides=list(overrides))
+
+
+@pytest.fixture(scope="module")
+def student_run(teachers, tmp_path_factory):
+    """The real CLI: a vit_test student of both teachers, 6 steps, augmented crops."""
+    out = tmp_path_factory.mktemp("student")
+    spec = (f"objective.teachers=[{{source: '{teachers['clip']}', name: clip}}, "
+            f"{{source: '{teachers['dino']}', name: dino, img_size: 56}}]")
+    check_ok(launch("objective=distill_tiny", "model=vit_test", "objective.adaptor_hidden_dim=32", spec,
+                    "data.augment=crop_flip", "data.num_samples=64", "data.batch_size=8", "trainer.max_steps=6",
+                    "trainer.log_every=1", f"hydra.run.dir={out}"))
+    return out
+
+
+def test_the_cli_trains_a_student_and_evaluates_it_through_its_adaptors(student_run, tmp_path):
+    metrics = [m for m in read_metrics(student_run) if "loss" in m]
+    assert len(metrics) == 6 and all(math.isfinite(m["loss"]) for m in metrics)
+    assert {"clip_summary_loss", "clip_patch_loss", "dino_summary_loss", "dino_patch_cosine"} <= set(metrics[0])
+    heads = load_file(student_run / "heads.safetensors")
+    assert heads["patch_adaptors.dino.fc2.weight"].shape == (32, 32) and "summary_stats.clip.mean" in heads
+    common = ["data=synthetic", "data.num_samples=256", "data.max_train_samples=128", "data.max_test_samples=64",
+              "cache_dir=null", f"output_dir={tmp_path}"]
+    knn = evaluate(_compose("evaluate", f"checkpoint={student_run}", "eval=knn", "eval.features=dino", *common),
+                   progress=False)
+    assert knn["feature_dim"] == 32 and 0 <= knn["results"]["knn"]["accuracy"] <= 1
+    clip_features = evaluate(_compose("evaluate", f"checkpoint={student_run}", "eval=knn", "eval.features=clip",
+                                      *common), progress=False)
+    assert clip_features["feature_dim"] == CLIP_TOWERS["embed_dim"]
+    text = evaluate(_compose("evaluate", f"checkpoint={student_run}", "eval=zeroshot", *common), progress=False)
+    assert text["results"]["zeroshot"]["num_test"] == 64
+    retrieval = evaluate(_compose("evaluate", f"checkpoint={student_run}", "eval=retrieval", *common),
+                         progress=False)
+    assert set(retrieval["results"]["retrieval"]["accuracy"]) >= {"image_to_text_R@1", "text_to_image_R@10"}
+    with pytest.raises(ConfigError, match=r"unknown eval.features 'sam'; valid choices: .* adaptors \['clip', "
+                                          r"'dino'\]"):
+        evaluate(_compose("evaluate", f"checkpoint={student_run}", "eval=knn", "eval.features=sam", *common))
+
+
+def test_bad_teacher_settings_are_one_line_each(teachers):
+    base = ["objective=distill_tiny", "model=vit_test"]
+    with pytest.raises(ConfigError, match="objective=distill needs at least one teacher"):
+        build_components(_compose("pretrain", *base))
+    with pytest.raises(ConfigError, match=r"objective.teachers\[teacher0\]: .*nowhere.*\(valid forms: "):
+        build_components(_compose("pretrain", *base, "objective.teachers=[{source: /nowhere/run}]"))
+    with pytest.raises(ConfigError, match=r"names must be distinct identifiers .*\['a', 'a'\]"):
+        build_components(_compose("pretrain", *base, f"objective.teachers=[{{source: '{teachers['dino']}', name: a}}, "
+                                                     f"{{source: '{teachers['dino']}', name: a}}]"))
+    with pytest.raises(ConfigError, match="distillation teachers must see the same crop; use data.augment=crop_flip"):
+        build_components(_compose("pretrain", *base, f"objective.teachers=[{{source: '{teachers['dino']}'}}]",
+                                  "data.augment=augreg", "data.augreg.mixup=0", "data.augreg.cutmix=0"))
+    with pytest.raises(ConfigError, match=r"objective.teacher_precision='fp8' is invalid; valid choices: "
+                                          r"\['auto', 'bf16', 'fp32'\]"):
+        build_components(_compose("pretrain", *base, f"objective.teachers=[{{source: '{teachers['dino']}'}}]",
+                                  "objective.teacher_precision=fp8"))
