@@ -16,15 +16,17 @@ ssl_vit/interop/sources.py). --to hf writes a transformers directory (default --
 for pre-norm models, dinov2 with layer scale or registers, siglip without a class token, vit otherwise; a CLIP run's
 projection becomes visual_projection) with its image processor; --to timm a model.safetensors + timm config.json
 (timm's DINOv3 port for RoPE models); --to onnx model.onnx (dynamic batch, checked with onnxruntime); --to
-open_clip a CLIP / SigLIP run's image and text towers. Every target gets a README.md model card beside the
+open_clip a CLIP / SigLIP run's image and text towers; --to safetensors of a distilled student (objective=distill)
+writes its adaptor heads beside the encoder. Every target gets a README.md model card beside the
 weights (ssl_vit/model_card.py).
 """
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
-from objectives import load_trained
+from objectives import load_trained, objective_class
 from ssl_vit.artifacts import load_heads, read_preprocess, run_files, save_encoder
 from ssl_vit.interop.hf import HF_ARCHS, default_arch, export_hf
 from ssl_vit.interop.onnx import export_onnx
@@ -79,8 +81,24 @@ def export(source: str, to: str, out: str, hf_arch: str | None = None) -> str:
     else:
         path = save_encoder(encoder, Path(out) / "encoder.safetensors", preprocess, source=source)
         load = f"ssl_vit.artifacts.load_encoder('{path}')  # or checkpoint={path.parent} in ssl-vit's scripts"
+        if _copy_adaptors(source, Path(out)):
+            load += f"; its adaptors: objectives.load_trained('{path.parent}')"
     card = write_model_card(out, source, to, load, encoder, preprocess)
     return f"wrote {path} and its model card {card.name}: {load}"
+
+
+def _copy_adaptors(source: str, out: Path) -> bool:
+    """A distilled student's adaptor heads (heads.safetensors of an objective with adaptors: objective=distill) go
+    with its encoder, so that the export evaluates through them (eval.features=<teacher>, zero-shot through an
+    image-text teacher's adaptor) and `objectives.load_trained` rebuilds the student from it."""
+    _, heads = run_files(source)
+    if source.split(":", 1)[0] in LIBRARIES or not heads.is_file():
+        return False
+    name = load_heads(heads)[1].get("objective", "")
+    if not hasattr(objective_class(name), "feature_names"):
+        return False
+    shutil.copyfile(heads, out / heads.name)
+    return True
 
 
 def _clip_projection(source: str):

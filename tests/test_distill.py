@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import timm
 import torch
-from conftest import ROOT, check_ok, launch, read_metrics
+from conftest import ROOT, check_ok, export_script, launch, read_metrics
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from PIL import Image
@@ -330,6 +330,12 @@ def test_the_cli_trains_a_student_and_evaluates_it_through_its_adaptors(student_
     knn = evaluate(_compose("evaluate", f"checkpoint={student_run}", "eval=knn", "eval.features=dino", *common),
                    progress=False)
     assert knn["feature_dim"] == 32 and 0 <= knn["results"]["knn"]["accuracy"] <= 1
+    # the adaptors go with the exported encoder: the export evaluates through them as the run does
+    assert export_script().main([str(student_run), "--to", "safetensors", "--out", str(tmp_path / "export")]) == 0
+    assert (tmp_path / "export" / "heads.safetensors").is_file()
+    exported = evaluate(_compose("evaluate", f"checkpoint={tmp_path / 'export'}", "eval=knn", "eval.features=dino",
+                                 *common), progress=False)
+    assert exported["results"]["knn"] == knn["results"]["knn"]
     clip_features = evaluate(_compose("evaluate", f"checkpoint={student_run}", "eval=knn", "eval.features=clip",
                                       *common), progress=False)
     assert clip_features["feature_dim"] == CLIP_TOWERS["embed_dim"]
