@@ -189,6 +189,12 @@ class EvalConfig:
     finetune_augment: bool = False  # random resized crops + flips: for long runs; slows short ones
     zeroshot_templates: list[str] = field(default_factory=list)  # prompts with {} for the class; empty: the data's
     retrieval_ks: list[int] = checked(factory=lambda: [1, 5, 10], ge=1)
+    segmentation_blocks: int = checked(1, ge=1)  # the last k blocks' patch tokens, concatenated (DINOv2's +ms: 4)
+    attentive_lr_values: list[float] = checked(factory=lambda: [1e-3, 3e-3], gt=0)
+    attentive_weight_decays: list[float] = checked(factory=lambda: [0.01, 0.1], ge=0)
+    attentive_epochs: int = checked(20, ge=1)
+    attentive_batch_size: int = checked(256, ge=1)
+    attentive_heads: int | None = checked(None, ge=1)  # None: the encoder's head count
 
 
 @dataclass

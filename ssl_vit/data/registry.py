@@ -12,13 +12,14 @@ from ssl_vit.data.captions import CAPTIONS, TUXPAINT
 from ssl_vit.data.config import DatasetKind
 from ssl_vit.data.folder import FOLDER
 from ssl_vit.data.real import DIGITS, FASHION_MNIST
+from ssl_vit.data.segmentation import SEGFOLDER, TUXPAINT_SEG
 from ssl_vit.data.shard_stream import SHARDS
 from ssl_vit.data.subset import limit_samples
 from ssl_vit.data.synthetic import SYNTHETIC
 from ssl_vit.schema import ConfigError
 
 DATASETS: dict[str, DatasetKind] = {kind.name: kind for kind in (
-    SYNTHETIC, FOLDER, CAPTIONS, TUXPAINT, FASHION_MNIST, DIGITS, SHARDS)}
+    SYNTHETIC, FOLDER, CAPTIONS, TUXPAINT, FASHION_MNIST, DIGITS, SHARDS, TUXPAINT_SEG, SEGFOLDER)}
 
 
 def dataset_kind(name: str) -> DatasetKind:

@@ -31,11 +31,12 @@ def stratified_indices(labels: np.ndarray | None, total: int, size: int, seed: i
 
 
 class SubsetDataset(Dataset):
-    """The samples at `indices`, keeping the dataset's `classes` and `targets`."""
+    """The samples at `indices`, keeping the dataset's `classes`, `segmentation_classes` and `targets`."""
 
     def __init__(self, dataset, indices):
         self.dataset, self.indices = dataset, [int(i) for i in indices]
         self.classes = dataset.classes
+        self.segmentation_classes = getattr(dataset, "segmentation_classes", ())
         labels = labels_of(dataset)
         self.targets = None if labels is None else labels[self.indices]
 

@@ -1,7 +1,8 @@
 """A deterministic, built-in dataset of coloured shapes, so that every command runs offline.
 
 Each image is one shape (the class label) of random size, colour and position on a noisy, shaded background,
-with a caption such as "a small red disc in the top left". Sample i is a pure function of (seed, i).
+with a caption such as "a small red disc in the top left", and its exact per-pixel mask (`mask`: 0 background,
+1 + the shape's index on the shape: `SEGMENTATION_CLASSES`). Sample i is a pure function of (seed, i).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ssl_vit.data.config import DataConfig, DatasetKind
 from ssl_vit.schema import checked
 
 SHAPES = ("disc", "ring", "square", "frame", "triangle", "diamond", "cross", "star")
+SEGMENTATION_CLASSES = ("background", *SHAPES)
 COLOURS = {
     "red": (215, 40, 40), "green": (40, 175, 70), "blue": (45, 85, 225), "yellow": (235, 210, 40),
     "cyan": (40, 200, 215), "magenta": (205, 50, 195), "orange": (240, 140, 30), "white": (240, 240, 240),
@@ -59,8 +61,8 @@ def _shape_mask(shape: str, dx: np.ndarray, dy: np.ndarray) -> np.ndarray:
     raise ValueError(f"unknown shape {shape!r}; valid choices: {list(SHAPES)}")
 
 
-def render_shape_image(rng: np.random.Generator, img_size: int, shape: str) -> tuple[np.ndarray, str]:
-    """One (H, W, 3) uint8 image with `shape` on it, and its caption."""
+def render_shape_image(rng: np.random.Generator, img_size: int, shape: str) -> tuple[np.ndarray, str, np.ndarray]:
+    """One (H, W, 3) uint8 image with `shape` on it, its caption, and the (H, W) bool mask of the shape's pixels."""
     size_name = list(SIZES)[rng.integers(len(SIZES))]
     colour_name = list(COLOURS)[rng.integers(len(COLOURS))]
     half = rng.uniform(*SIZES[size_name]) * img_size / 2
@@ -81,13 +83,15 @@ def render_shape_image(rng: np.random.Generator, img_size: int, shape: str) -> t
 
     row, col = min(int(3 * cy / img_size), 2), min(int(3 * cx / img_size), 2)
     caption = f"a {size_name} {colour_name} {shape} {_where(row, col)}"
-    return np.clip(image, 0, 255).astype(np.uint8), caption
+    return np.clip(image, 0, 255).astype(np.uint8), caption, mask
 
 
 class SyntheticShapes(Dataset):
-    """`num_samples` images of `img_size` px; sample i = {"image": uint8 (3, H, W), "label": int, "text": str}."""
+    """`num_samples` images of `img_size` px; sample i = {"image": uint8 (3, H, W), "label": int, "text": str,
+    "mask": uint8 (H, W) of SEGMENTATION_CLASSES indices}."""
 
     classes = SHAPES
+    segmentation_classes = SEGMENTATION_CLASSES
 
     def __init__(self, num_samples: int = 4096, img_size: int = 32, seed: int = 0):
         if num_samples < 1 or img_size < 8:
@@ -107,8 +111,9 @@ class SyntheticShapes(Dataset):
             raise IndexError(f"index {index} out of range for {self.num_samples} samples")
         rng = np.random.default_rng([self.seed, index])
         label = int(rng.integers(len(SHAPES)))
-        image, caption = render_shape_image(rng, self.img_size, SHAPES[label])
-        return {"image": torch.from_numpy(image).permute(2, 0, 1).contiguous(), "label": label, "text": caption}
+        image, caption, mask = render_shape_image(rng, self.img_size, SHAPES[label])
+        return {"image": torch.from_numpy(image).permute(2, 0, 1).contiguous(), "label": label, "text": caption,
+                "mask": torch.from_numpy(mask.astype(np.uint8) * (label + 1))}
 
 
 @dataclass

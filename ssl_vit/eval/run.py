@@ -1,8 +1,9 @@
 """Evaluate a frozen encoder with the evaluators a config names; JSON + a printed table.
 
-Frozen-feature evaluators (linear, knn, fewshot) and fine-tuning take any encoder and a labelled dataset; zeroshot
-and retrieval take an image-text model's run directory (objective=clip / siglip) and a test set with class names
-(zeroshot) or captions (retrieval)."""
+Frozen-feature evaluators (linear, knn, fewshot), the attentive probe and fine-tuning take any encoder and a
+labelled dataset; segmentation (DINOv2's linear protocol on patch tokens) a dataset with masks; zeroshot and
+retrieval take an image-text model's run directory (objective=clip / siglip, or a distilled student through an
+image-text teacher's adaptor) and a test set with class names (zeroshot) or captions (retrieval)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ import torch
 
 from objectives import load_trained
 from ssl_vit.data import eval_datasets
+from ssl_vit.eval.attentive import attentive_eval
 from ssl_vit.eval.features import FEATURE_KINDS, cache_key, cached, extract_features
 from ssl_vit.eval.fewshot import fewshot_eval
 from ssl_vit.eval.finetune import finetune
 from ssl_vit.eval.knn import knn_eval
 from ssl_vit.eval.linear import linear_probe
+from ssl_vit.eval.segmentation import segmentation_eval
 from ssl_vit.eval.zeroshot import (
     class_names,
     embed_pairs,
@@ -34,9 +37,10 @@ from ssl_vit.preprocess import Preprocess, resolve_preprocess
 from ssl_vit.run_dirs import resolve_run
 from ssl_vit.schema import ConfigError, validate_config
 
-EVALUATORS = ("linear", "knn", "fewshot", "finetune", "zeroshot", "retrieval")
+EVALUATORS = ("linear", "knn", "fewshot", "finetune", "zeroshot", "retrieval", "segmentation", "attentive")
 FEATURE_EVALUATORS = EVALUATORS[:3]
 TEXT_EVALUATORS = ("zeroshot", "retrieval")  # need an image-text model
+MASK_EVALUATORS = ("segmentation",)  # need a dataset with masks
 
 
 def load_any_encoder(spec: str):
@@ -59,12 +63,12 @@ def evaluate(cfg, progress: bool = True) -> dict:
     torch.manual_seed(cfg.seed)
     cfg.checkpoint = resolve_run(cfg.checkpoint)  # an output group: its newest run
     encoder, encoder_identity, recorded = load_any_encoder(cfg.checkpoint)
-    model, embed = None, None
+    model, embed, dense = None, None, None
     text = any(name in TEXT_EVALUATORS for name in cfg.eval.evaluators)
     if text or cfg.eval.features not in FEATURE_KINDS:
         model = load_run_model(cfg.checkpoint, cfg.eval, text)
         encoder = model.encoder
-        embed = adaptor_features(model, cfg.eval.features)
+        embed, dense = adaptor_features(model, cfg.eval.features)
     native = encoder.patch_embed.img_size[0]
     img_size = cfg.data.img_size or (recorded.img_size if recorded else native)
     if img_size != native:
@@ -78,12 +82,17 @@ def evaluate(cfg, progress: bool = True) -> dict:
     except (FileNotFoundError, ValueError) as err:
         raise ConfigError(f"data={cfg.data.name}: {err}") from err
     identity = {"encoder": encoder_identity, "data": dict(cfg.data), "preprocess": preprocess.to_json()}
-    if not test_set.classes and any(e not in ("retrieval",) for e in cfg.eval.evaluators):
-        raise ConfigError(f"data={cfg.data.name} has captions but no class labels: it takes eval=retrieval only, got "
+    if not test_set.classes and any(e not in ("retrieval", *MASK_EVALUATORS) for e in cfg.eval.evaluators):
+        takes = [e for e in ("retrieval", *MASK_EVALUATORS) if e != "segmentation"
+                 or getattr(test_set, "segmentation_classes", ())]
+        raise ConfigError(f"data={cfg.data.name} has no class labels: it takes eval={' | '.join(takes)}, got "
                           f"{list(cfg.eval.evaluators)}")
+    if "segmentation" in cfg.eval.evaluators and not getattr(test_set, "segmentation_classes", ()):
+        raise ConfigError(f"eval=segmentation needs masks; data={cfg.data.name} has none (datasets with masks: "
+                          "synthetic, tuxpaint_seg, segfolder)")
     results, timings, feature_dim = run_evaluators(encoder, train_set, test_set, cfg.eval, preprocess,
                                                    cfg.cache_dir, identity, cfg.seed, progress, model=model,
-                                                   data_name=cfg.data.name, embed=embed)
+                                                   data_name=cfg.data.name, embed=embed, dense=dense)
     return {"checkpoint": cfg.checkpoint, "data": cfg.data.name, "features": cfg.eval.features,
             "preprocess": asdict(preprocess), "num_train": len(train_set), "num_test": len(test_set),
             "feature_dim": feature_dim, "results": results, "timings": timings}
@@ -91,10 +100,11 @@ def evaluate(cfg, progress: bool = True) -> dict:
 
 def run_evaluators(encoder, train_set, test_set, ecfg, preprocess: Preprocess, cache_dir=None, identity=None,
                    seed: int = 0, progress: bool = True, model=None,
-                   data_name: str = "", embed=None) -> tuple[dict, dict, int | None]:
+                   data_name: str = "", embed=None, dense=None) -> tuple[dict, dict, int | None]:
     """The evaluators `ecfg.evaluators` names, on one encoder, its inputs prepared as `preprocess` says; features
     are extracted once (cached when `cache_dir` and `identity` are given), by `embed` (images -> features: an
-    adaptor of a distilled student, `adaptor_features`) where given. zeroshot and retrieval use `model` (an
+    adaptor of a distilled student, `adaptor_features`) where given, and patch features by `dense` (its patch
+    adaptor) for segmentation. zeroshot and retrieval use `model` (an
     image-text model whose image tower is `encoder`) on the test set. Returns (results, timings in seconds,
     feature dimension)."""
     needs_model = [name for name in ecfg.evaluators if name in TEXT_EVALUATORS]
@@ -128,6 +138,10 @@ def run_evaluators(encoder, train_set, test_set, ecfg, preprocess: Preprocess, c
                                      seed=seed, progress=progress),
         "zeroshot": lambda: zeroshot_eval(model, test_set, preprocess, ecfg, data_name, progress),
         "retrieval": lambda: retrieval_eval(model, test_set, preprocess, ecfg, progress),
+        "segmentation": lambda: segmentation_eval(encoder, train_set, test_set, preprocess, ecfg, seed, progress,
+                                                  dense),
+        "attentive": lambda: attentive_eval(encoder, train_set, test_set, preprocess.view_builder(), ecfg, seed,
+                                            progress),
     }
     for name in ecfg.evaluators:
         start = time.perf_counter()
@@ -149,16 +163,21 @@ def load_run_model(checkpoint: str, ecfg, image_text: bool):
 
 
 def adaptor_features(model, features: str):
-    """images -> the features of adaptor `features` of a distilled student (objective=distill's
-    `summary_features`), or None for a feature kind of the encoder's tokens (FEATURE_KINDS); ConfigError for
-    neither."""
+    """(images -> summary features, images -> (B, D, h, w) patch features) of adaptor `features` of a distilled
+    student (objective=distill's `summary_features`, `patch_features`), or (None, None) for a feature kind of the
+    encoder's tokens (FEATURE_KINDS); ConfigError for neither."""
     if features in FEATURE_KINDS:
-        return None
+        return None, None
     names = list(getattr(model, "feature_names", []))
     if features not in names:
         raise ConfigError(f"unknown eval.features {features!r}; valid choices: {list(FEATURE_KINDS)}"
                           + (f" or this run's adaptors {names}" if names else ""))
-    return functools.partial(model.summary_features, name=features)
+    def dense(images):
+        patches = model.patch_features(images, features)
+        grid = model.encoder.patch_embed.grid_for(images.shape[-2], images.shape[-1])
+        return patches.transpose(1, 2).reshape(len(images), -1, *grid)
+
+    return functools.partial(model.summary_features, name=features), dense
 
 
 def zeroshot_eval(model, test_set, preprocess: Preprocess, ecfg, data_name: str, progress: bool = False) -> dict:
@@ -186,7 +205,10 @@ def result_rows(report: dict) -> list[tuple[str, float, float]]:
     rows = []
     for name, result in report["results"].items():
         seconds = report["timings"][f"{name}_s"]
-        if isinstance(result["accuracy"], dict):
+        if name == "segmentation":
+            rows += [("segmentation mIoU", result["miou"], seconds),
+                     ("segmentation pixel acc", result["pixel_accuracy"], seconds)]
+        elif isinstance(result["accuracy"], dict):
             rows += [(f"{name} {shot.replace('_', '-')}", value, seconds) for shot, value in result["accuracy"].items()]
         else:
             rows.append((name, result["accuracy"], seconds))
