@@ -341,7 +341,7 @@ def test_the_cli_trains_a_student_and_evaluates_it_through_its_adaptors(student_
     assert clip_features["feature_dim"] == CLIP_TOWERS["embed_dim"]
     dense = evaluate(_compose("evaluate", f"checkpoint={student_run}", "eval=segmentation", "eval.features=dino",
                               *common), progress=False)["results"]["segmentation"]
-    assert dense["grid"] == [8, 8] and dense["num_classes"] == 9  # the dino adaptor's patch features, 32 wide
+    assert dense["grid"] == [4, 4] and dense["num_classes"] == 9  # the dino adaptor's patch features, 32 wide
     text = evaluate(_compose("evaluate", f"checkpoint={student_run}", "eval=zeroshot", *common), progress=False)
     assert text["results"]["zeroshot"]["num_test"] == 64
     retrieval = evaluate(_compose("evaluate", f"checkpoint={student_run}", "eval=retrieval", *common),
