@@ -12,6 +12,7 @@ registry) and each objective's (the registry), so it lives here, above all of th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import os
@@ -213,9 +214,25 @@ def repeated_key_check(overrides: list[str]) -> None:
                  f"pattern; quote it for the shell and for Hydra: '{key}=\"...{{000000..000019}}.tar\"'", EXIT_CONFIG)
 
 
+def _schema_named(name: str):
+    """The schema dataclass of that name among the objectives' config modules (items of list fields)."""
+    for objective in OBJECTIVES.values():
+        found = getattr(sys.modules[objective.__module__], name, None)
+        if dataclasses.is_dataclass(found):
+            return found
+    return None
+
+
 def explain_hydra_error(err: Exception, config_name: str, overrides: list[str]) -> str:
     text = str(err)
     unknown_key = re.search(r"Could not override '([^']+)'", text)
+    inner = re.search(r"Key '([^']+)' not in '([^']+)'", str(err.__cause__ or ""))
+    if unknown_key and inner:  # a key of an item of a list of schemas (objective.teachers=[{...}])
+        key, item_schema = unknown_key.group(1), inner.group(2)
+        valid = [f.name for f in dataclasses.fields(_schema_named(item_schema))] if _schema_named(item_schema) \
+            else []
+        return f"unknown key {inner.group(1)!r} in an item of {key} ({item_schema})" + closest_names(
+            inner.group(1), valid, prefix="")
     if unknown_key and "To append to your config" in text:  # a value of a key no schema has
         key = unknown_key.group(1)
         parent, _, name = key.rpartition(".")

@@ -89,6 +89,11 @@ def _check_node(node: DictConfig, prefix: str) -> None:
         if isinstance(child, DictConfig):
             _check_node(child, f"{prefix}{key}.")
             continue
+        if isinstance(child, ListConfig) and not child._is_none() and not child._is_missing():
+            # a list of schemas (objective.teachers): each item's rules
+            for index, item in enumerate(child):
+                if isinstance(item, DictConfig):
+                    _check_node(item, f"{prefix}{key}[{index}].")
         if rules.get(key):
             value = node[key]
             problem = _rule_violation(value, rules[key])

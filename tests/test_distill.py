@@ -13,6 +13,7 @@ import timm
 import torch
 from conftest import ROOT, check_ok, export_script, launch, read_metrics
 from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from PIL import Image
 from safetensors.torch import load_file, save_file
@@ -22,12 +23,12 @@ from objectives.clip import CLIP
 from objectives.distill import Distill, DistillConfig, RunningStandardizer, TeacherConfig, resize_patch_features
 from objectives.feature_teacher import load_feature_teacher
 from ssl_vit.artifacts import load_encoder, save_encoder, save_encoder_state, save_heads
-from ssl_vit.cli import register_configs
+from ssl_vit.cli import explain_hydra_error, register_configs
 from ssl_vit.config import EvalConfig
 from ssl_vit.data.views import PairedCrops, ViewBuilder
 from ssl_vit.eval.run import evaluate, zeroshot_eval
 from ssl_vit.preprocess import Preprocess
-from ssl_vit.schema import ConfigError
+from ssl_vit.schema import ConfigError, validate_config
 from ssl_vit.train.build import build_components
 from ssl_vit.vit import build_vit
 
@@ -352,8 +353,17 @@ def test_the_cli_trains_a_student_and_evaluates_it_through_its_adaptors(student_
         evaluate(_compose("evaluate", f"checkpoint={student_run}", "eval=knn", "eval.features=sam", *common))
 
 
-def test_bad_teacher_settings_are_one_line_each(teachers):
-    base = ["objective=distill_tiny", "model=vit_test"]
+def test_bad_teacher_settings_are_one_line_each(teachers, tmp_path):
+    base = ["objective=distill_tiny", "model=vit_test", f"output_dir={tmp_path}"]
+    with pytest.raises(ConfigError, match=r"objective.teachers\[0\].summary_weight=-1.0 is invalid: must be >= 0"):
+        validate_config(_compose("pretrain", *base, "objective.teachers=[{source: x, summary_weight: -1}]"))
+    with pytest.raises(ConfigError, match=r"objective.teachers\[0\].source is not set; .*\(forms: "):
+        validate_config(_compose("pretrain", *base, "objective.teachers=[{name: a}]"))
+    typo = [*base, "objective.teachers=[{source: x, nme: a}]"]
+    with pytest.raises(ConfigCompositionException) as err:
+        _compose("pretrain", *typo)
+    assert explain_hydra_error(err.value, "pretrain", typo).startswith(
+        "unknown key 'nme' in an item of objective.teachers (TeacherConfig); did you mean name?")
     with pytest.raises(ConfigError, match="objective=distill needs at least one teacher"):
         build_components(_compose("pretrain", *base))
     with pytest.raises(ConfigError, match=r"objective.teachers\[teacher0\]: .*nowhere.*\(valid forms: "):
