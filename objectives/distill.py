@@ -31,9 +31,8 @@ forward only). Their dimensions are recorded in the config, so the student and i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import logging
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F

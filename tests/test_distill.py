@@ -163,7 +163,8 @@ def test_running_statistics_are_the_cumulative_mean_then_an_ema():
         stats.update(torch.tensor(batch, dtype=torch.float32))
         if index:
             weight = max(1 / (index + 1), 0.5)
-            mean, square = (1 - weight) * mean + weight * batch.mean(0), (1 - weight) * square + weight * (batch ** 2).mean(0)
+            mean = (1 - weight) * mean + weight * batch.mean(0)
+            square = (1 - weight) * square + weight * (batch ** 2).mean(0)
         np.testing.assert_allclose(stats.mean.numpy(), mean, rtol=1e-5)
         np.testing.assert_allclose(stats.std().numpy(), np.sqrt(square - mean ** 2), rtol=1e-4)
     x = torch.randn(5, 3)
@@ -183,7 +184,8 @@ def _image(height, width):
 def test_teacher_views_equal_each_teachers_own_processor(teachers, tmp_path):
     """Without augmentation a teacher's view is its library's own processor applied to the image (the recipe its
     loader read: size, interpolation, normalisation): ours exactly; timm's and open_clip's eval transforms and
-    transformers' ViTImageProcessor (all PIL) within PIL's resampling rounding. A non-square image is resized by its
+    transformers' ViTImageProcessor (all PIL) within PIL's resampling rounding (measured: mean 6e-5, at most one
+    8-bit level, in normalised units). A non-square image is resized by its
     shorter side and centre-cropped, as they do."""
     import open_clip
     from timm.data import create_transform, resolve_data_config
@@ -209,8 +211,8 @@ def test_teacher_views_equal_each_teachers_own_processor(teachers, tmp_path):
         Image.fromarray(picture))
     open_clip_view = open_clip.image_transform(40, is_train=False)(Image.fromarray(picture))
     for ours_view, theirs in ((teacher_views[1], timm_view), (teacher_views[2], open_clip_view)):
-        difference = (ours_view - theirs).abs()  # PIL vs torchvision's antialiased resampling
-        assert difference.mean() < 0.02 and difference.max() < 0.5, (difference.mean(), difference.max())
+        difference = (ours_view - theirs).abs()  # PIL vs torchvision's antialiased resampling: a level or two of 255
+        assert difference.mean() < 2e-3 and difference.max() < 0.05, (difference.mean(), difference.max())
     square = _image(64, 64)
     square_views = ViewBuilder(("image", "teacher_images"), 32, [0.5] * 3, [0.5] * 3,
                                teacher_inputs=[Preprocess(48, mean=[0.5] * 3, std=[0.5] * 3)])
@@ -219,7 +221,7 @@ def test_teacher_views_equal_each_teachers_own_processor(teachers, tmp_path):
                                   image_std=[0.5] * 3)
     hf_view = torch.from_numpy(processor(Image.fromarray(square), return_tensors="np")["pixel_values"][0])
     difference = (ours_view - hf_view).abs()
-    assert difference.mean() < 0.02 and difference.max() < 0.5, (difference.mean(), difference.max())
+    assert difference.mean() < 2e-3 and difference.max() < 0.05, (difference.mean(), difference.max())
     assert student.shape == (3, 32, 32)
 
 
