@@ -4,9 +4,8 @@ Datasets yield {"image": uint8 (3, H, W), "label": int, "text": str (optional)}.
 centre crop, or random resized crop + flip when augmenting) is applied once; `image` is the normalised float
 tensor the backbone reads, `pixels` the same crop in [0, 1] before normalisation (for colour targets).
 `teacher_images` is one tensor per distillation teacher: the crop of `image` again, cut from the same box (and
-flipped with it) but resized to that teacher's size with its interpolation and normalised with its statistics (a teacher's own
-processor when no augmentation runs). `crops` is
-DINO's multi-crop list (global crops first, then local ones; `ssl_vit.data.multicrop`), drawn independently of
+flipped with it) but resized to that teacher's size with its interpolation and normalised with its statistics (a
+teacher's own processor when no augmentation runs). `crops` is DINO's multi-crop list (global crops first, then local ones; `ssl_vit.data.multicrop`), drawn independently of
 `image`; batched, it is a list with one (B, 3, h, w) tensor per crop (`gram_crops`: the global crops' boxes again
 for DINOv3's Gram teacher, when the objective asks for them). With the multi-crop photometric augmentation
 on the device, the workers ship uint8 crops and `crop_parameters` (one (B, P) tensor per crop), and `on_device`
