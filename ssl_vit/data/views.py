@@ -5,8 +5,8 @@ centre crop, or random resized crop + flip when augmenting) is applied once; `im
 tensor the backbone reads, `pixels` the same crop in [0, 1] before normalisation (for colour targets).
 `teacher_images` is one tensor per distillation teacher: the crop of `image` again, cut from the same box (and
 flipped with it) but resized to that teacher's size with its interpolation and normalised with its statistics (a
-teacher's own processor when no augmentation runs). `crops` is DINO's multi-crop list (global crops first, then local ones; `ssl_vit.data.multicrop`), drawn independently of
-`image`; batched, it is a list with one (B, 3, h, w) tensor per crop (`gram_crops`: the global crops' boxes again
+teacher's own processor when no augmentation runs). `crops` is DINO's multi-crop list (global crops first, then
+local ones; `ssl_vit.data.multicrop`), drawn independently of `image`; batched, it is a list with one (B, 3, h, w) tensor per crop (`gram_crops`: the global crops' boxes again
 for DINOv3's Gram teacher, when the objective asks for them). With the multi-crop photometric augmentation
 on the device, the workers ship uint8 crops and `crop_parameters` (one (B, P) tensor per crop), and `on_device`
 turns them into the normalised crops on the training device. `text` is the caption, tokenised here (in
