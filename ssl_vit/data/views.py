@@ -1,17 +1,17 @@
 """Turn dataset samples into the batch entries ("views") an objective declares.
 
 Datasets yield {"image": uint8 (3, H, W), "label": int, "text": str (optional)}. The spatial transform (resize and
-centre crop, or random resized crop + flip when augmenting) is applied once; `image` is the normalised float
-tensor the backbone reads, `pixels` the same crop in [0, 1] before normalisation (for colour targets).
-`teacher_images` is one tensor per distillation teacher: the crop of `image` again, cut from the same box (and
-flipped with it) but resized to that teacher's size with its interpolation and normalised with its statistics (a
-teacher's own processor when no augmentation runs). `crops` is DINO's multi-crop list (global crops first, then
-local ones; `ssl_vit.data.multicrop`), drawn independently of `image`; batched, it is a list with one (B, 3, h, w) tensor per crop (`gram_crops`: the global crops' boxes again
-for DINOv3's Gram teacher, when the objective asks for them). With the multi-crop photometric augmentation
-on the device, the workers ship uint8 crops and `crop_parameters` (one (B, P) tensor per crop), and `on_device`
-turns them into the normalised crops on the training device. `text` is the caption, tokenised here (in
-the data workers) by the objective's tokenizer when one is given: a (context_length,) int64 tensor. A sample without
-a caption raises `MissingTextError`, which the loaders skip and count.
+centre crop, or random resized crop + flip when augmenting) is applied once; `image` is the normalised float tensor
+the backbone reads, `pixels` the same crop in [0, 1] before normalisation (for colour targets). `teacher_images` is
+one tensor per distillation teacher: the crop of `image` again, cut from the same box (and flipped with it) but
+resized to that teacher's size with its interpolation and normalised with its statistics (a teacher's own processor
+when no augmentation runs). `crops` is DINO's multi-crop list (global crops first, then local ones;
+`ssl_vit.data.multicrop`), drawn independently of `image`; batched, it is a list with one (B, 3, h, w) tensor per
+crop (`gram_crops`: the global crops' boxes again for DINOv3's Gram teacher, when the objective asks for them). With
+the multi-crop photometric augmentation on the device, the workers ship uint8 crops and `crop_parameters` (one (B,
+P) tensor per crop), and `on_device` turns them into the normalised crops on the training device. `text` is the
+caption, tokenised here (in the data workers) by the objective's tokenizer when one is given: a (context_length,)
+int64 tensor. A sample without a caption raises `MissingTextError`, which the loaders skip and count.
 """
 
 from __future__ import annotations
