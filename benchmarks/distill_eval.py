@@ -22,7 +22,6 @@ forwards against the student's forward + backward, batch 64, median of 5).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import platform
 import statistics
@@ -39,7 +38,7 @@ from ssl_vit.artifacts import load_encoder, read_preprocess
 from ssl_vit.cli import register_configs
 from ssl_vit.config import EvalConfig
 from ssl_vit.data import SyntheticShapes
-from ssl_vit.eval.run import run_evaluators
+from ssl_vit.eval.run import adaptor_features, run_evaluators
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.train import build_components, pretrain
 
@@ -164,12 +163,8 @@ def main() -> None:
     student = load_trained(work / "student", image_text=True)
     student_preprocess = read_preprocess(work / "student" / "encoder.safetensors")
 
-    def dense(images):
-        grid = student.encoder.patch_embed.grid_for(images.shape[-2], images.shape[-1])
-        return student.patch_features(images, "dino").transpose(1, 2).reshape(len(images), -1, *grid)
-
     rows["student (adaptors)"] = evaluate(student.encoder, student_preprocess, student,
-                                          functools.partial(student.summary_features, name="dino"), dense, text=True)
+                                          *adaptor_features(student, "dino"), text=True)
     rows["student (backbone)"] = evaluate(student.encoder, student_preprocess)
     for row in rows.values():
         row["average"] = average(row)

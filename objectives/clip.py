@@ -120,7 +120,7 @@ class Projection(nn.Linear):
         nn.init.normal_(self.weight, std=self.in_features ** -0.5)
 
 
-def _check_choice(name: str, value, choices) -> None:
+def check_choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"objective.{name}={value!r} is not one of {list(choices)}")
 
@@ -128,7 +128,7 @@ def _check_choice(name: str, value, choices) -> None:
 def build_text_tower(cfg) -> nn.Module:
     """open_clip's TextTransformer (attention from its own Linear-free `Attention`, which ZeRO-3 can partition:
     `block_type="custom"`) or open_clip's HFTextEncoder around a transformers model."""
-    _check_choice("text_tower", cfg.text_tower, TEXT_TOWERS)
+    check_choice("text_tower", cfg.text_tower, TEXT_TOWERS)
     if cfg.text_tower == "open_clip":
         from open_clip.transformer import TextTransformer  # heavy: image-text models only
 
@@ -149,8 +149,8 @@ def build_text_tower(cfg) -> nn.Module:
     from open_clip.hf_model import HFTextEncoder  # heavy: image-text models only
     from transformers import AutoConfig  # (the same)
 
-    _check_choice("hf_pooler", cfg.hf_pooler, HF_POOLERS)
-    _check_choice("hf_proj", cfg.hf_proj, HF_PROJECTIONS)
+    check_choice("hf_pooler", cfg.hf_pooler, HF_POOLERS)
+    check_choice("hf_proj", cfg.hf_proj, HF_PROJECTIONS)
     if bool(cfg.hf_model) == bool(cfg.hf_config):
         raise ValueError("text_tower=hf needs exactly one of objective.hf_model (a local transformers directory) and "
                          "objective.hf_config (e.g. {model_type: bert, hidden_size: 64, num_hidden_layers: 2, "
@@ -209,7 +209,7 @@ class CLIP(Objective):
         self.logit_scale = nn.Parameter(torch.full([1], float(cfg.init_logit_scale)))
         self.logit_bias = (nn.Parameter(torch.full([1], float(cfg.init_logit_bias)))
                            if cfg.init_logit_bias is not None else None)
-        _check_choice("siglip_dist_impl", cfg.siglip_dist_impl, SIGLIP_DIST_IMPLS)
+        check_choice("siglip_dist_impl", cfg.siglip_dist_impl, SIGLIP_DIST_IMPLS)
         if cfg.lock_image:
             self._lock_image(cfg)
         elif cfg.image_encoder:

@@ -29,11 +29,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from objectives.base import DataInfo, Requirements
 from objectives.dino import DINO, DINOv2Config
 from objectives.distillation import gram_loss
+from objectives.patches import resize_patch_features
 from ssl_vit.data.multicrop import local_crop_size
 from ssl_vit.ema import copy_parameters, teacher_backbone
 from ssl_vit.schema import checked
@@ -101,17 +101,6 @@ def gram_plan(cfg: DINOv3Config) -> GramPlan:
         return GramPlan(cfg.hires_gram_weight, 0, 0, 0, 0, cfg.hires_gram_size_factor, cfg.hires_local_loss_weight)
     return GramPlan(cfg.gram_weight, cfg.gram_start, cfg.gram_warmup_steps, cfg.gram_update_every,
                     cfg.gram_max_updates, cfg.gram_size_factor, cfg.local_loss_weight)
-
-
-def resize_patch_features(tokens: torch.Tensor, grid: tuple[int, int], to: tuple[int, int], mode: str
-                          ) -> torch.Tensor:
-    """(B, h * w, D) patch tokens on `grid` -> (B, H * W, D) on `to`, resampled as an image (align_corners=False,
-    no antialiasing: dinov3's global_teacher_resize settings)."""
-    if tuple(grid) == tuple(to):
-        return tokens
-    maps = tokens.transpose(1, 2).unflatten(-1, tuple(grid))
-    return F.interpolate(maps.float(), size=tuple(to), mode=mode, align_corners=None if mode == "nearest" else False,
-                         antialias=False).flatten(2).transpose(1, 2).to(tokens.dtype)
 
 
 class DINOv3(DINO):

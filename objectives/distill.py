@@ -40,15 +40,18 @@ from omegaconf import MISSING, OmegaConf
 from torch import nn
 
 from objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
+from objectives.clip import check_choice
 from objectives.distillation import all_reduce
 from objectives.feature_teacher import (
     TEACHER_FORMS,
     FeatureTeacher,
+    cast_keeping_fp32,
     is_image_text_source,
     load_feature_teacher,
     load_text_side,
     shard_for_inference,
 )
+from objectives.patches import resize_patch_features
 from ssl_vit.init import whole_modules
 from ssl_vit.schema import checked
 
@@ -99,43 +102,46 @@ class Adaptor(nn.Module):
 
 class RunningStandardizer(nn.Module):
     """Per-channel mean and variance of a teacher's features over the global batch: the cumulative mean of the
-    batch statistics for the first 1 / (1 - momentum) updates, an EMA with `momentum` after."""
+    batch statistics for the first 1 / (1 - momentum) updates, an EMA with `momentum` after. Updated at every
+    training micro-step (a batch whose features are not all finite is left out). Kept centred (the mean and the
+    variance about it, merged as a mixture), so channels with a large offset keep their small spread: E[x^2] - E[x]^2
+    in fp32 loses it."""
 
-    _keep_in_fp32_modules_strict = ["mean", "sq_mean", "count"]  # running averages: bf16 would round updates away
+    _keep_in_fp32_modules_strict = ["mean", "var", "count"]  # running averages: bf16 would round updates away
     eps = 1e-6
 
     def __init__(self, dim: int, momentum: float, enabled: bool = True):
         super().__init__()
         self.momentum, self.enabled = momentum, enabled
         self.register_buffer("mean", torch.zeros(dim))
-        self.register_buffer("sq_mean", torch.ones(dim))
+        self.register_buffer("var", torch.ones(dim))
         self.register_buffer("count", torch.zeros(1))
 
     @torch.no_grad()
     def update(self, features: torch.Tensor) -> None:
-        """Fold in (N, D) rows of this rank; every rank's rows count (all-reduced)."""
+        """Fold in (N, D) rows of this rank; every rank's rows count (all-reduced, two passes: the batch mean, then
+        the squared deviations from it)."""
         if not self.enabled:
             return
         features = features.float()
-        totals = torch.cat([features.sum(0), features.square().sum(0),
-                            torch.tensor([len(features)], dtype=torch.float32, device=features.device)])
-        totals = all_reduce(totals)
-        dim = features.shape[1]
+        totals = all_reduce(torch.cat([features.sum(0), features.new_tensor([len(features)])]))
         rows = totals[-1]
+        batch_mean = totals[:-1] / rows
+        batch_var = all_reduce((features - batch_mean).square().sum(0)) / rows
+        if not (batch_mean.isfinite().all() and batch_var.isfinite().all()):
+            return  # the same on every rank (the sums are global)
         weight = (1 / (self.count + 1)).clamp(min=1 - self.momentum)
-        self.mean.lerp_(totals[:dim] / rows, weight)
-        self.sq_mean.lerp_(totals[dim:2 * dim] / rows, weight)
+        shift = batch_mean - self.mean
+        self.var.mul_(1 - weight).add_(weight * batch_var + weight * (1 - weight) * shift.square())
+        self.mean.add_(weight * shift)
         self.count += 1
 
     def std(self) -> torch.Tensor:
-        return (self.sq_mean - self.mean.square()).clamp(min=self.eps).sqrt()
+        return self.var.clamp(min=self.eps).sqrt()
 
-    def standardize(self, features: torch.Tensor, channel_dim: int = -1) -> torch.Tensor:
-        if not self.enabled:
-            return features
-        shape = [1] * features.dim()
-        shape[channel_dim] = -1
-        return (features - self.mean.view(shape)) / self.std().view(shape)
+    def standardize(self, features: torch.Tensor) -> torch.Tensor:
+        """(..., D) features centred and scaled per channel."""
+        return (features - self.mean) / self.std() if self.enabled else features
 
     def restore(self, features: torch.Tensor) -> torch.Tensor:
         """The inverse of `standardize`: an adaptor's output in its teacher's own feature space."""
@@ -147,18 +153,6 @@ def cosine_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (1 - F.cosine_similarity(prediction, target, dim=-1)).mean()
 
 
-def resize_patch_features(features: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-    """(B, D, h, w) patch features on a teacher's grid -> (B, H x W, D) on the student's grid (bilinear, as RADIO)."""
-    if tuple(features.shape[-2:]) != tuple(grid):
-        features = F.interpolate(features, size=tuple(grid), mode="bilinear", align_corners=False)
-    return features.flatten(2).transpose(1, 2)
-
-
-def _check_choice(key: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"objective.{key}={value!r} is invalid; valid choices: {list(choices)}")
-
-
 class Distill(Objective):
     config_class = DistillConfig
     needs = Requirements(views=("image", "teacher_images"))
@@ -166,8 +160,8 @@ class Distill(Objective):
 
     def __init__(self, backbone, cfg: DistillConfig, data: DataInfo):
         super().__init__(backbone, cfg, data)
-        _check_choice("teacher_precision", cfg.teacher_precision, TEACHER_PRECISIONS)
-        _check_choice("standardize", cfg.standardize, STANDARDIZE)
+        check_choice("teacher_precision", cfg.teacher_precision, TEACHER_PRECISIONS)
+        check_choice("standardize", cfg.standardize, STANDARDIZE)
         if not cfg.teachers:
             raise ValueError("objective=distill needs at least one teacher: objective.teachers=[{source: <run dir | "
                              "timm:... | hf:... | open_clip:...>, name: <name>}, ...]")
@@ -242,18 +236,19 @@ class Distill(Objective):
             return
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         for teacher, teacher_cfg in zip(self.teachers, self.cfg.teachers, strict=True):
-            teacher.to(device=device, dtype=self._teacher_dtype(device))
+            cast_keeping_fp32(teacher, self._teacher_dtype(device))  # on the CPU still: no whole copy on the device
             if teacher_cfg.shard and distributed and torch.distributed.get_world_size() > 1:
                 whole = sum(p.numel() for p in teacher.parameters())
-                shard_for_inference(teacher, device)
+                shard_for_inference(teacher, device)  # block by block: one block whole on the device at a time
                 local = sum(p.to_local().numel() for p in teacher.parameters())
                 log.info("teacher %s: sharded across %d processes for inference (FSDP2), %d of its %d parameters "
                          "on this one", teacher_cfg.name, torch.distributed.get_world_size(), local, whole)
+            teacher.to(device)
         self._teachers_device = device
 
-    def teacher_features(self, teacher_images: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(summary (B, Ds), patch features (B, Dp, h, w)) of each teacher on its view, fp32, outside any autocast
-        (a teacher runs in its own precision)."""
+    def teacher_features(self, teacher_images: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, tuple]]:
+        """(summary (B, Ds), patch features (B, h x w, Dp), grid (h, w)) of each teacher on its view, fp32, outside
+        any autocast (a teacher runs in its own precision)."""
         self._place_teachers(teacher_images[0].device)
         with torch.autocast(teacher_images[0].device.type, enabled=False):
             return [teacher(images) for teacher, images in zip(self.teachers, teacher_images, strict=True)]
@@ -264,15 +259,17 @@ class Distill(Objective):
         summary, patches = self.backbone.pool(tokens), tokens[:, self.backbone.num_prefix_tokens:]
         grid = self.backbone.patch_embed.grid_for(images.shape[-2], images.shape[-1])
         cfg, loss, metrics = self.cfg, 0.0, {}
-        for teacher_cfg, (target_summary, target_patches) in zip(
+        for teacher_cfg, (target_summary, target_patches, teacher_grid) in zip(
                 cfg.teachers, self.teacher_features(batch["teacher_images"]), strict=True):
             name = teacher_cfg.name
             summary_stats, patch_stats = self.summary_stats[name], self.patch_stats[name]
             if self.training:
                 summary_stats.update(target_summary)
-                patch_stats.update(target_patches.flatten(2).transpose(1, 2).flatten(0, 1))
+                patch_stats.update(target_patches.flatten(0, 1))
             target_summary = summary_stats.standardize(target_summary)
-            target_patches = resize_patch_features(patch_stats.standardize(target_patches, channel_dim=1), grid)
+            # standardising first is the same (a per-channel affine map commutes with bilinear weights summing to 1)
+            target_patches = resize_patch_features(patch_stats.standardize(target_patches), teacher_grid, grid,
+                                                   "bilinear")
             predicted_summary = self.summary_adaptors[name](summary).float()
             predicted_patches = self.patch_adaptors[name](patches).float()
             summary_loss = cosine_loss(predicted_summary, target_summary)
@@ -298,7 +295,8 @@ class Distill(Objective):
         return self.summary_stats[name].restore(self.summary_adaptors[name](summary).float())
 
     def patch_features(self, images: torch.Tensor, name: str) -> torch.Tensor:
-        """(B, N, Dp): the student's prediction of teacher `name`'s patch features on the student's grid."""
+        """(B, N, Dp): the student's prediction of teacher `name`'s patch features on the student's grid, in that
+        teacher's own space."""
         if name not in self.patch_adaptors:
             raise ValueError(f"no adaptor {name!r}; valid choices: {self.feature_names}")
         patches = self.backbone.forward_features(images)[:, self.backbone.num_prefix_tokens:]
@@ -343,5 +341,4 @@ class Distill(Objective):
         return text.encode_text(tokens, normalize=normalize)
 
 
-__all__ = ["Adaptor", "Distill", "DistillConfig", "RunningStandardizer", "TeacherConfig", "cosine_loss",
-           "resize_patch_features"]
+__all__ = ["Adaptor", "Distill", "DistillConfig", "RunningStandardizer", "TeacherConfig", "cosine_loss"]

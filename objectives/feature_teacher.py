@@ -44,7 +44,7 @@ def image_text_class(name: str) -> type[Objective]:
 
 class FeatureTeacher(nn.Module):
     """`encoder` (+ `projection` of the pooled embedding into an image-text space) -> (summary (B, Ds), patch
-    features (B, Dp, h, w) on the teacher's grid), in fp32."""
+    features (B, h x w, Dp), the teacher's grid (h, w)), in fp32."""
 
     def __init__(self, encoder: VisionTransformer, preprocess: Preprocess, projection: nn.Module | None = None):
         super().__init__()
@@ -63,15 +63,14 @@ class FeatureTeacher(nn.Module):
         return super().train(False)  # always as at inference (no dropout, stochastic depth)
 
     @torch.no_grad()
-    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
         dtype = next(self.encoder.parameters()).dtype
         tokens = self.encoder.forward_features(images.to(dtype))
         summary = self.encoder.pool(tokens)
         if self.projection is not None:
             summary = self.projection(summary)
-        height, width = self.encoder.patch_embed.grid_for(images.shape[-2], images.shape[-1])
-        patches = tokens[:, self.encoder.num_prefix_tokens:]
-        return summary.float(), patches.float().transpose(1, 2).reshape(len(images), -1, height, width)
+        grid = tuple(self.encoder.patch_embed.grid_for(images.shape[-2], images.shape[-1]))
+        return summary.float(), tokens[:, self.encoder.num_prefix_tokens:].float(), grid
 
 
 def is_image_text_source(spec: str) -> bool:
@@ -91,7 +90,9 @@ def load_feature_teacher(spec: str, img_size: int | None = None) -> FeatureTeach
     if spec.startswith("open_clip:"):
         model, vision_cfg, _, _ = load_open_clip_model(spec[len("open_clip:"):])
         encoder = from_open_clip_visual(model.visual, vision_cfg.get("ls_init_value"))
-        proj = model.visual.proj  # (width, embed dim): x @ proj
+        proj = getattr(model.visual, "proj", None)  # (width, embed dim): x @ proj
+        if proj is None:
+            raise ValueError(f"{spec}: the open_clip image tower has no projection (proj) into its text space")
         projection = nn.Linear(*proj.shape, bias=False)
         projection.weight.data.copy_(proj.detach().T)
         teacher = FeatureTeacher(encoder, open_clip_preprocess(model.visual), projection)
@@ -138,16 +139,31 @@ def load_text_side(spec: str) -> nn.Module:
     if spec.startswith("open_clip:"):
         model, _, _, tokenizer_name = load_open_clip_model(spec[len("open_clip:"):])
         return OpenClipText(model, tokenizer_name).eval().requires_grad_(False)
+    if spec.split(":", 1)[0] not in ("timm", "hf") and not run_files(spec)[1].is_file():
+        raise ValueError(f"the image-text teacher {spec!r} (recorded in the student's config) is not there: text is "
+                         "embedded by that teacher's own text tower")
     if not is_image_text_source(spec):
         raise ValueError(f"teacher {spec!r} embeds no text (an image-text teacher is an open_clip model or a run of "
                          f"objective={'/'.join(IMAGE_TEXT_OBJECTIVES)})")
     return load_run(spec, image_text_class, image_text=True).requires_grad_(False)
 
 
+def cast_keeping_fp32(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`module.to(dtype)`, except the buffers its modules keep in fp32 (`_keep_in_fp32_modules_strict`: RoPE's
+    periods)."""
+    module.to(dtype)
+    for sub in module.modules():
+        for name in getattr(sub, "_keep_in_fp32_modules_strict", ()):
+            if isinstance(sub._buffers.get(name), torch.Tensor):
+                sub._buffers[name] = sub._buffers[name].float()
+    return module
+
+
 def shard_for_inference(teacher: FeatureTeacher, device: torch.device) -> FeatureTeacher:
     """The teacher's parameters split across the ranks with FSDP2 (`fully_shard`: each block, then the rest), for a
     teacher too large to hold whole on every rank: each block is gathered for its forward and freed after, never
-    kept whole. Every rank must run the teacher on each step (the gathers are collective)."""
+    kept whole. Called on a teacher still on the CPU, FSDP2 moves one block at a time to the device and shards it.
+    Every rank must run the teacher on each step (the gathers are collective)."""
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     for block in teacher.encoder.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=True)

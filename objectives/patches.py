@@ -1,8 +1,10 @@
-"""Small pieces shared by the masking objectives: patchify / unpatchify and per-sample random shuffles."""
+"""Small pieces shared by the masking and distillation objectives: patchify / unpatchify, per-sample random shuffles,
+patch features resized between grids."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
@@ -40,3 +42,14 @@ def refuse_hybrid(backbone, objective: str) -> None:
                          f"tokens through the ResNet's receptive field; use model.stem=patch, or an objective that "
                          f"takes whole images (supervised, deit, clip, dino / dinov2 without iBOT: "
                          f"objective.ibot_weight=0)")
+
+
+def resize_patch_features(tokens: torch.Tensor, grid: tuple[int, int], to: tuple[int, int], mode: str
+                          ) -> torch.Tensor:
+    """(B, h * w, D) patch tokens on `grid` -> (B, H * W, D) on `to`, resampled as an image (align_corners=False,
+    no antialiasing: dinov3's global_teacher_resize settings, RADIO's bilinear teacher resizing)."""
+    if tuple(grid) == tuple(to):
+        return tokens
+    maps = tokens.transpose(1, 2).unflatten(-1, tuple(grid))
+    return F.interpolate(maps.float(), size=tuple(to), mode=mode, align_corners=None if mode == "nearest" else False,
+                         antialias=False).flatten(2).transpose(1, 2).to(tokens.dtype)

@@ -66,6 +66,10 @@ def export(source: str, to: str, out: str, hf_arch: str | None = None) -> str:
         except ValueError as err:
             raise ValueError(f"--to open_clip writes an image-text model's two towers: {err}; an encoder alone "
                              f"exports with --to {', '.join(t for t in TARGETS if t != 'open_clip')}") from err
+        if not hasattr(model, "text"):
+            raise ValueError(f"--to open_clip writes a clip / siglip run's two towers; {source} is objective="
+                             f"{model.cfg.name}, whose image embedding comes from an adaptor head open_clip cannot "
+                             "hold (--to safetensors keeps the encoder and its adaptors)")
         path = export_open_clip(model, out, read_preprocess(encoder_file))
         load = f"open_clip.create_model_and_transforms('local-dir:{path}')"
     elif to == "hf":

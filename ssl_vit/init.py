@@ -177,17 +177,34 @@ def rng_devices() -> list[int]:
 @contextmanager
 def whole_modules():
     """Build modules that stay whole and outside the trained model (a frozen teacher) even inside DeepSpeed's
-    zero.Init, which would otherwise partition them as it partitions the model; a no-op without it."""
+    zero.Init, which would otherwise partition them as it partitions the model, and outside transformers' own ZeRO-3
+    hook (`without_transformers_zero3`); a no-op without them."""
     try:  # heavy (deepspeed): only where a frozen teacher is built
         from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
     except ImportError:
-        yield
+        with without_transformers_zero3():
+            yield
         return
     shutdown_init_context()  # DeepSpeed's own pair, used around its engine's construction
     try:
-        yield
+        with without_transformers_zero3():
+            yield
     finally:
         restore_init_context()
+
+
+@contextmanager
+def without_transformers_zero3():
+    """transformers builds models under deepspeed.zero.Init while a ZeRO-3 config is registered with it (accelerate
+    registers one): off inside, for models built whole on one rank."""
+    from transformers.integrations import deepspeed as hf_deepspeed  # heavy: only where a model is built whole
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 _RANDOM_INITS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",

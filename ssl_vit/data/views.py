@@ -31,6 +31,18 @@ from ssl_vit.data.token_masks import GlobalCropMasks
 VIEW_KINDS = ("image", "pixels", "crops", "teacher_images", "label", "text")
 
 
+def eval_transform(size: int, interpolation: str = "bilinear", crop_pct: float = 1.0,
+                   resize_mode: str = "shortest") -> v2.Transform:
+    """timm's eval transform: the shorter side resized to size / crop_pct, a centred size x size crop; or
+    (resize_mode "squash") both sides resized to size. Masks given with the image (tv_tensors.Mask) are resized
+    nearest-neighbour."""
+    mode = v2.InterpolationMode(interpolation)
+    if resize_mode == "squash":
+        return v2.Resize((size, size), interpolation=mode, antialias=True)
+    resize = int(size / crop_pct) if crop_pct < 1 else size
+    return v2.Compose([v2.Resize(resize, interpolation=mode, antialias=True), v2.CenterCrop(size)])
+
+
 class ViewBuilder:
     """Without augmentation: resize the shorter side to img_size / crop_pct, centre-crop img_size (timm's eval
     transform; `ssl_vit.preprocess`), or with resize_mode "squash" both sides to img_size. `augment`: "none",
@@ -84,12 +96,8 @@ class ViewBuilder:
                 v2.RandomResizedCrop(img_size, scale=tuple(crop_scale), interpolation=mode, antialias=True),
                 v2.RandomHorizontalFlip(),
             ])
-        elif resize_mode == "squash":  # both sides to img_size, no crop
-            self.spatial = v2.Resize((img_size, img_size), interpolation=mode, antialias=True)
         else:
-            resize = int(img_size / crop_pct) if crop_pct < 1 else img_size
-            self.spatial = v2.Compose([v2.Resize(resize, interpolation=mode, antialias=True),
-                                       v2.CenterCrop(img_size)])
+            self.spatial = eval_transform(img_size, interpolation, crop_pct, resize_mode)
         self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
 
@@ -170,9 +178,9 @@ class PairedCrops:
     """One crop of an image at several resolutions: the student's and each distillation teacher's, every one with
     its own size, interpolation and normalisation. Augmenting, one random resized crop box (and one flip) is drawn
     and each view resized from the original image's box (no resampling twice); without augmentation each view is
-    the eval transform at its own size (resize the shorter side to size / crop_pct, centre crop; or squash), which is
-    that teacher's own processor and covers the same region. `recipes`: (size, interpolation, mean, std) per view,
-    the student's first. Returns the student's crop in [0, 1] and each teacher's normalised."""
+    the eval transform at its own size with the student's crop rule (crop_pct, resize_mode), so that all cover the
+    same region: a teacher's own processor where its crop rule is the student's. `recipes`: (size, interpolation,
+    mean, std) per view, the student's first. Returns the student's crop in [0, 1] and each teacher's normalised."""
 
     def __init__(self, recipes, augment: bool, crop_scale=(0.35, 1.0), crop_pct: float = 1.0,
                  resize_mode: str = "shortest"):
@@ -181,13 +189,8 @@ class PairedCrops:
         self.modes = [v2.InterpolationMode(interpolation) for _, interpolation, *_ in recipes]
         self.stats = [(torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1),
                        torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)) for *_, mean, std in recipes]
-        if resize_mode == "squash":
-            self.eval_transforms = [v2.Resize((size, size), interpolation=mode, antialias=True)
-                                    for size, mode in zip(self.sizes, self.modes, strict=True)]
-        else:
-            self.eval_transforms = [v2.Compose([v2.Resize(int(size / crop_pct) if crop_pct < 1 else size,
-                                                          interpolation=mode, antialias=True), v2.CenterCrop(size)])
-                                    for size, mode in zip(self.sizes, self.modes, strict=True)]
+        self.eval_transforms = [eval_transform(size, interpolation, crop_pct, resize_mode)
+                                for size, interpolation, *_ in recipes]
 
     def crops(self, image: torch.Tensor) -> list[torch.Tensor]:
         """The uint8 crops, the student's first."""

@@ -20,6 +20,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ssl_vit.eval.features import extract_features
+from ssl_vit.eval.linear import standardise
 
 
 class AttentiveProbe(nn.Module):
@@ -75,17 +76,18 @@ def probe_accuracy(probe: AttentiveProbe, tokens: torch.Tensor, labels: torch.Te
 
 
 def _standardise_tokens(train: torch.Tensor, *others: torch.Tensor):
-    flat = train.reshape(-1, train.shape[-1])
-    mean, std = flat.mean(0), flat.std(0) + 1e-6
-    return [(x - mean) / std for x in (train, *others)]
+    """`standardise` (the linear probe's) per channel of (N, T, D) tokens, with the training tokens' statistics."""
+    tokens = (train, *others)
+    return [rows.view(x.shape) for rows, x in zip(standardise(*(x.reshape(-1, x.shape[-1]) for x in tokens)),
+                                                  tokens, strict=True)]
 
 
 def attentive_probe(train_tokens, train_y, test_tokens, test_y, lr_values, weight_decays, epochs: int = 20,
                     batch_size: int = 256, num_heads: int = 1, val_fraction: float = 0.2, seed: int = 0,
-                    progress: bool = False) -> dict:
+                    progress: bool = False, num_classes: int | None = None) -> dict:
     """Choose (lr, weight decay) on a held-out part of the training set, retrain on all of it, score on the test
-    set (module docstring)."""
-    num_classes = int(max(train_y.max(), test_y.max())) + 1
+    set (module docstring). `num_classes`: the dataset's (default: from the labels)."""
+    num_classes = num_classes or int(max(train_y.max(), test_y.max())) + 1
     order = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(seed))
     num_val = max(1, int(len(order) * val_fraction))
     val_idx, fit_idx = order[:num_val], order[num_val:]
@@ -120,4 +122,4 @@ def attentive_eval(encoder, train_set, test_set, views, ecfg, seed: int = 0, pro
     return attentive_probe(train_x.view(len(train_x), -1, dim), train_y, test_x.view(len(test_x), -1, dim), test_y,
                            list(ecfg.attentive_lr_values), list(ecfg.attentive_weight_decays), ecfg.attentive_epochs,
                            ecfg.attentive_batch_size, ecfg.attentive_heads or encoder.config["num_heads"],
-                           ecfg.val_fraction, seed, progress)
+                           ecfg.val_fraction, seed, progress, len(train_set.classes) or None)

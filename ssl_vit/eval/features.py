@@ -42,7 +42,7 @@ class _Views(Dataset):
         return out["image"], out["label"]
 
 
-def _collate_readable(items):
+def collate_readable(items):
     """A batch of the readable items: (images, labels, number dropped); images and labels are None if none is."""
     readable = [item for item in items if item is not None]
     images, labels = default_collate(readable) if readable else (None, None)
@@ -85,7 +85,7 @@ def extract_features(encoder, dataset, views, kind: str = "cls", last_k: int = 4
         encoder.to(device)
     device = next(encoder.parameters()).device
     loader = DataLoader(_Views(dataset, views), batch_size=batch_size, shuffle=False, num_workers=num_workers,
-                        collate_fn=_collate_readable)
+                        collate_fn=collate_readable)
     features, labels, dropped = [], [], 0
     for images, targets, bad in tqdm(loader, desc=desc, disable=not progress, leave=False):
         dropped += bad

@@ -76,6 +76,7 @@ def evaluate(cfg, progress: bool = True) -> dict:
             encoder.set_img_size(img_size)  # resamples the position embeddings as the encoder's config says
         except ValueError as err:
             raise ConfigError(f"data.img_size={img_size}: {err}") from err
+    check_evaluator_settings(cfg.eval, encoder)
     preprocess = resolve_preprocess(cfg.data, img_size, recorded)
     try:
         train_set, test_set = eval_datasets(cfg.data, img_size, cfg.seed)
@@ -98,6 +99,17 @@ def evaluate(cfg, progress: bool = True) -> dict:
             "feature_dim": feature_dim, "results": results, "timings": timings}
 
 
+def check_evaluator_settings(ecfg, encoder) -> None:
+    """Settings that do not fit this encoder: ConfigError naming the value and what fits."""
+    depth, heads = len(encoder.blocks), encoder.config["num_heads"]
+    if "segmentation" in ecfg.evaluators and ecfg.segmentation_blocks > depth:
+        raise ConfigError(f"eval.segmentation_blocks={ecfg.segmentation_blocks} is more than the encoder's {depth} "
+                          f"blocks (valid: 1..{depth})")
+    if "attentive" in ecfg.evaluators and encoder.embed_dim % (ecfg.attentive_heads or heads):
+        raise ConfigError(f"eval.attentive_heads={ecfg.attentive_heads} does not divide the encoder's width "
+                          f"{encoder.embed_dim}")
+
+
 def run_evaluators(encoder, train_set, test_set, ecfg, preprocess: Preprocess, cache_dir=None, identity=None,
                    seed: int = 0, progress: bool = True, model=None,
                    data_name: str = "", embed=None, dense=None) -> tuple[dict, dict, int | None]:
@@ -109,7 +121,8 @@ def run_evaluators(encoder, train_set, test_set, ecfg, preprocess: Preprocess, c
     feature dimension)."""
     needs_model = [name for name in ecfg.evaluators if name in TEXT_EVALUATORS]
     if needs_model and model is None:
-        raise ConfigError(f"evaluator(s) {needs_model} need an image-text model (objective=clip or siglip)")
+        raise ConfigError(f"evaluator(s) {needs_model} need an image-text model (objective=clip or siglip, or a "
+                          "distill run with an image-text teacher)")
     results, timings, feature_dim = {}, {}, None
     if any(name in FEATURE_EVALUATORS for name in ecfg.evaluators):
         views = preprocess.view_builder()
@@ -154,7 +167,10 @@ def load_run_model(checkpoint: str, ecfg, image_text: bool):
     """The objective of a run directory: an image-text model for zeroshot / retrieval (`image_text`), one with
     adaptors for eval.features=<adaptor>; ConfigError naming why not."""
     try:
-        return load_trained(checkpoint, image_text=image_text)
+        model = load_trained(checkpoint, image_text=image_text)
+        if image_text:
+            model.text_tokenizer()  # a distilled student's text side is its teacher's: there, or said here
+        return model
     except ValueError as err:
         if image_text:
             raise ConfigError(f"eval={'+'.join(ecfg.evaluators)}: {err}") from err

@@ -19,31 +19,28 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset
 from torchvision import tv_tensors
-from torchvision.transforms import v2
 from tqdm.auto import tqdm
 
 from ssl_vit.data.errors import BadSampleError, NoUsableSamplesError, SkipLog
 from ssl_vit.data.segmentation import IGNORE_INDEX
-from ssl_vit.eval.linear import sweep_l2
+from ssl_vit.data.views import eval_transform
+from ssl_vit.eval.features import collate_readable
+from ssl_vit.eval.linear import CHUNK_ELEMENTS, standardise, sweep_l2
 
 log = logging.getLogger(__name__)
 MAX_ITER = 200
 
 
 class MaskedViews(Dataset):
-    """(image normalised as `preprocess` says, mask) per index, the same resize and crop applied to both (the mask
-    with nearest-neighbour); None for an unreadable sample."""
+    """(image normalised as `preprocess` says, mask) per index, the encoder's eval transform applied to both (the
+    mask nearest-neighbour); None for an unreadable sample."""
 
     def __init__(self, dataset, preprocess):
         self.dataset = dataset
-        size, mode = preprocess.img_size, v2.InterpolationMode(preprocess.interpolation)
-        if preprocess.resize_mode == "squash":
-            self.spatial = v2.Resize((size, size), interpolation=mode, antialias=True)
-        else:
-            resize = int(size / preprocess.crop_pct) if preprocess.crop_pct < 1 else size
-            self.spatial = v2.Compose([v2.Resize(resize, interpolation=mode, antialias=True), v2.CenterCrop(size)])
+        self.spatial = eval_transform(preprocess.img_size, preprocess.interpolation, preprocess.crop_pct,
+                                      preprocess.resize_mode)
         self.mean = torch.tensor(preprocess.mean).view(-1, 1, 1)
         self.std = torch.tensor(preprocess.std).view(-1, 1, 1)
         self.skip_log = SkipLog(log, "sample")
@@ -63,11 +60,6 @@ class MaskedViews(Dataset):
         return (image.as_subclass(torch.Tensor).float() / 255 - self.mean) / self.std, mask.as_subclass(torch.Tensor)
 
 
-def _collate(items):
-    readable = [item for item in items if item is not None]
-    return default_collate(readable) if readable else (None, None)
-
-
 def patch_tokens(encoder, images: torch.Tensor, blocks: int = 1) -> torch.Tensor:
     """(B, D x blocks, h, w): the patch tokens of the last `blocks` blocks (the last after the final norm, as
     `forward_features`; earlier ones as `forward_intermediates` gives them), on the encoder's grid."""
@@ -85,9 +77,10 @@ def extract_dense(encoder, dataset, preprocess, blocks: int = 1, batch_size: int
     was_training = encoder.training
     encoder.eval()
     device = next(encoder.parameters()).device
-    loader = DataLoader(MaskedViews(dataset, preprocess), batch_size=batch_size, shuffle=False, collate_fn=_collate)
+    loader = DataLoader(MaskedViews(dataset, preprocess), batch_size=batch_size, shuffle=False,
+                        collate_fn=collate_readable)
     features, masks = [], []
-    for images, targets in tqdm(loader, desc=desc, disable=not progress, leave=False):
+    for images, targets, _ in tqdm(loader, desc=desc, disable=not progress, leave=False):
         if images is None:
             continue
         images = images.to(device)
@@ -101,10 +94,16 @@ def extract_dense(encoder, dataset, preprocess, blocks: int = 1, batch_size: int
 
 
 def _standardise_channels(train: torch.Tensor, *others: torch.Tensor):
-    """Per-channel standardisation of (N, D, h, w) tokens with the training tokens' statistics."""
-    channels = train.transpose(0, 1).reshape(train.shape[1], -1)
-    mean, std = channels.mean(1), channels.std(1) + 1e-6
-    return [(x - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1) for x in (train, *others)]
+    """`standardise` (the linear probe's) per channel of (N, D, h, w) tokens, with the training tokens' statistics."""
+    rows = [x.permute(0, 2, 3, 1).reshape(-1, x.shape[1]) for x in (train, *others)]
+    return [r.view(x.shape[0], *x.shape[2:], -1).permute(0, 3, 1, 2)
+            for r, x in zip(standardise(*rows), (train, *others), strict=True)]
+
+
+def _chunks(features: torch.Tensor, masks: torch.Tensor, num_classes: int):
+    """(features, masks) in chunks whose upsampled logits hold about CHUNK_ELEMENTS numbers."""
+    size = max(1, CHUNK_ELEMENTS // (num_classes * masks[0].numel()))
+    return zip(features.split(size), masks.split(size), strict=True)
 
 
 def segmentation_logits(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -128,7 +127,7 @@ def fit_linear_head(features: torch.Tensor, masks: torch.Tensor, num_classes: in
         optimizer.zero_grad()
         total = 0.5 * l2 * weight.square().sum()
         total.backward()
-        for chunk, target in zip(features.split(256), masks.split(256), strict=True):
+        for chunk, target in _chunks(features, masks, num_classes):
             logits = segmentation_logits(chunk, weight, bias, tuple(masks.shape[-2:]))
             loss = F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum") / labelled
             loss.backward()
@@ -143,7 +142,7 @@ def fit_linear_head(features: torch.Tensor, masks: torch.Tensor, num_classes: in
 def confusion_matrix(features, masks, weight, bias, num_classes: int) -> torch.Tensor:
     """(C, C) counts of (true class, predicted class) over the labelled pixels."""
     counts = torch.zeros(num_classes, num_classes, dtype=torch.int64)
-    for chunk, target in zip(features.split(256), masks.split(256), strict=True):
+    for chunk, target in _chunks(features, masks, num_classes):
         predicted = segmentation_logits(chunk, weight, bias, tuple(target.shape[-2:])).argmax(1)
         keep = target != IGNORE_INDEX
         counts += torch.bincount(target[keep] * num_classes + predicted[keep],

@@ -6,7 +6,6 @@ dataset, its registered `DatasetKind`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from ssl_vit.data.augreg import mixes
 from ssl_vit.data.config import augment_kind
 from ssl_vit.data.multicrop import PHOTOMETRIC_ON
 from ssl_vit.data.subset import limit_samples
-from ssl_vit.init import writable
+from ssl_vit.init import without_transformers_zero3, writable
 from ssl_vit.interop.sources import SOURCES, Pretrained, load_pretrained
 from ssl_vit.optim import build_optimizer, schedule, weight_decay_schedule
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
@@ -82,20 +81,6 @@ def preset_config(name: str, overrides: dict) -> dict:
         raise ValueError(f"unknown model {name!r}; valid choices: {sorted(PRESETS)}")
     with torch.device("meta"):
         return build_vit(name, **overrides).config
-
-
-@contextlib.contextmanager
-def without_transformers_zero3():
-    """transformers builds models under deepspeed.zero.Init while a ZeRO-3 config is registered with it (accelerate
-    registers one): off inside, for models built whole on one rank."""
-    from transformers.integrations import deepspeed as hf_deepspeed  # heavy: only where a model is built whole
-
-    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def build_backbone(cfg, needs: Requirements, source: Pretrained | None):

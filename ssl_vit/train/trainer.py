@@ -27,11 +27,11 @@ from hydra.core.hydra_config import HydraConfig
 from tqdm.auto import tqdm
 
 from ssl_vit.data import loader_workers, make_loader
-from ssl_vit.init import rng_devices
+from ssl_vit.init import rng_devices, without_transformers_zero3
 from ssl_vit.optim import apply_schedule
 from ssl_vit.run_dirs import link_latest
 from ssl_vit.schema import to_container, validate_config
-from ssl_vit.train.build import Run, build_components, build_run, init_source, requirements, without_transformers_zero3
+from ssl_vit.train.build import Run, build_components, build_run, init_source, requirements
 from ssl_vit.train.checkpoint import (
     claim_run_dir,
     list_checkpoints,
