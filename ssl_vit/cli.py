@@ -227,7 +227,8 @@ def explain_hydra_error(err: Exception, config_name: str, overrides: list[str]) 
     text = str(err)
     unknown_key = re.search(r"Could not override '([^']+)'", text)
     inner = re.search(r"Key '([^']+)' not in '([^']+)'", str(err.__cause__ or ""))
-    if unknown_key and inner:  # a key of an item of a list of schemas (objective.teachers=[{...}])
+    if unknown_key and inner and inner.group(1) != unknown_key.group(1).rpartition(".")[2]:
+        # a key of an item of a list of schemas (objective.teachers=[{...}])
         key, item_schema = unknown_key.group(1), inner.group(2)
         valid = [f.name for f in dataclasses.fields(_schema_named(item_schema))] if _schema_named(item_schema) \
             else []
