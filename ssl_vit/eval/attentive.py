@@ -20,7 +20,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ssl_vit.eval.features import extract_features
-from ssl_vit.eval.linear import standardise
+from ssl_vit.eval.linear import held_out_split, standardise
 
 
 class AttentiveProbe(nn.Module):
@@ -88,9 +88,7 @@ def attentive_probe(train_tokens, train_y, test_tokens, test_y, lr_values, weigh
     """Choose (lr, weight decay) on a held-out part of the training set, retrain on all of it, score on the test
     set (module docstring). `num_classes`: the dataset's (default: from the labels)."""
     num_classes = num_classes or int(max(train_y.max(), test_y.max())) + 1
-    order = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(seed))
-    num_val = max(1, int(len(order) * val_fraction))
-    val_idx, fit_idx = order[:num_val], order[num_val:]
+    val_idx, fit_idx = held_out_split(len(train_y), val_fraction, seed)
     fit_x, val_x = _standardise_tokens(train_tokens[fit_idx], train_tokens[val_idx])
     grid = list(itertools.product(map(float, lr_values), map(float, weight_decays)))
     val_accuracy = {}

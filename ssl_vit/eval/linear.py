@@ -207,6 +207,14 @@ def sweep_l2(fit_and_score, l2_values, max_extensions: int = MAX_GRID_EXTENSIONS
     return scores, best_l2(), extended
 
 
+def held_out_split(count: int, val_fraction: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(validation indices, fitting indices) of `count` training samples: a seeded permutation, `val_fraction` of it
+    (at least one) held out for choosing a probe's settings."""
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+    num_val = max(1, int(count * val_fraction))
+    return order[:num_val], order[num_val:]
+
+
 def linear_probe(train_x, train_y, test_x, test_y, l2_values=DEFAULT_L2, val_fraction: float = 0.2,
                  seed: int = 0, max_iter: int = 500, max_extensions: int = MAX_GRID_EXTENSIONS) -> dict:
     """Standardise, choose the L2 strength on a held-out `val_fraction` of the training set (`sweep_l2`), refit on
@@ -214,9 +222,7 @@ def linear_probe(train_x, train_y, test_x, test_y, l2_values=DEFAULT_L2, val_fra
     the directions in which the grid was extended past `l2_values`, `train_objective` the final fit's mean
     cross-entropy + l2/2 ||W||^2 on the (standardised) training set."""
     num_classes = int(max(train_y.max(), test_y.max())) + 1
-    order = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(seed))
-    num_val = max(1, int(len(order) * val_fraction))
-    val_idx, fit_idx = order[:num_val], order[num_val:]
+    val_idx, fit_idx = held_out_split(len(train_y), val_fraction, seed)
     fit_x, val_x = standardise(train_x[fit_idx], train_x[val_idx])
     fit_y, val_y = train_y[fit_idx], train_y[val_idx]
     solutions = {}

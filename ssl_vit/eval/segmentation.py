@@ -27,7 +27,7 @@ from ssl_vit.data.errors import BadSampleError, NoUsableSamplesError, SkipLog
 from ssl_vit.data.segmentation import IGNORE_INDEX
 from ssl_vit.data.views import eval_transform
 from ssl_vit.eval.features import collate_readable
-from ssl_vit.eval.linear import CHUNK_ELEMENTS, standardise, sweep_l2
+from ssl_vit.eval.linear import CHUNK_ELEMENTS, held_out_split, standardise, sweep_l2
 
 log = logging.getLogger(__name__)
 MAX_ITER = 200
@@ -166,9 +166,7 @@ def linear_segmentation(train_features, train_masks, test_features, test_masks, 
                         val_fraction: float = 0.2, seed: int = 0, class_names=None, max_iter: int = MAX_ITER) -> dict:
     """Choose the L2 strength by validation mIoU on a held-out `val_fraction` of the training images, refit on all
     of them, score on the test images."""
-    order = torch.randperm(len(train_masks), generator=torch.Generator().manual_seed(seed))
-    num_val = max(1, int(len(order) * val_fraction))
-    val_idx, fit_idx = order[:num_val], order[num_val:]
+    val_idx, fit_idx = held_out_split(len(train_masks), val_fraction, seed)
     fit_x, val_x = _standardise_channels(train_features[fit_idx], train_features[val_idx])
     fit_y, val_y = train_masks[fit_idx], train_masks[val_idx]
     solutions = {}
