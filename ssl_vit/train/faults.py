@@ -17,26 +17,33 @@ import os
 import signal
 
 FAULT_ENV = "SSL_VIT_FAULT"
-_FAULT = os.environ.get(FAULT_ENV)
+
+
+def _fault() -> str | None:
+    """The fault asked for, read when a point is reached (a run in a process forked or called after the
+    environment was set sees its own)."""
+    return os.environ.get(FAULT_ENV)
 
 
 def fault_point(name: str, step: int) -> None:
-    if _FAULT is not None and _FAULT == f"{name}@{step}":
+    fault = _fault()
+    if fault is None:
+        return
+    if fault == f"{name}@{step}":
         os.kill(os.getpid(), signal.SIGKILL)
     last_rank = int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1
-    if _FAULT is not None and name == "step_done" and _FAULT.startswith("sig") and _FAULT.endswith(f"@{step}"):
-        if last_rank:
-            os.kill(os.getpid(), signal.Signals[_FAULT.split("@")[0].upper()])
+    if name == "step_done" and fault.startswith("sig") and fault.endswith(f"@{step}") and last_rank:
+        os.kill(os.getpid(), signal.Signals[fault.split("@")[0].upper()])
 
 
 def poisoned(loss, step: int):
     """The loss, or NaN at the step SSL_VIT_FAULT=nan_loss@<step> names (rank 0 only: the others stay finite)."""
-    if _FAULT is not None and _FAULT == f"nan_loss@{step}" and os.environ.get("RANK", "0") == "0":
+    if _fault() == f"nan_loss@{step}" and os.environ.get("RANK", "0") == "0":
         return loss * float("nan")
     return loss
 
 
 def injected_error(name: str, step: int) -> None:
     """Raise at the point SSL_VIT_FAULT=<name>@<step> names (a failure of this process alone)."""
-    if _FAULT is not None and _FAULT == f"{name}@{step}":
-        raise RuntimeError(f"injected failure ({FAULT_ENV}={_FAULT})")
+    if _fault() == f"{name}@{step}":
+        raise RuntimeError(f"injected failure ({FAULT_ENV}={_fault()})")
