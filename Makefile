@@ -1,13 +1,17 @@
 # Two commands on a fresh machine (each sets everything up first, reusing what is already there):
 #   make run     the headline job: objective=masked_patch on the built-in synthetic data (ARGS="..." adds overrides)
-#   make test    the test suite (what CI runs)
+#   make test    ruff, then the whole test suite (what CI runs)
+# and for the inner loop and the guard when tests move:
+#   make test-fast   the tests marked neither slow nor distributed (unit level, no process started)
+#   make coverage    the whole suite under coverage.py (subprocesses and forked ranks included): a report of the
+#                    lines of ssl_vit/ and objectives/ it runs, and coverage.json
 # `make setup` alone installs: the virtual environment (.venv, pip install -e '.[dev]', again when pyproject.toml
 # changes), transformers 4.x beside 5.x for one interop test, and the Debian data sets (Fashion-MNIST, Tux Paint).
 PYTHON ?= python3.11
 VENV := .venv
 ARGS ?=
 
-.PHONY: setup run test
+.PHONY: setup run test test-fast coverage
 setup: $(VENV)/.installed $(VENV)/.data-installed
 
 $(VENV)/.installed: pyproject.toml
@@ -24,4 +28,15 @@ run: setup
 	$(VENV)/bin/python scripts/pretrain.py objective=masked_patch $(ARGS)
 
 test: setup
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest -q $(ARGS)
+
+test-fast: setup
+	$(VENV)/bin/python -m pytest -q -m "not slow and not distributed" $(ARGS)
+
+coverage: setup
+	rm -f .coverage .coverage.*
+	COVERAGE_FILE=$(CURDIR)/.coverage $(VENV)/bin/python -m coverage run -m pytest -q $(ARGS)
+	$(VENV)/bin/python -m coverage combine -q
+	$(VENV)/bin/python -m coverage report --skip-covered --sort=cover
+	$(VENV)/bin/python -m coverage json -q -o coverage.json

@@ -374,7 +374,7 @@ def quality_section(args, device: torch.device, work: Path) -> dict:
     rows["random init"] = score(objective.encoder, preprocess)
     for name in args.quality_objectives:
         overrides = [*base, *QUALITY[name]]
-        steps = 10
+        steps = 3  # --tiny: a check that each objective trains and is scored, not a measurement
         if not args.tiny:  # steps from a measured rate
             AcceleratorState._reset_state(reset_partial_state=True)
             probe = pretrain(compose_config(*overrides, "trainer.max_steps=12",

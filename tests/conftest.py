@@ -1,21 +1,24 @@
+"""What the test files share (helpers.* has the machinery): the tiers' markers enforced, the session's pool of
+2-process runs, the reference 30-step run, and small helpers.
+
+Tiers (markers registered in pyproject.toml): `slow` trains for more than a few steps or starts processes;
+`distributed` runs several processes. `make test-fast` runs the rest (`-m "not slow and not distributed"`); a test
+outside those markers that starts a process fails, naming the marker it needs."""
+
 import io
-import json
-import os
 import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
+import helpers.ranks
 import pytest
 import torch
+from helpers.inprocess import pretrain as pretrain_in_process
+from helpers.pool import RunPool
+from helpers.processes import ACCELERATE, ACCELERATE_LAUNCH, ROOT, check_ok, launch, read_metrics  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[1]
-ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
-# accelerate's own launch entry point: `accelerate launch` runs exactly this (launch_command_parser + launch_command)
-# after the accelerate CLI has registered all its other subcommands, whose imports (timm, torchvision models via
-# `accelerate estimate-memory`) cost ~4 s per launch here. The `accelerate` command itself is run by
-# test_pretrain_cli (launcher="accelerate").
-ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
+TINY = ["model=vit_test", "data.num_samples=32", "data.batch_size=16", "trainer.log_every=1",
+        "optim.lr=3e-3", "optim.warmup_steps=3", "trainer.checkpoint_every=10"]
 
 
 @pytest.fixture(autouse=True)
@@ -23,15 +26,63 @@ def _seed():
     torch.manual_seed(0)
 
 
-def launch(*overrides, config="cpu", env=None, timeout=300, launcher=None, **popen) -> subprocess.CompletedProcess:
-    """Run scripts/pretrain.py through accelerate's launcher in a subprocess (env: None unsets; launcher="accelerate":
-    the `accelerate launch` command itself; popen: more subprocess.run arguments, e.g. preexec_fn)."""
-    start = [ACCELERATE, "launch"] if launcher == "accelerate" else ACCELERATE_LAUNCH
-    cmd = [*start, "--config_file", str(ROOT / "configs" / "accelerate" / f"{config}.yaml"),
-           str(ROOT / "scripts" / "pretrain.py"), "trainer.progress=false", *overrides]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    full_env = {k: v for k, v in full_env.items() if v is not None}  # None removes a variable
-    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout, **popen)
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state():
+    """accelerate keeps one process-wide state (precision, device); each test starts from a clean one."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _refuse_processes(nodeid: str):
+    """Make starting a process (subprocess, or a forked one of helpers.ranks) fail, naming the marker; returns the
+    function that undoes it."""
+    started, forked = subprocess.Popen.__init__, helpers.ranks._start
+
+    def refuse(self, args, *rest, **kwargs):
+        if not isinstance(args, str) and Path(str(args[0])).name in {"ldconfig", "uname"}:
+            return started(self, args, *rest, **kwargs)  # torch and platform asking the system about itself
+        raise AssertionError(f"{nodeid} starts a process ({args!r}): mark it slow (pytest.mark.slow)")
+
+    def refuse_fork(process):
+        raise AssertionError(f"{nodeid} starts a process ({process.name}): mark it distributed (several processes "
+                             "in one group) or slow")
+
+    subprocess.Popen.__init__, helpers.ranks._start = refuse, refuse_fork
+
+    def undo():
+        subprocess.Popen.__init__, helpers.ranks._start = started, forked
+    return undo
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The fast tier starts no process: a test that does, or a fixture it is the first to ask for, carries `slow`
+    or `distributed`."""
+    marked = item.get_closest_marker("slow") or item.get_closest_marker("distributed")
+    undo = None if marked else _refuse_processes(item.nodeid)
+    try:
+        yield
+    finally:
+        if undo is not None:
+            undo()
+
+
+@pytest.fixture(scope="session")
+def pool(tmp_path_factory) -> RunPool:
+    """The 2-process runs several files compare (helpers.pool), each launched once, when first asked for."""
+    return RunPool(tmp_path_factory.mktemp("pool"))
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """An uninterrupted 30-step run of TINY through the CLI, in this process (shared by the resume, Ctrl-C and
+    fault-injection tests)."""
+    out = tmp_path_factory.mktemp("reference")
+    check_ok(pretrain_in_process(*TINY, "trainer.max_steps=30", f"hydra.run.dir={out}"))
+    return out
 
 
 def export_script():
@@ -42,14 +93,6 @@ def export_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-TINY = ["model=vit_test", "data.num_samples=32", "data.batch_size=16", "trainer.log_every=1",
-        "optim.lr=3e-3", "optim.warmup_steps=3", "trainer.checkpoint_every=10"]
 
 
 def assert_weights_close(ours: dict, reference: dict, atol: float, rtol: float, key_bias_atol: float) -> None:
@@ -64,19 +107,6 @@ def assert_weights_close(ours: dict, reference: dict, atol: float, rtol: float, 
             torch.testing.assert_close(got[keys], value[keys], atol=key_bias_atol, rtol=0, msg=name)
             got = torch.cat([got[: keys.start], value[keys], got[keys.stop:]])
         torch.testing.assert_close(got, value, atol=atol, rtol=rtol, msg=name)
-
-
-def check_ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc
-
-
-@pytest.fixture(scope="session")
-def reference_run(tmp_path_factory):
-    """An uninterrupted 30-step run of TINY through the CLI (shared by the resume and fault-injection tests)."""
-    out = tmp_path_factory.mktemp("reference")
-    check_ok(launch(*TINY, "trainer.max_steps=30", f"hydra.run.dir={out}"))
-    return out
 
 
 def write_tar(path, samples) -> None:

@@ -1,10 +1,9 @@
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 from conftest import ROOT
+from helpers.inprocess import run_script
 from PIL import Image
 
 from ssl_vit.analysis.inspect import (
@@ -80,15 +79,14 @@ def test_pos_embed_similarity_and_filter_components():
     assert abs(cosine.item()) == pytest.approx(1.0, abs=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pos_embed", ["learned", "rope"])
 def test_analyze_script_writes_the_four_pngs(tmp_path, pos_embed):
     """Four plots; three for a RoPE encoder, which has no position table to compare (said, not a crash)."""
     torch.manual_seed(0)
     checkpoint = save_encoder(build_vit("vit_test", img_size=32, pos_embed=pos_embed),
                               tmp_path / "encoder.safetensors")
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "analyze.py"), str(checkpoint), "--num-images",
-                           "2", "--out", str(tmp_path / "figs")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    proc = run_script(ROOT / "scripts" / "analyze.py", checkpoint, "--num-images", "2", "--out", tmp_path / "figs")
     assert proc.returncode == 0, proc.stderr
     names = ["attention_distance", "attention_rollout", "patch_filters_pca"]
     names += ["pos_embed_similarity"] if pos_embed == "learned" else []

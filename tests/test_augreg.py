@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, check_ok, launch, read_metrics
+from conftest import ROOT, check_ok, pretrain_in_process, read_metrics
 from hydra import compose, initialize_config_dir
 from timm.data import Mixup
 from timm.data.auto_augment import RandAugment
@@ -132,10 +132,11 @@ def test_the_recipe_refuses_what_it_cannot_do_by_name(overrides, message):
         build_components(_compose(*overrides))
 
 
+@pytest.mark.slow
 def test_the_recipe_trains_through_the_cli(tmp_path):
-    check_ok(launch("model=vit_test", "objective=supervised", "optim=augreg", "data.augment=augreg",
-                    "data.num_samples=64", "data.batch_size=8", "trainer.max_steps=4", "trainer.log_every=1",
-                    f"hydra.run.dir={tmp_path}"))
+    check_ok(pretrain_in_process("model=vit_test", "objective=supervised", "optim=augreg", "data.augment=augreg",
+                                 "data.num_samples=64", "data.batch_size=8", "trainer.max_steps=4",
+                                 "trainer.log_every=1", f"hydra.run.dir={tmp_path}"))
     rows = [m for m in read_metrics(tmp_path) if "loss" in m]
     assert len(rows) == 4 and all(np.isfinite(m["loss"]) for m in rows)
     # 5e-4 x 8 / 512 is below optim.min_lr: the schedule stays at that peak rather than rising to min_lr

@@ -387,17 +387,14 @@ def test_documented_url_overrides_parse_in_hydra_and_expand(tmp_path, monkeypatc
             assert urls == every, override
 
 
+@pytest.mark.slow
 def test_training_on_unreadable_shards_stops_with_one_line_and_a_summary(tmp_path):
-    import subprocess
-    import sys
-
-    from conftest import ROOT
+    from conftest import pretrain_in_process
 
     shards = tmp_path / "shards"
     shards.mkdir()
-    proc = subprocess.run([sys.executable, "scripts/pretrain.py", "model=vit_test", "objective=mae", "data=wds",
-                           f"data.urls={_garbage_shards(shards)}", "data.num_workers=2", "trainer.progress=false",
-                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = pretrain_in_process("model=vit_test", "objective=mae", "data=wds", f"data.urls={_garbage_shards(shards)}",
+                               "data.num_workers=2", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 1
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ssl-vit: error:")]
     assert len(errors) == 1 and "none of the" in errors[0] and "bad-00000" in errors[0], proc.stderr[-3000:]

@@ -1,14 +1,13 @@
 """Image-text data: caption folders (pairs, splits, transparency on white, unpaired files counted), the text view
 tokenised in the loaders with samples without text skipped and counted, shards with captions, Tux Paint's stamps."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import ROOT
+from helpers.inprocess import run_script
 from PIL import Image
 
 from objectives.clip import TextTokenizer
@@ -104,9 +103,9 @@ def test_tux_paint_stamps_give_785_captioned_drawings_on_white():
     assert sample["text"] == "A frog." and sample["image"][:, 0, 0].tolist() == [255, 255, 255]
 
 
+@pytest.mark.slow
 @tuxpaint
 def test_make_shards_writes_the_held_out_tux_paint_pairs(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/make_shards.py"), "tuxpaint", "--split", "test",
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_script(ROOT / "scripts/make_shards.py", "tuxpaint", "--split", "test", "--out", tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {len(TuxPaintStamps(split='test'))} samples from tuxpaint" in proc.stdout

@@ -1,5 +1,11 @@
+"""Checkpoints: the encoder file, finding the checkpoint to resume, the data position; exact resume from the sharded
+checkpoints of 2-process runs (the session's pool, helpers.pool) and their consolidation into one process's files."""
+
 import pytest
 import torch
+from conftest import ROOT, check_ok, pretrain_in_process, read_metrics
+from helpers.pool import EVAL, OBJECTIVES, STEPS, strategy_run
+from safetensors.torch import load_file
 
 from ssl_vit.artifacts import load_encoder, read_metadata, save_encoder
 from ssl_vit.schema import ConfigError
@@ -49,3 +55,76 @@ def test_a_data_position_from_another_layout_or_none_is_refused_unless_inexact_i
     (tmp_path / data_position_file(0)).write_bytes(b"cut")
     with pytest.raises(ConfigError, match="data_position_0.pt is unreadable"):
         read_data_position(tmp_path, 0, 2, 2, allow_inexact=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("config, objective", [("zero2_cpu2", "dinov3"), ("fsdp2_cpu2", "dinov3"),
+                                               ("zero3_cpu2", "mocov3"), ("fsdp2_cpu2", "mocov3"),
+                                               ("fsdp2_cpu2", "ijepa")])
+def test_resume_from_a_sharded_checkpoint_reproduces_the_uninterrupted_losses(pool, tmp_path, config, objective):
+    """Steps 4-5 resumed from the step-3 checkpoint of the uninterrupted run (model and optimizer shards, RNG,
+    data position) into a new run directory give that run's losses. DINOv3's checkpoint also holds the sharded EMA
+    teacher and Gram teacher (refreshed before step 3, the first resumed one) and its iBOT masks come from the
+    restored RNG (ZeRO-3: test_preemption's SIGTERM test); MoCo v3's holds the momentum encoder and a frozen patch
+    projection, which the optimizer state lacks."""
+    uninterrupted = pool[objective, config]
+    checkpoint = uninterrupted / "checkpoints" / "step_00000003"
+    sharded_files = {"zero2_cpu2": "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt",  # optimizer shards
+                     "zero3_cpu2": "pytorch_model/zero_pp_rank_1_mp_rank_00_model_states.pt",
+                     "fsdp2_cpu2": "pytorch_model_fsdp_0/__1_0.distcp"}
+    assert (checkpoint / sharded_files[config]).is_file()  # each rank wrote its own shard
+    check_ok(strategy_run(config, tmp_path, *OBJECTIVES[objective], f"trainer.resume={checkpoint}"))
+    resumed = {m["step"]: m["loss"] for m in read_metrics(tmp_path)}
+    assert sorted(resumed) == [4, 5]
+    reference = {m["step"]: m["loss"] for m in read_metrics(uninterrupted) if "loss" in m}
+    assert [resumed[4], resumed[5]] == pytest.approx([reference[4], reference[5]], abs=1e-6)
+    teacher = load_encoder(tmp_path / "encoder.safetensors").state_dict()
+    for name, value in load_encoder(uninterrupted / "encoder.safetensors").state_dict().items():
+        torch.testing.assert_close(teacher[name], value, atol=1e-6, rtol=0, msg=name)
+
+
+def _consolidate_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("consolidate_script", ROOT / "scripts" / "consolidate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("config", ["zero2_cpu2", "zero3_cpu2", "fsdp2_cpu2"])
+def test_consolidate_turns_a_2_process_checkpoint_into_the_runs_own_files_and_1_process_resume_is_refused(
+        pool, tmp_path, config):
+    """scripts/consolidate.py on the final DINOv3 checkpoint written by 2 processes (DeepSpeed's zero_to_fp32, DCP's
+    dcp_to_torch_save), in this one process: encoder.safetensors and heads.safetensors equal the run's own exactly
+    (the teacher, the student's and teacher's heads, the centres), training_state.pt holds the full state and step;
+    resuming those shards on 1 process is refused in one line naming consolidate.py."""
+    run = pool["dinov3", config]
+    checkpoint = run / "checkpoints" / "step_00000005"
+    assert _consolidate_script().main([str(run), "--out", str(tmp_path / "whole")]) == 0  # the run: its newest
+    for name in ("encoder.safetensors", "heads.safetensors"):
+        ours, theirs = load_file(tmp_path / "whole" / name), load_file(run / name)
+        assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs), name
+    state = torch.load(tmp_path / "whole" / "training_state.pt", weights_only=False)
+    assert state["train_state"]["step"] == 5 and state["world_size"] == 2
+    assert (state["optimizer"] is not None) == (config == "fsdp2_cpu2")  # zero_to_fp32: weights, not moments
+    teacher = load_file(run / "encoder.safetensors")
+    assert torch.equal(state["model"]["teacher.backbone.cls_token"], teacher["cls_token"])
+    if config == "zero3_cpu2":  # the real CLI on one process
+        proc = pretrain_in_process("model=vit_test", *STEPS, *EVAL, *OBJECTIVES["dinov3"],
+                                   f"trainer.resume={checkpoint}", f"out={tmp_path / 'one'}")
+        assert proc.returncode != 0
+        assert (f"ssl-vit: error: trainer.resume: {checkpoint} was written by 2 processes and this run has 1: its "
+                f"DeepSpeed ZeRO shards resume only on 2; python scripts/consolidate.py {checkpoint} --out DIR"
+                in proc.stderr), proc.stderr[-2000:]
+        # A new ZeRO-3 run from the run's files with its heads (model.init_heads), loaded into partitioned
+        # parameters: one step that moves nothing (lr 1e-12, teacher momentum 1) saves what it started from.
+        check_ok(strategy_run(config, tmp_path / "continued", *OBJECTIVES["dinov3"], f"model.init_from={run}",
+                      "model.init_heads=true", "trainer.max_steps=1", "optim.lr=1e-12", "optim.min_lr=0",
+                      "optim.warmup_steps=0", "objective.teacher_momentum=1"))
+        for name in ("encoder.safetensors", "heads.safetensors"):
+            ours, theirs = load_file(tmp_path / "continued" / name), load_file(run / name)
+            assert set(ours) == set(theirs), name
+            for key, value in theirs.items():
+                torch.testing.assert_close(ours[key], value, atol=1e-6, rtol=0, msg=f"{name}: {key}")

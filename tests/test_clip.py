@@ -4,40 +4,24 @@ shapes, LiT's frozen tower, the open_clip export."""
 
 import json
 import math
-import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ACCELERATE_LAUNCH, ROOT, check_ok, export_script, read_metrics
+from conftest import ROOT, check_ok, export_script, pretrain_in_process, read_metrics
+from helpers.builders import CLIP_TOWERS, WORDS, clip_batch, clip_model
+from helpers.ranks import on_ranks
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from objectives import DataInfo, Objective, load_trained
-from objectives.clip import CLIP, SigLIP, share_gradient
+from objectives import Objective, load_trained
+from objectives.clip import CLIP, share_gradient
 from ssl_vit.cli import register_configs
 from ssl_vit.eval.zeroshot import retrieval_recall, zeroshot_accuracy, zeroshot_classifier
 from ssl_vit.interop.sources import load_pretrained
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.schema import ConfigError
 from ssl_vit.vit import build_vit
-
-TOWERS = dict(embed_dim=16, context_length=16, text_width=16, text_heads=2, text_layers=1)
-WORDS = ["red", "green", "blue", "small", "large", "disc", "star", "ring"]
-
-
-def _model(kind="clip", model_overrides=None, **overrides):
-    model_class = CLIP if kind == "clip" else SigLIP
-    cfg = OmegaConf.structured(model_class.config_class(**{**TOWERS, **overrides}))
-    backbone = build_vit("vit_test", **{"pre_norm": True, **(model_overrides or {})})
-    return model_class(backbone, cfg, DataInfo(0, 16))
-
-
-def _batch(model, n=6, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    captions = [f"a {WORDS[i % 8]} {WORDS[(3 * i + 1) % 8]} number {i}" for i in range(n)]
-    return {"image": torch.randn(n, 3, 16, 16, generator=generator), "text": model.text_tokenizer()(captions)}
 
 
 def _config(*overrides):
@@ -49,8 +33,8 @@ def _config(*overrides):
 def test_the_clip_loss_is_open_clips_and_the_symmetric_cross_entropy_and_ln_b_at_zero():
     from open_clip.loss import ClipLoss
 
-    model = _model()
-    batch = _batch(model)
+    model = clip_model()
+    batch = clip_batch(model)
     loss = model(batch)["loss"]
     image = F.normalize(model.encode_image(batch["image"]), dim=-1)
     text = F.normalize(model.encode_text(batch["text"]), dim=-1)
@@ -69,11 +53,11 @@ def test_the_clip_loss_is_open_clips_and_the_symmetric_cross_entropy_and_ln_b_at
 def test_the_siglip_loss_is_open_clips_and_the_pairwise_sigmoid_formula():
     from open_clip.loss import SigLipLoss
 
-    model = _model("siglip")
+    model = clip_model("siglip")
     assert float(model.logit_scale) == pytest.approx(math.log(10)) and float(model.logit_bias) == -10
     with torch.no_grad():
         model.logit_bias.fill_(-2.0)  # away from the init, where every pair is near "negative"
-    batch = _batch(model)
+    batch = clip_batch(model)
     loss = model(batch)["loss"]
     image = F.normalize(model.encode_image(batch["image"]), dim=-1)
     text = F.normalize(model.encode_text(batch["text"]), dim=-1)
@@ -86,8 +70,8 @@ def test_the_siglip_loss_is_open_clips_and_the_pairwise_sigmoid_formula():
 
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
 def test_the_effective_logit_scale_is_clamped_at_100_inside_the_forward(kind):
-    model = _model(kind)
-    batch = _batch(model)
+    model = clip_model(kind)
+    batch = clip_batch(model)
     with torch.no_grad():
         model.logit_scale.fill_(6.0)  # pushed past ln 100
     out = model(batch)
@@ -101,31 +85,29 @@ def test_the_effective_logit_scale_is_clamped_at_100_inside_the_forward(kind):
     assert float(model.logit_scale.grad.abs()) > 0
 
 
-def _rank_gradients(rank, kind, path, out):
-    torch.distributed.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+def _rank_gradients(rank, kind, out):
     torch.manual_seed(0)
-    model = _model(kind)
-    batch = _batch(model, n=8)
+    model = clip_model(kind)
+    batch = clip_batch(model, n=8)
     half = {k: v[rank * 4:(rank + 1) * 4] for k, v in batch.items()}
     model(half)["loss"].backward()
     grads = {}
     for name, param in model.named_parameters():
         torch.distributed.all_reduce(param.grad)  # DDP: the mean over ranks
         grads[name] = param.grad / 2
-    out[rank] = grads
-    torch.distributed.destroy_process_group()
+    torch.save(grads, out / f"rank{rank}.pt")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
 def test_two_processes_give_the_gradients_of_one_process_on_the_whole_batch(tmp_path, kind):
     """open_clip's ClipLoss(local_loss, gather_with_grad) / SigLipLoss's exchange over gloo, the gradients averaged as
     DDP does: the gradients of the loss of the concatenated batch on one process."""
-    manager = torch.multiprocessing.get_context("spawn").Manager()
-    out = manager.dict()
-    torch.multiprocessing.spawn(_rank_gradients, args=(kind, tmp_path / "rendezvous", out), nprocs=2)
+    on_ranks(_rank_gradients, kind, tmp_path, log_dir=tmp_path / "ranks")
+    out = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
     torch.manual_seed(0)
-    model = _model(kind)
-    model(_batch(model, n=8))["loss"].backward()
+    model = clip_model(kind)
+    model(clip_batch(model, n=8))["loss"].backward()
     for name, param in model.named_parameters():  # within 1e-6 of each gradient's scale (fp32 sums differ)
         for rank in (0, 1):
             assert float((out[rank][name] - param.grad).abs().max()) <= 1e-6 * max(1, float(param.grad.abs().max()))
@@ -142,13 +124,14 @@ def test_share_gradient_keeps_the_value_and_divides_the_gradient():
 def _train(tmp_path, name, *overrides):
     from ssl_vit.train.trainer import pretrain
 
-    cfg = _config("objective=clip_tiny", *[f"objective.{k}={v}" for k, v in TOWERS.items()], "model=vit_test",
+    cfg = _config("objective=clip_tiny", *[f"objective.{k}={v}" for k, v in CLIP_TOWERS.items()], "model=vit_test",
                   "data.num_samples=64", "trainer.max_steps=2", "trainer.log_every=1", "trainer.progress=false",
                   "trainer.trackers=[]", "optim.warmup_steps=0", f"output_dir={tmp_path / name}", *overrides)
     pretrain(cfg)
     return read_metrics(tmp_path / name)
 
 
+@pytest.mark.slow
 def test_accumulation_with_cached_features_equals_one_big_batch(tmp_path, monkeypatch):
     """Batch 8 x 2 micro-steps = batch 16 at once: the same gradient (norm before clipping), losses and next step;
     plain accumulation (each micro-batch its own negatives) gives another gradient."""
@@ -163,11 +146,11 @@ def test_accumulation_with_cached_features_equals_one_big_batch(tmp_path, monkey
 
 
 def test_zeroshot_weights_are_the_renormalised_mean_of_the_normalised_prompt_embeddings():
-    model = _model().eval()
+    model = clip_model().eval()
     tokenizer = model.text_tokenizer()
     names, templates = ["disc", "star", "ring"], ["a {}", "a small {}", "a picture of a {}."]
     weights = zeroshot_classifier(model, tokenizer, names, templates)
-    assert weights.shape == (TOWERS["embed_dim"], 3)
+    assert weights.shape == (CLIP_TOWERS["embed_dim"], 3)
     with torch.no_grad():
         for c, name in enumerate(names):
             prompts = model.encode_text(tokenizer([t.format(name) for t in templates]))
@@ -206,6 +189,7 @@ def clip_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_a_short_clip_run_classifies_held_out_shapes_zero_shot_above_chance(clip_run, tmp_path):
     from ssl_vit.eval.run import evaluate
 
@@ -222,6 +206,7 @@ def test_a_short_clip_run_classifies_held_out_shapes_zero_shot_above_chance(clip
     assert recall["image_to_text_R@1"] > 0.1 and recall["text_to_image_R@10"] > 0.5  # chance ~0.01 and ~0.03
 
 
+@pytest.mark.slow
 def test_the_open_clip_export_reproduces_encode_image_and_encode_text(clip_run, tmp_path):
     import open_clip
 
@@ -257,7 +242,7 @@ def test_the_open_clip_export_maps_every_image_tower_option(tmp_path, options):
     from ssl_vit.interop.open_clip import export_open_clip
 
     torch.manual_seed(0)
-    ours = _model("siglip", model_overrides=options).eval()
+    ours = clip_model("siglip", model_overrides=options).eval()
     with torch.no_grad():  # make the options matter: non-trivial norms, biases and scales
         for param in ours.backbone.parameters():
             if param.ndim == 1:
@@ -326,20 +311,17 @@ def test_the_open_clip_export_refuses_what_it_cannot_represent(tmp_path):
     from ssl_vit.interop.open_clip import export_open_clip
 
     with pytest.raises(ValueError, match="num_registers=2 .*open_clip's ViT has no registers"):
-        export_open_clip(_model(model_overrides={"num_registers": 2}), tmp_path)
+        export_open_clip(clip_model(model_overrides={"num_registers": 2}), tmp_path)
 
 
+@pytest.mark.slow
 def test_a_lit_run_trains_only_the_text_side_from_a_saved_encoder(clip_run, tmp_path):
     """Through the CLI: the image tower comes from the CLIP run's encoder file (its architecture and 24 px, not
     model=), stays bit-identical, and the text tower trains."""
     overrides = ["objective=clip_tiny", "objective.lock_image=true", f"objective.image_encoder={clip_run}",
                  "objective.embed_dim=16", "objective.text_width=16", "objective.text_heads=2",
                  "objective.text_layers=1"]
-    proc = subprocess.run([*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "configs/accelerate/cpu.yaml"),
-                           str(ROOT / "scripts/pretrain.py"), *overrides, "data.batch_size=16", "trainer.max_steps=3",
-                           "trainer.progress=false", f"hydra.run.dir={tmp_path}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    check_ok(proc)
+    check_ok(pretrain_in_process(*overrides, "data.batch_size=16", "trainer.max_steps=3", f"hydra.run.dir={tmp_path}"))
     before, after = load_file(clip_run / "encoder.safetensors"), load_file(tmp_path / "encoder.safetensors")
     assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before)
     assert load_trained(tmp_path).backbone.patch_embed.img_size[0] == 24
@@ -361,9 +343,9 @@ def test_the_hf_text_tower_trains_from_a_config_and_a_local_directory(tmp_path):
 
     hf = {"model_type": "bert", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
           "intermediate_size": 32}
-    model = _model(text_tower="hf", hf_config=hf)
+    model = clip_model(text_tower="hf", hf_config=hf)
     assert model.text.transformer.pooler is None  # mean pooling: BERT's pooler would never get a gradient
-    batch = _batch(model)
+    batch = clip_batch(model)
     model(batch)["loss"].backward()
     assert all(p.grad is not None for p in model.text.parameters())
 
@@ -372,7 +354,7 @@ def test_the_hf_text_tower_trains_from_a_config_and_a_local_directory(tmp_path):
     BertTokenizerFast(str(tmp_path / "vocab.txt")).save_pretrained(tmp_path)
     BertModel(BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                          intermediate_size=32)).save_pretrained(tmp_path)
-    local = _model(text_tower="hf", hf_model=str(tmp_path), hf_pooler="cls_pooler")
+    local = clip_model(text_tower="hf", hf_model=str(tmp_path), hf_pooler="cls_pooler")
     tokens = local.text_tokenizer()(["a red disc", "a small blue star number 3"])
     assert tokens.shape == (2, 16) and int(tokens[0, 0]) == vocab.index("[CLS]")
     loss = local({"image": torch.randn(2, 3, 16, 16), "text": tokens})["loss"]
@@ -403,6 +385,7 @@ def test_clip_turns_on_the_pre_norm_unless_the_model_config_says_otherwise():
     assert not objective.backbone.config["pre_norm"]
 
 
+@pytest.mark.slow
 def test_the_image_tower_exports_to_transformers_clip_vision_with_the_projection(clip_run, tmp_path):
     """scripts/export.py --to hf: CLIPVisionModelWithProjection.from_pretrained loads every weight (no missing or
     unexpected key), pooler_output = our pooled embedding and image_embeds = our CLIP image embedding."""

@@ -105,6 +105,7 @@ def test_out_of_range_and_missing_values_are_one_clear_error(overrides, expected
     assert str(err.value).startswith(expected), str(err.value)
 
 
+@pytest.mark.slow
 def test_every_shipped_config_passes_validation():
     validate_config(_compose("output_dir=unused"))
     needs = {"deit": ["objective.teacher=timm:resnet10t:/teacher.pth"]}  # the one value a user must give

@@ -1,13 +1,15 @@
 """The objective contract, used from outside: an objective written here (no file in objectives/, nothing
-registered, no engine file touched) trains through the real CLI under DDP and ZeRO-3, gives the same losses under
-both, saves its artifacts, and is rebuilt from them; its config is typed and checked like a registered one's."""
+registered, no engine file touched) trains through the CLI under DDP and ZeRO-3 (2 forked processes each:
+helpers.ranks), gives the same losses under both, saves its artifacts, and is rebuilt from them; its config is typed
+and checked like a registered one's."""
 
 import json
 import sys
 
 import pytest
 import torch
-from conftest import ROOT, check_ok, launch, read_metrics
+from conftest import ROOT, check_ok, read_metrics
+from helpers.ranks import pretrain_ranks
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
@@ -70,11 +72,13 @@ def plugin(tmp_path_factory):
 def runs(plugin, tmp_path_factory):
     out = tmp_path_factory.mktemp("plugin_runs")
     for config in ("ddp_cpu2", "zero3_cpu2"):
-        check_ok(launch(*RUN, f"hydra.searchpath=[file://{plugin / 'configs'}]", f"hydra.run.dir={out / config}",
-                        config=config, env={"PYTHONPATH": str(plugin)}))
+        check_ok(pretrain_ranks(*RUN, f"hydra.searchpath=[file://{plugin / 'configs'}]",
+                                f"hydra.run.dir={out / config}", config=config, log_dir=out / f"{config}.ranks",
+                                env={"PYTHONPATH": str(plugin)}))
     return out
 
 
+@pytest.mark.distributed
 def test_an_objective_from_outside_the_package_trains_under_ddp_and_zero3_alike(runs):
     losses = {config: [m["loss"] for m in read_metrics(runs / config)] for config in ("ddp_cpu2", "zero3_cpu2")}
     assert len(losses["ddp_cpu2"]) == 3 and losses["zero3_cpu2"] == pytest.approx(losses["ddp_cpu2"], rel=1e-4)
@@ -87,6 +91,7 @@ def test_an_objective_from_outside_the_package_trains_under_ddp_and_zero3_alike(
                                atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.distributed
 def test_its_artifacts_rebuild_it(runs):
     model = load_trained(runs / "ddp_cpu2")
     assert type(model).__name__ == "LinearHead" and model.cfg.label_smoothing == 0.1 and not model.training
@@ -110,6 +115,7 @@ def test_its_config_is_typed_and_checked_like_a_registered_one(plugin):
         objective_class("linear_heads")
 
 
+@pytest.mark.distributed
 def test_image_text_uses_of_its_run_are_refused_by_name(runs, tmp_path):
     """Zero-shot, retrieval and the open_clip export need an image-text model: said before anything is built."""
     from conftest import export_script

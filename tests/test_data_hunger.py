@@ -4,9 +4,11 @@ JSON and the PNG."""
 import importlib.util
 import json
 
+import pytest
 from conftest import ROOT
 
 
+@pytest.mark.slow
 def test_data_hunger_runs_end_to_end_on_a_tiny_setting(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("data_hunger", ROOT / "benchmarks" / "data_hunger.py")
     module = importlib.util.module_from_spec(spec)

@@ -6,7 +6,8 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, check_ok, launch, read_metrics
+from conftest import ROOT, check_ok, pretrain_in_process, read_metrics
+from helpers.builders import objective_and_batch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 
@@ -14,7 +15,6 @@ from objectives.teacher import load_teacher
 from ssl_vit.artifacts import load_encoder
 from ssl_vit.cli import register_configs
 from ssl_vit.schema import ConfigError
-from ssl_vit.train.build import build_components
 from ssl_vit.vit import VisionTransformer
 
 NUM_CLASSES = 8  # data=synthetic's shapes
@@ -30,17 +30,8 @@ def timm_teacher(tmp_path_factory):
     return f"timm:resnet10t:{path}"
 
 
-def _objective(*overrides):
-    register_configs()
-    with initialize_config_dir(str(ROOT / "configs"), version_base=None):
-        cfg = compose("pretrain", ["model=vit_test", "data.num_samples=16", "output_dir=unused", *overrides])
-    objective, dataset, views, _ = build_components(cfg)
-    batch = torch.utils.data.default_collate([views(dataset[i]) for i in range(6)])
-    return objective, batch
-
-
 def test_the_teacher_gets_no_gradient_stays_in_eval_mode_and_is_outside_the_module_tree(timm_teacher):
-    objective, batch = _objective("objective=deit", f"objective.teacher={timm_teacher}")
+    objective, batch = objective_and_batch("objective=deit", f"objective.teacher={timm_teacher}")
     teacher = objective.teacher
     for head in (objective.head, objective.head_dist):  # default head_init=torch: nn.Linear's U(+-1/sqrt(fan_in))
         bound = 1 / head.in_features ** 0.5
@@ -58,12 +49,13 @@ def test_the_teacher_gets_no_gradient_stays_in_eval_mode_and_is_outside_the_modu
     assert not teacher_ids & {id(t) for t in [*objective.parameters(), *objective.buffers()]}
     assert all(k.startswith(("backbone.", "head.", "head_dist.")) for k in objective.state_dict())
     assert objective.backbone.dist_token is not None  # objective=deit turns the token on
-    zero_heads, _ = _objective("objective=deit", f"objective.teacher={timm_teacher}", "objective.head_init=auto")
+    zero_heads, _ = objective_and_batch("objective=deit", f"objective.teacher={timm_teacher}",
+                                        "objective.head_init=auto")
     assert not zero_heads.head.weight.any() and not zero_heads.head_dist.weight.any()  # auto: vit_test's jax, zero
 
 
 def test_hard_targets_are_the_teachers_argmax_and_soft_is_deits_formula(timm_teacher):
-    objective, batch = _objective("objective=deit", f"objective.teacher={timm_teacher}")
+    objective, batch = objective_and_batch("objective=deit", f"objective.teacher={timm_teacher}")
     objective.eval()  # no dropout: the two forward passes below see the same network
     images, labels = batch["image"], batch["label"]
     with torch.no_grad():
@@ -87,7 +79,7 @@ def test_hard_targets_are_the_teachers_argmax_and_soft_is_deits_formula(timm_tea
 
 
 def test_inference_averages_the_two_heads_as_timms_distilled_deit(timm_teacher):
-    objective, batch = _objective("objective=deit", f"objective.teacher={timm_teacher}")
+    objective, batch = objective_and_batch("objective=deit", f"objective.teacher={timm_teacher}")
     objective.eval()
     with torch.no_grad():
         for p in objective.parameters():
@@ -108,12 +100,13 @@ def test_inference_averages_the_two_heads_as_timms_distilled_deit(timm_teacher):
     assert config["dist_token"] is True
 
 
+@pytest.mark.slow
 def test_a_supervised_run_is_a_teacher_and_deit_saves_neither_teacher_nor_its_weights(tmp_path, timm_teacher):
     """objective=supervised saves its head; objective=deit through the CLI distils from that run; its checkpoint,
     heads and encoder hold the student only."""
     supervised = tmp_path / "supervised"
     tiny = ["model=vit_test", "data.num_samples=32", "data.batch_size=8", "trainer.max_steps=3", "trainer.log_every=1"]
-    check_ok(launch(*tiny, "objective=supervised", "objective.head=mlp", f"hydra.run.dir={supervised}"))
+    check_ok(pretrain_in_process(*tiny, "objective=supervised", "objective.head=mlp", f"hydra.run.dir={supervised}"))
     teacher = load_teacher(str(supervised), NUM_CLASSES)
     encoder = load_encoder(supervised / "encoder.safetensors").eval()
     heads = load_file(supervised / "heads.safetensors")
@@ -124,7 +117,8 @@ def test_a_supervised_run_is_a_teacher_and_deit_saves_neither_teacher_nor_its_we
         torch.testing.assert_close(teacher(images), hidden @ heads["head.2.weight"].T + heads["head.2.bias"])
 
     student = tmp_path / "deit"
-    check_ok(launch(*tiny, "objective=deit", f"objective.teacher={supervised}", f"hydra.run.dir={student}"))
+    check_ok(pretrain_in_process(*tiny, "objective=deit", f"objective.teacher={supervised}",
+                                 f"hydra.run.dir={student}"))
     metrics = [m for m in read_metrics(student) if "loss" in m]
     assert len(metrics) == 3 and all(0 <= m["teacher_agreement"] <= 1 for m in metrics)
     encoder = load_encoder(student / "encoder.safetensors")
@@ -155,7 +149,7 @@ def test_a_supervised_run_is_a_teacher_and_deit_saves_neither_teacher_nor_its_we
 def test_bad_teachers_are_named(timm_teacher, teacher, message):
     file = timm_teacher.rsplit(":", 1)[1]
     with pytest.raises(ConfigError, match=message):
-        _objective("objective=deit", f"objective.teacher={teacher.format(file=file)}")
+        objective_and_batch("objective=deit", f"objective.teacher={teacher.format(file=file)}")
 
 
 def test_deit_needs_its_token_and_a_teacher(timm_teacher):
@@ -166,7 +160,7 @@ def test_deit_needs_its_token_and_a_teacher(timm_teacher):
         with initialize_config_dir(str(ROOT / "configs"), version_base=None):
             validate_config(compose("pretrain", ["objective=deit", "output_dir=unused"]))
     with pytest.raises(ConfigError, match=r"needs a backbone with a distillation token \(model.dist_token=true; "):
-        _objective("objective=deit", f"objective.teacher={timm_teacher}", "model.dist_token=false")
+        objective_and_batch("objective=deit", f"objective.teacher={timm_teacher}", "model.dist_token=false")
     with pytest.raises(ValueError, match="dist_token=True .* needs class_token=True and global_pool='token'"):
         VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, dist_token=True,
                           class_token=False, global_pool="avg")

@@ -7,14 +7,12 @@ from it. Strategies: tests/test_strategies.py."""
 
 import json
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT
+from conftest import ROOT, pretrain_in_process
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
@@ -247,19 +245,19 @@ def test_the_hires_stage_crops_at_twice_the_size_with_the_gram_teacher_at_1_5x()
 
 
 def _pretrain(out, *overrides):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/pretrain.py"), "objective=dinov3_tiny", "model=vit_test",
-                           "objective.out_dim=64", "objective.ibot_out_dim=64", "objective.hidden_dim=32",
-                           "objective.bottleneck_dim=16", "objective.local_crops=2", "data.batch_size=8",
-                           "data.num_samples=32", "trainer.log_every=1", "trainer.progress=false", *overrides,
-                           f"output_dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = pretrain_in_process("objective=dinov3_tiny", "model=vit_test", "objective.out_dim=64",
+                               "objective.ibot_out_dim=64", "objective.hidden_dim=32", "objective.bottleneck_dim=16",
+                               "objective.local_crops=2", "data.batch_size=8", "data.num_samples=32",
+                               "trainer.log_every=1", *overrides, f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
 
 
+@pytest.mark.slow
 def test_the_config_trains_reloads_and_continues_at_high_resolution(tmp_path):
-    """Through the real CLI: DINOv3's backbone defaults, the Gram loss from gram_start with its ramp, a reload that
-    holds the Gram teacher; then stage=hires from that run (its heads too): constant weights, a Gram teacher that
-    stays the starting teacher (the first run's encoder) for the whole stage."""
+    """Through the CLI's entry (in this process): DINOv3's backbone defaults, the Gram loss from gram_start with its
+    ramp, a reload that holds the Gram teacher; then stage=hires from that run (its heads too): constant weights, a
+    Gram teacher that stays the starting teacher (the first run's encoder) for the whole stage."""
     run = tmp_path / "run"
     logged = _pretrain(run, "trainer.max_steps=4", "objective.gram_start=1", "objective.gram_warmup_steps=2",
                        "objective.gram_update_every=2")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import timm
 import torch
-from conftest import ROOT, check_ok, export_script, launch, read_metrics
+from conftest import ROOT, check_ok, export_script, pretrain_in_process, read_metrics
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -322,16 +322,17 @@ def _compose(name, *overrides):
 
 @pytest.fixture(scope="module")
 def student_run(teachers, tmp_path_factory):
-    """The real CLI: a vit_test student of both teachers, 6 steps, augmented crops."""
+    """The CLI's entry (in this process): a vit_test student of both teachers, 6 steps, augmented crops."""
     out = tmp_path_factory.mktemp("student")
     spec = (f"objective.teachers=[{{source: '{teachers['clip']}', name: clip}}, "
             f"{{source: '{teachers['dino']}', name: dino, img_size: 56}}]")
-    check_ok(launch("objective=distill_tiny", "model=vit_test", "objective.adaptor_hidden_dim=32", spec,
-                    "data.augment=crop_flip", "data.num_samples=64", "data.batch_size=8", "trainer.max_steps=6",
-                    "trainer.log_every=1", f"hydra.run.dir={out}"))
+    check_ok(pretrain_in_process("objective=distill_tiny", "model=vit_test", "objective.adaptor_hidden_dim=32", spec,
+                                 "data.augment=crop_flip", "data.num_samples=64", "data.batch_size=8",
+                                 "trainer.max_steps=6", "trainer.log_every=1", f"hydra.run.dir={out}"))
     return out
 
 
+@pytest.mark.slow
 def test_the_cli_trains_a_student_and_evaluates_it_through_its_adaptors(student_run, tmp_path):
     metrics = [m for m in read_metrics(student_run) if "loss" in m]
     assert len(metrics) == 6 and all(math.isfinite(m["loss"]) for m in metrics)
@@ -365,6 +366,7 @@ def test_the_cli_trains_a_student_and_evaluates_it_through_its_adaptors(student_
         evaluate(_compose("evaluate", f"checkpoint={student_run}", "eval=knn", "eval.features=sam", *common))
 
 
+@pytest.mark.slow
 def test_bad_teacher_settings_are_one_line_each(teachers, tmp_path):
     base = ["objective=distill_tiny", "model=vit_test", f"output_dir={tmp_path}"]
     with pytest.raises(ConfigError, match=r"objective.teachers\[0\].summary_weight=-1.0 is invalid: must be >= 0"):

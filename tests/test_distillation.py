@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers.ranks import on_ranks
 
 from objectives.distillation import (
     DINOHead,
@@ -117,20 +118,17 @@ def test_sinkhorn_knopp_balances_prototypes_and_normalises_samples():
     assert torch.isfinite(sinkhorn_knopp(torch.full((4, 8), 30.0), teacher_temp=0.04)).all()  # exp(750) would not be
 
 
-def _sinkhorn_rank(rank, logits, path, out):
-    torch.distributed.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+def _sinkhorn_rank(rank, logits, out):
     half = logits.shape[0] // 2
-    out[rank] = sinkhorn_knopp(logits[rank * half:(rank + 1) * half], teacher_temp=0.1)
-    torch.distributed.destroy_process_group()
+    torch.save(sinkhorn_knopp(logits[rank * half:(rank + 1) * half], teacher_temp=0.1), out / f"rank{rank}.pt")
 
 
+@pytest.mark.distributed
 def test_sinkhorn_knopp_on_two_processes_equals_one_process_on_the_whole_batch(tmp_path):
     torch.manual_seed(1)
     logits = torch.randn(12, 10)
-    manager = torch.multiprocessing.get_context("spawn").Manager()
-    out = manager.dict()
-    torch.multiprocessing.spawn(_sinkhorn_rank, args=(logits, tmp_path / "rendezvous", out), nprocs=2)
-    together = torch.cat([out[0], out[1]])
+    on_ranks(_sinkhorn_rank, logits, tmp_path, log_dir=tmp_path / "ranks")
+    together = torch.cat([torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)])
     torch.testing.assert_close(together, sinkhorn_knopp(logits, teacher_temp=0.1), atol=1e-6, rtol=1e-5)
 
 
@@ -210,6 +208,7 @@ def _block_statistics(masks):
     return np.mean(counts), np.mean(blocks), np.mean(boxes)
 
 
+@pytest.mark.slow
 def test_block_masks_have_the_statistics_of_dinov2s_masking_generator():
     """On DINOv2's 14x14 grid with its per-image counts (int(196 * r), r spread over 0.1-0.5), 2,000 images each:
     masked patches, connected blocks per image and block sizes agree with DINOv2's generator."""

@@ -25,6 +25,7 @@ def digit_features():
     return (*train, *test)
 
 
+@pytest.mark.slow
 def test_logistic_fit_matches_sklearn(digit_features):
     train_x, train_y, test_x, test_y = digit_features
     train_x, test_x = standardise(train_x, test_x)
@@ -37,6 +38,7 @@ def test_logistic_fit_matches_sklearn(digit_features):
     np.testing.assert_allclose(weight.numpy(), reference.coef_.T, atol=2e-2)
 
 
+@pytest.mark.slow
 def test_linear_probe_sweep_is_within_a_point_of_sklearn(digit_features):
     train_x, train_y, test_x, test_y = digit_features
     result = linear_probe(train_x, train_y, test_x, test_y)

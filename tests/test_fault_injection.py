@@ -1,6 +1,7 @@
-"""Fault injection: SIGKILL the real CLI (`accelerate launch scripts/pretrain.py`) at named points and at a random
-moment, resume with trainer.resume=auto, and compare with an uninterrupted run: the same losses at every step,
-each step logged once (metrics.jsonl and TensorBoard), an encoder and summary that match the final checkpoint.
+"""Fault injection: SIGKILL the training process (scripts/pretrain.py in a process of its own, forked with the
+environment `accelerate launch` gives it: helpers.ranks) at named points and at a random moment, resume with
+trainer.resume=auto, and compare with an uninterrupted run: the same losses at every step, each step logged once
+(metrics.jsonl and TensorBoard), an encoder and summary that match the final checkpoint.
 
 Fault points (ssl_vit/train/faults.py): SSL_VIT_FAULT=<point>@<step> kills the training process there."""
 
@@ -8,12 +9,12 @@ import json
 import os
 import random
 import signal
-import subprocess
 import time
 
 import pytest
 import torch
-from conftest import ACCELERATE_LAUNCH, ROOT, TINY, check_ok, launch, read_metrics
+from conftest import ROOT, TINY, check_ok, launch, read_metrics
+from helpers.ranks import pretrain_ranks, start_script
 from safetensors.torch import load_file
 
 from ssl_vit.artifacts import load_encoder, read_metadata
@@ -50,50 +51,56 @@ def _assert_matches_reference(run_dir, reference_run):
 
 
 def _kill_at_random(run_dir, args, first_step: int, last_step: int) -> int:
-    """Launch, SIGKILL the whole process group once a random step in [first_step, last_step] is logged."""
+    """Start the training process, SIGKILL it once a random step in [first_step, last_step] is logged."""
     kill_at = random.randint(first_step, last_step)
-    cmd = [*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "configs" / "accelerate" / "cpu.yaml"),
-           str(ROOT / "scripts" / "pretrain.py"), "trainer.progress=false", *args]
-    process = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
+    (process,), _ = start_script(ROOT / "scripts" / "pretrain.py", "trainer.progress=false", *args,
+                                 config=ROOT / "configs" / "accelerate" / "cpu.yaml", log_dir=run_dir.parent / "random")
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
-    while time.monotonic() < deadline and process.poll() is None:
+    while time.monotonic() < deadline and process.exitcode is None:
         rows = metrics.read_text().splitlines() if metrics.exists() else []
         if rows and json.loads(rows[-1])["step"] >= kill_at:
             break
         time.sleep(0.01)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    os.kill(process.pid, signal.SIGKILL)
+    process.join()
     return kill_at
 
 
+@pytest.mark.slow
 def test_killed_again_and_again_then_resumed_matches_the_uninterrupted_run(tmp_path, reference_run):
-    """One run killed four times (checkpoints every 10 steps), each invocation resuming the previous one."""
-    args = _run_args(tmp_path)
+    """One run killed four times (checkpoints every 10 steps), each invocation resuming the previous one. Each is
+    a fresh process (forked: helpers.ranks) with the environment `accelerate launch` gives one process."""
+    run = tmp_path / "run"
+    args = _run_args(run)
+
+    def train(*overrides, env=None):
+        return pretrain_ranks(*overrides, log_dir=tmp_path / "logs", env=env)
+
     # 1. mid-interval: steps 11..15 are logged past checkpoint 10 and must not survive the resume
-    assert launch(*args, env={"SSL_VIT_FAULT": "step_done@15"}).returncode != 0
-    assert [m["step"] for m in read_metrics(tmp_path)][-1] == 15
+    assert train(*args, env={"SSL_VIT_FAULT": "step_done@15"}).returncode != 0
+    assert [m["step"] for m in read_metrics(run)][-1] == 15
     # 2. resumed at 10, killed while checkpoint 20 is complete in its temp directory, not yet renamed
-    assert launch(*args, "trainer.resume=auto", env={"SSL_VIT_FAULT": "checkpoint_written@20"}).returncode != 0
-    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [".tmp_step_00000020", "step_00000010"] or \
-        sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [".tmp_step_00000020", "step_00000010"]
+    assert train(*args, "trainer.resume=auto", env={"SSL_VIT_FAULT": "checkpoint_written@20"}).returncode != 0
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [".tmp_step_00000020", "step_00000010"] or \
+        sorted(p.name for p in (run / "checkpoints").iterdir()) == [".tmp_step_00000020", "step_00000010"]
     # 3. resumed at 10 again, killed at a random moment before the final checkpoint
-    kill_at = _kill_at_random(tmp_path, [*args, "trainer.resume=auto"], 12, 24)
+    kill_at = _kill_at_random(run, [*args, "trainer.resume=auto"], 12, 24)
     print(f"random kill after step {kill_at} was logged")
     # 4. resumed, killed after the final checkpoint is in place, in the middle of deleting the oldest one
     #    (trainer.keep_checkpoints=2) and before encoder.safetensors is rewritten: that one is out of the way first
-    assert launch(*args, "trainer.resume=auto", env={"SSL_VIT_FAULT": "checkpoint_rotating@30"}).returncode != 0
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+    assert train(*args, "trainer.resume=auto", env={"SSL_VIT_FAULT": "checkpoint_rotating@30"}).returncode != 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         ".old_step_00000010", "step_00000020", "step_00000030"]
-    assert int(read_metadata(tmp_path / "encoder.safetensors")["step"]) == 20
+    assert int(read_metadata(run / "encoder.safetensors")["step"]) == 20
     # 5. resumed at the final step: nothing to train, the outputs are brought in line with the checkpoint, the
     #    half-deleted one swept away
-    check_ok(launch(*args, "trainer.resume=auto"))
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000020", "step_00000030"]
-    summary = _assert_matches_reference(tmp_path, reference_run)
+    check_ok(train(*args, "trainer.resume=auto"))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000020", "step_00000030"]
+    summary = _assert_matches_reference(run, reference_run)
     assert summary["steps_this_run"] == 0 and summary["images_per_s"] is None
 
 
+@pytest.mark.distributed
 def test_a_failure_of_the_main_process_alone_stops_every_rank_at_once(tmp_path):
     """Rank 0's periodic evaluation raises (SSL_VIT_FAULT=eval_error@2): rank 1, which does not evaluate, is told
     and stops too, in one line, instead of waiting in its next collective until the timeout."""

@@ -1,7 +1,8 @@
 import json
 
+import pytest
 import torch
-from test_loop import _config, _fresh_accelerator_state  # noqa: F401  (fixture)
+from helpers.builders import pretrain_config
 
 from ssl_vit.eval.finetune import Classifier, finetune
 from ssl_vit.train import pretrain
@@ -28,6 +29,7 @@ class Colours(torch.utils.data.Dataset):
         return {"image": image, "label": label}
 
 
+@pytest.mark.slow
 def test_fine_tuning_learns_and_leaves_the_given_encoder_alone():
     torch.manual_seed(0)
     encoder = build_vit("vit_test")
@@ -39,6 +41,7 @@ def test_fine_tuning_learns_and_leaves_the_given_encoder_alone():
     assert all(torch.equal(before[k], v) for k, v in encoder.state_dict().items())
 
 
+@pytest.mark.slow
 def test_fine_tuning_at_a_higher_resolution_resamples_positions_and_starts_from_a_zero_head():
     torch.manual_seed(0)
     encoder = build_vit("vit_test")
@@ -50,8 +53,9 @@ def test_fine_tuning_at_a_higher_resolution_resamples_positions_and_starts_from_
     assert encoder.grid_size == (4, 4)  # the caller's encoder is untouched
 
 
+@pytest.mark.slow
 def test_periodic_evaluation_during_pretraining_is_logged(tmp_path):
-    pretrain(_config(tmp_path, "trainer.max_steps=6", "trainer.eval_every=3", "trainer.eval_max_samples=200",
+    pretrain(pretrain_config(tmp_path, "trainer.max_steps=6", "trainer.eval_every=3", "trainer.eval_max_samples=200",
                      "trainer.eval_evaluators=[knn,linear]", "data.num_samples=256"))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval/knn" in r]

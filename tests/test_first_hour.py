@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, TINY, check_ok, export_script, launch, read_metrics
+from conftest import ROOT, TINY, check_ok, export_script, pretrain_in_process, read_metrics
+from helpers.inprocess import run_script
 from hydra import compose, initialize_config_dir
 from PIL import Image
 
@@ -35,7 +36,8 @@ def _compose(*overrides, choices=False):
 
 
 def _cli(*args, cwd=ROOT):
-    return subprocess.run([*PRETRAIN, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    """`python scripts/pretrain.py args` (its entry in this process)."""
+    return run_script(ROOT / "scripts" / "pretrain.py", *args, cwd=cwd)
 
 
 RECIPES = {  # objective -> (optim option, lr, weight decay start / end, clipping, beta2)
@@ -61,6 +63,7 @@ def test_each_objective_brings_its_optimiser_recipe_and_the_command_line_still_w
     assert chosen.optim.weight_decay == 0.05 and chosen.optim.grad_clip == 1.0
 
 
+@pytest.mark.slow
 def test_a_run_directory_holds_one_run_and_overwrite_clears_it(tmp_path):
     run = tmp_path / "run"
     first = check_ok(_cli(*STEPS2, "objective=dino_tiny", "objective.out_dim=64", "objective.hidden_dim=32",
@@ -68,7 +71,6 @@ def test_a_run_directory_holds_one_run_and_overwrite_clears_it(tmp_path):
     # the start-up line names what was asked for (dino_tiny, not its method dino), the recipe and the directory
     assert f"objective=dino_tiny optim=dino (lr 0.0005, weight decay 0.04 -> 0.4, gradient clipping 3.0) " \
            f"model=vit_test data=synthetic -> {run}" in first.stderr + first.stdout
-    assert "Setting accelerator to CPU" not in first.stderr + first.stdout  # DeepSpeed's import stays quiet
     before = (run / "metrics.jsonl").read_text()
 
     again = _cli(*STEPS2, "trainer.max_steps=1", f"out={run}")
@@ -94,6 +96,7 @@ def _images(root: Path, count: int, flat: bool) -> Path:
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("objective", ["mae", "dino_tiny"])
 def test_unlabelled_images_in_any_layout_train_the_objectives_that_need_no_labels(tmp_path, objective):
     root = _images(tmp_path / "images", 12, flat=False)
@@ -118,6 +121,7 @@ def test_a_labelled_objective_refuses_unlabelled_images_naming_the_class_folder_
         build_components(cfg)
 
 
+@pytest.mark.slow
 def test_commands_take_an_output_group_and_use_its_newest_run(tmp_path, capsys):
     """The default layout through the CLI (outputs/<group>/<time>/ under the working directory, with latest);
     evaluate, export, analyze and trainer.resume then take the group."""
@@ -125,14 +129,13 @@ def test_commands_take_an_output_group_and_use_its_newest_run(tmp_path, capsys):
     group = tmp_path / "outputs" / "supervised-vit_test-synthetic"
     run = newest_run(group)
     assert (group / LATEST).is_symlink() and (group / LATEST).resolve() == run.resolve()
-    assert resolve_run(str(group)) == str(run) and resolve_run("timm:vit_tiny") == "timm:vit_tiny"
-    assert resolve_resume(str(group), tmp_path / "new").parent.parent == run  # its newest checkpoint
-    # evaluation results land in the evaluated run, beside its encoder
-    evaluation = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), str(group),  # positional
-                                 "data=synthetic", "data.num_samples=64", "eval=knn", "cache_dir=null"],
-                                cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    # evaluation results land in the evaluated run, beside its encoder (first: the group is announced once a process)
+    evaluation = run_script(ROOT / "scripts" / "evaluate.py", str(group),  # positional
+                            "data=synthetic", "data.num_samples=64", "eval=knn", "cache_dir=null", cwd=tmp_path)
     assert evaluation.returncode == 0, evaluation.stderr[-2000:]
     assert f"using its newest run, {run}" in evaluation.stderr
+    assert resolve_run(str(group)) == str(run) and resolve_run("timm:vit_tiny") == "timm:vit_tiny"
+    assert resolve_resume(str(group), tmp_path / "new").parent.parent == run  # its newest checkpoint
     assert json.loads((run / "eval" / "synthetic" / "results.json").read_text())["results"]["knn"]["accuracy"] >= 0
     knn = json.loads((run / "eval" / "synthetic" / "results.json").read_text())["results"]["knn"]["accuracy"]
     export = export_script()
@@ -155,6 +158,7 @@ def test_commands_take_an_output_group_and_use_its_newest_run(tmp_path, capsys):
     assert "--to open_clip writes an image-text model's two towers" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_typos_get_the_closest_names_in_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     """scripts/pretrain.py's entry (run_hydra around Hydra's main) in-process: Hydra's errors are intercepted before
     its own report; a +key= that no schema knows is refused by the validation in the job."""
@@ -203,10 +207,11 @@ def test_typos_get_the_closest_names_in_one_line_and_exit_2(tmp_path, monkeypatc
     assert "  embed_dim: 64\n  depth: 4\n  num_heads: 4\n" in shown and "  dist_token: true\n" in shown
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint_that_resumes_exactly(reference_run, tmp_path):
-    """SIGINT at step 12 of 30 (sent by the process to itself after that step, as a Ctrl-C would): exit 130, a
-    checkpoint and the encoder at step 12, one line with the resume command; resuming reproduces the uninterrupted
-    run's losses."""
+    """SIGINT at step 12 of 30 (sent by the process to itself after that step, as a Ctrl-C would) to a real
+    `python scripts/pretrain.py`: exit 130, a checkpoint and the encoder at step 12, one line with the resume
+    command, nothing from DeepSpeed's import; resuming reproduces the uninterrupted run's losses."""
     stopped = subprocess.run([*PRETRAIN, *TINY, "trainer.progress=false", "trainer.max_steps=30", f"out={tmp_path}"],
                              cwd=ROOT, capture_output=True, text=True, timeout=300,
                              env={**os.environ, "SSL_VIT_FAULT": "sigint@12"})
@@ -221,8 +226,8 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_that_resumes_exactly(refe
     from ssl_vit.artifacts import read_metadata
 
     assert read_metadata(tmp_path / "encoder.safetensors")["step"] == "12"
-    check_ok(launch(*TINY, "trainer.max_steps=30", "trainer.resume=auto", f"out={tmp_path}",
-                    env={"SSL_VIT_FAULT": None}))
+    check_ok(pretrain_in_process(*TINY, "trainer.max_steps=30", "trainer.resume=auto", f"out={tmp_path}",
+                                 env={"SSL_VIT_FAULT": None}))
     resumed = {m["step"]: m["loss"] for m in read_metrics(tmp_path)}
     reference = {m["step"]: m["loss"] for m in read_metrics(reference_run)}
     assert sorted(resumed) == list(range(1, 31))

@@ -9,9 +9,8 @@ import pytest
 import timm
 import torch
 from accelerate.utils import DistributedType
+from helpers.builders import clip_batch, clip_model, objective_and_batch
 from safetensors.torch import save_file
-from test_clip import _batch, _model
-from test_deit import _objective
 
 from ssl_vit.data import SyntheticShapes
 from ssl_vit.eval.features import extract_features
@@ -77,8 +76,8 @@ def test_image_text_logits_and_loss_are_fp32_under_bf16_weights_and_autocast(kin
     Either way the normalised features, the scale and the loss are fp32, and the loss is what open_clip's loss
     gives on those fp32 features."""
     torch.manual_seed(0)
-    model = _model(kind)
-    batch = _batch(model)
+    model = clip_model(kind)
+    batch = clip_batch(model)
     reference = model(batch)["loss"]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         autocast_loss = model(batch)["loss"]
@@ -100,7 +99,7 @@ def test_the_deit_teacher_runs_in_the_students_precision(tmp_path):
     autocast) it runs under bf16 autocast, under DDP's autocast in it, and with fp32 weights alone in fp32."""
     path = tmp_path / "resnet10t.safetensors"
     save_file(timm.create_model("resnet10t", num_classes=8).state_dict(), str(path))
-    objective, batch = _objective("objective=deit", f"objective.teacher=timm:resnet10t:{path}")
+    objective, batch = objective_and_batch("objective=deit", f"objective.teacher=timm:resnet10t:{path}")
     seen = []
     objective.teacher.register_forward_hook(lambda module, args, out: seen.append(
         (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))

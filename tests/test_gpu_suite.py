@@ -2,18 +2,16 @@
 run for real on a GPU whenever one is lent; this keeps it from rotting in between)."""
 
 import json
-import subprocess
-import sys
 
-from conftest import ROOT
+import pytest
+from helpers.inprocess import run_script
 
 
+@pytest.mark.slow
 def test_the_gpu_suite_runs_every_section_on_the_cpu_and_writes_its_json(tmp_path):
     out = tmp_path / "suite.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks/gpu_suite.py"), "--device", "cpu", "--tiny", "--steps", "1",
-           "--quality-seconds", "1", "--compile-backend", "aot_eager", "--work-dir", str(tmp_path / "work"),
-           "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = run_script("benchmarks/gpu_suite.py", "--device", "cpu", "--tiny", "--steps", "1", "--quality-seconds", "1",
+                      "--compile-backend", "aot_eager", "--work-dir", str(tmp_path / "work"), "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["peak"]["measured_tflop_s"] > 0 and report["peak"]["datasheet_tflop_s"] is None

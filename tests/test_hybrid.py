@@ -6,7 +6,8 @@ from functools import partial
 import pytest
 import timm
 import torch
-from conftest import check_ok, launch, read_metrics
+from conftest import ROOT, check_ok, pretrain_in_process, read_metrics
+from helpers.builders import randomise
 from timm.layers import HybridEmbed, StdConv2dSame
 from timm.models.resnetv2 import ResNetV2
 from timm.models.vision_transformer import VisionTransformer as TimmViT
@@ -14,7 +15,6 @@ from timm.models.vision_transformer import VisionTransformer as TimmViT
 from ssl_vit.artifacts import load_encoder
 from ssl_vit.interop.timm import export_timm, from_timm
 from ssl_vit.vit import PRESETS, VisionTransformer, build_vit, count_parameters
-from tests.test_vit import _randomise
 
 SMALL_VIT = dict(embed_dim=32, depth=2, num_heads=2)
 
@@ -31,14 +31,15 @@ def _assert_same(ours, theirs, images, atol=1e-5):
     ("vit_tiny_r_s16_p8_224", dict(stem_layers=[], patch_size=8), 64),         # timm's stem-only hybrid
     ("vit_small_r26_s32_224", dict(stem_layers=[2, 2, 2, 2], patch_size=1), 64),
 ])
+@pytest.mark.slow
 def test_timm_hybrids_match_ours_with_the_same_weights_both_ways(timm_name, ours_kwargs, size):
     theirs = timm.create_model(timm_name, pretrained=False, img_size=size, num_classes=0, **SMALL_VIT)
     ours = VisionTransformer(img_size=size, stem="resnet", **ours_kwargs, **SMALL_VIT)
-    _randomise(theirs)  # norm scales and biases too
+    randomise(theirs)  # norm scales and biases too
     ours.load_state_dict(theirs.state_dict(), strict=True)  # timm's names, nothing renamed
     images = torch.randn(2, 3, size, size)
     _assert_same(ours, theirs, images)
-    _randomise(ours)
+    randomise(ours)
     theirs.load_state_dict(ours.state_dict(), strict=True)
     _assert_same(ours, theirs, images)
     # and through the import / export paths: from_timm reads the stem off the model; export_timm names the hybrid
@@ -54,7 +55,7 @@ def test_the_test_preset_is_timms_resnetv2_and_hybrid_embed(tmp_path):
     theirs = TimmViT(img_size=32, patch_size=2, num_classes=0, **SMALL_VIT,
                      embed_layer=partial(HybridEmbed, backbone=backbone))
     assert ours.grid_size == theirs.patch_embed.grid_size == (4, 4) and ours.patch_embed.stride == (8, 8)
-    _randomise(ours)
+    randomise(ours)
     theirs.load_state_dict(ours.state_dict(), strict=True)
     _assert_same(ours, theirs, torch.randn(3, 3, 32, 32))
     ours.set_img_size(48)  # position embeddings resampled as timm resamples them (bicubic, antialiased)
@@ -94,7 +95,7 @@ def test_paper_hybrid_presets_have_timms_parameter_counts_and_grid():
 
 def test_timm_export_of_a_hybrid_loads_in_timm_and_unsupported_stems_are_refused(tmp_path):
     ours = VisionTransformer(img_size=32, stem="resnet", stem_layers=[3, 4, 9], patch_size=1, **SMALL_VIT)
-    _randomise(ours)
+    randomise(ours)
     export_timm(ours, tmp_path / "r50")
     theirs = timm.create_model(f"local-dir:{tmp_path / 'r50'}", pretrained=True)
     assert theirs.pretrained_cfg["architecture"] == "vit_base_r50_s16_224"
@@ -128,7 +129,6 @@ def test_pixel_target_objectives_refuse_the_hybrid_by_name(objective):
     from ssl_vit.cli import register_configs
     from ssl_vit.schema import ConfigError
     from ssl_vit.train.build import build_components
-    from tests.conftest import ROOT
 
     register_configs()
     with initialize_config_dir(str(ROOT / "configs"), version_base=None):
@@ -138,13 +138,15 @@ def test_pixel_target_objectives_refuse_the_hybrid_by_name(objective):
         build_components(cfg)
 
 
+@pytest.mark.slow
 def test_hybrid_trains_through_the_cli_and_saves_a_loadable_encoder(tmp_path):
     """A plain preset with model.stem=resnet (1x1 patches of the ResNet map unless patch_size says otherwise)."""
     out = tmp_path / "run"
-    check_ok(launch("model=vit_test", "model.stem=resnet", "model.stem_layers=[1]", "model.stem_channels=[128]",
-                    "model.stem_width=32", "data.img_size=32", "data.num_samples=64", "data.batch_size=16",
-                    "trainer.max_steps=12", "trainer.log_every=1", "optim.lr=3e-3", "optim.warmup_steps=2",
-                    "objective=supervised", f"hydra.run.dir={out}"))
+    check_ok(pretrain_in_process("model=vit_test", "model.stem=resnet", "model.stem_layers=[1]",
+                                 "model.stem_channels=[128]", "model.stem_width=32", "data.img_size=32",
+                                 "data.num_samples=64", "data.batch_size=16", "trainer.max_steps=12",
+                                 "trainer.log_every=1", "optim.lr=3e-3", "optim.warmup_steps=2", "objective=supervised",
+                                 f"hydra.run.dir={out}"))
     losses = [m["loss"] for m in read_metrics(out) if "loss" in m]
     assert len(losses) == 12 and min(losses[-3:]) < losses[0]
     encoder = load_encoder(out / "encoder.safetensors")
@@ -162,7 +164,6 @@ def test_whole_image_objectives_train_a_hybrid(objective):
 
     from ssl_vit.cli import register_configs
     from ssl_vit.train.build import build_components
-    from tests.conftest import ROOT
 
     register_configs()
     with initialize_config_dir(str(ROOT / "configs"), version_base=None):

@@ -10,7 +10,9 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY, check_ok, export_script, launch, read_metrics
+from conftest import ROOT, TINY, check_ok, export_script, read_metrics
+from helpers.inprocess import run_script
+from helpers.ranks import pretrain_ranks
 
 from ssl_vit.artifacts import save_encoder
 from ssl_vit.interop.hf import export_hf, from_hf
@@ -129,6 +131,7 @@ def test_hf_import_resamples_position_embeddings_as_transformers_does(tmp_path, 
 
 @pytest.mark.skipif(not (TRANSFORMERS4 / "transformers").is_dir(),
                     reason="transformers 4.x not installed: bash scripts/get_transformers4.sh")
+@pytest.mark.slow
 def test_hf_exports_load_exactly_in_transformers_4(tmp_path):
     """The directories written here (with transformers 5.x installed) load in transformers 4.57 (LLaVA-family pins)
     with no missing or unexpected key, and give our outputs, in a subprocess with 4.57 first on PYTHONPATH."""
@@ -291,12 +294,12 @@ def test_onnx_export_matches_in_onnxruntime_with_a_dynamic_batch(tmp_path, optio
 
 # ----- the export script -----
 def test_export_script_converts_between_every_format(tmp_path, capsys):
-    """ours -> timm (the real CLI) -> (import) -> hf -> (import) -> ours -> onnx through scripts/export.py; bad input
-    exits 2 naming the problem. The weights and the preprocessing survive the whole chain."""
+    """ours -> timm (the script as `python scripts/export.py` runs it) -> (import) -> hf -> (import) -> ours -> onnx
+    through scripts/export.py; bad input exits 2 naming the problem. The weights and the preprocessing survive the
+    whole chain."""
     encoder = perturbed(layer_scale=0.1)
     save_encoder(encoder, tmp_path / "run" / "encoder.safetensors", Preprocess(16, mean=[0.5] * 3, std=[0.25] * 3))
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/export.py"), str(tmp_path / "run"), "--to", "timm",
-                           "--out", str(tmp_path / "timm")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_script(ROOT / "scripts/export.py", tmp_path / "run", "--to", "timm", "--out", tmp_path / "timm")
     assert proc.returncode == 0 and "timm.create_model('local-dir:" in proc.stdout, proc.stderr[-2000:]
     script = export_script()
     for args in ([f"timm:{tmp_path / 'timm'}", "--to", "hf", "--out", str(tmp_path / "hf")],
@@ -453,6 +456,7 @@ def test_transformers_own_image_processors_are_read_as_they_resize(tmp_path, pro
 
 
 # ----- imports into training and evaluation -----
+@pytest.mark.slow
 def test_init_from_starts_training_from_imported_weights_in_every_format(tmp_path):
     """The same weights as our file, a transformers directory and a timm directory: step 0's loss is the same in all
     three runs (the objective's head and masks seeded alike), and differs from a run from scratch."""
@@ -484,6 +488,7 @@ def test_init_from_starts_training_from_imported_weights_in_every_format(tmp_pat
 
 # ZeRO-1/2 keep whole parameters in the module as DDP does, and init_from loads before `prepare` either way (all
 # five ran when init_from landed): whole parameters (DDP) and the two sharded kinds are what differ.
+@pytest.mark.distributed
 @pytest.mark.parametrize("config", ["ddp_cpu2", "zero3_cpu2", "fsdp2_cpu2"])
 def test_init_from_under_whole_and_sharded_parameters_resamples_to_the_run_size_and_refuses_source_changes(
         tmp_path, config):
@@ -495,8 +500,9 @@ def test_init_from_under_whole_and_sharded_parameters_resamples_to_the_run_size_
 
     export_hf(perturbed(layer_scale=0.1), tmp_path / "hf", "dinov2")
     run = tmp_path / "run"
-    check_ok(launch(*TINY, "objective=masked_patch", "trainer.max_steps=1", "data.img_size=24",
-                    f"model.init_from=hf:{tmp_path / 'hf'}", f"hydra.run.dir={run}", config=config))
+    check_ok(pretrain_ranks(*TINY, "objective=masked_patch", "trainer.max_steps=1", "data.img_size=24",
+                            f"model.init_from=hf:{tmp_path / 'hf'}", f"hydra.run.dir={run}", config=config,
+                            log_dir=tmp_path / "ranks"))
     assert read_metrics(run)[0]["lr"] == 0.0
     trained = load_encoder(run / "encoder.safetensors")
     assert trained.config["img_size"] == [24, 24] and trained.config["layer_scale"] == 0.1
@@ -523,6 +529,7 @@ def test_init_from_under_whole_and_sharded_parameters_resamples_to_the_run_size_
             build_components(cfg)
 
 
+@pytest.mark.slow
 def test_evaluate_takes_imported_checkpoints(tmp_path):
     from hydra import compose, initialize_config_dir
 

@@ -107,6 +107,7 @@ def test_loss_and_gradient_equal_autograd_on_the_same_objective():
                                rtol=0, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_float32_features_reach_the_float64_and_sklearn_optimum_at_a_tight_tolerance(digit_pixels):
     train_x, train_y, _, _ = digit_pixels
     (x,) = standardise(train_x)

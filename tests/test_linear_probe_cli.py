@@ -1,11 +1,10 @@
 import json
-import subprocess
-import sys
 
 import pytest
 import timm
 import torch
 from conftest import ROOT
+from helpers.inprocess import run_script
 
 from ssl_vit.artifacts import save_encoder
 from ssl_vit.interop.timm import from_timm
@@ -13,9 +12,9 @@ from ssl_vit.vit import build_vit
 
 
 def _probe(*overrides, script=None):
-    """scripts/linear_probe.py (the old name of scripts/evaluate.py, which it runs) or `script`."""
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / (script or "linear_probe.py")),
-                           *map(str, overrides)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    """scripts/linear_probe.py (the old name of scripts/evaluate.py, which it runs) or `script`, as
+    `python scripts/<script> ...` runs it (in this process)."""
+    return run_script(ROOT / "scripts" / (script or "linear_probe.py"), *map(str, overrides))
 
 
 @pytest.fixture
@@ -24,6 +23,7 @@ def tiny_checkpoint(tmp_path):
     return save_encoder(build_vit("vit_test"), tmp_path / "run" / "encoder.safetensors", step=0)
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_writes_results_and_reuses_cached_features(tmp_path, tiny_checkpoint):
     out, cache = tmp_path / "eval", tmp_path / "cache"
     args = [f"checkpoint={tiny_checkpoint.parent}", "data=digits", "eval=all", f"cache_dir={cache}",
@@ -45,6 +45,7 @@ def test_cli_end_to_end_writes_results_and_reuses_cached_features(tmp_path, tiny
     assert again["results"]["knn"] == report["results"]["knn"] and again["timings"]["features_train_s"] < 1.0
 
 
+@pytest.mark.slow
 def test_cli_bad_checkpoint_and_evaluator_are_clear_errors(tmp_path, tiny_checkpoint):
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"\x07" * 300)
@@ -55,7 +56,7 @@ def test_cli_bad_checkpoint_and_evaluator_are_clear_errors(tmp_path, tiny_checkp
         ([f"checkpoint={tiny_checkpoint}", "eval.evaluators=[svm]"], "unknown evaluator(s) ['svm']; valid choices"),
         ([f"checkpoint={tiny_checkpoint}", "data.max_test_samples=0"], "data.max_test_samples=0 is invalid"),
     ]
-    # two through the CLI (the old script name and the new), the others in-process (each process costs ~6 s)
+    # two through the scripts (the old name and the new), the others through evaluate() directly
     for index, (args, expected) in enumerate(cases[:2]):
         proc = _probe(*args, f"hydra.run.dir={tmp_path / str(index)}", script="evaluate.py" if index else None)
         assert proc.returncode == 2 and expected in proc.stderr, proc.stderr[-2000:]
@@ -79,6 +80,7 @@ def _probe_config(*overrides):
         return compose("evaluate", overrides=list(overrides))
 
 
+@pytest.mark.slow
 def test_the_encoders_recorded_preprocessing_is_the_default_and_data_values_override_it(tmp_path):
     from collections import Counter
 
@@ -112,6 +114,7 @@ def test_the_encoders_recorded_preprocessing_is_the_default_and_data_values_over
     assert len(list((tmp_path / "cache").glob("*.pt"))) == 4  # different inputs, different cache entries
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["vit_small_patch16_224", "vit_base_patch16_reg4_gap_256"])
 def test_timm_models_import_with_identical_features(name):
     theirs = timm.create_model(name, pretrained=False, num_classes=0).eval()

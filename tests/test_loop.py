@@ -2,37 +2,16 @@
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import assert_weights_close, read_metrics
-from hydra import compose, initialize_config_dir
+from helpers.builders import pretrain_config
 from safetensors.torch import load_file
 
 from objectives.supervised import Supervised
-from ssl_vit.cli import register_configs
 from ssl_vit.train import TrainingDiverged, pretrain
 from ssl_vit.train.guard import UpdateGuard
-
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerator_state():
-    """accelerate keeps one process-wide state (precision, device); each run here starts from a clean one."""
-    from accelerate.state import AcceleratorState
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
-def _config(tmp_path, *overrides):
-    register_configs()
-    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
-        return compose("pretrain", overrides=[
-            "model=vit_test", "data.batch_size=8", "trainer.log_every=1",
-            "trainer.progress=false", "trainer.trackers=[]", f"output_dir={tmp_path}", *overrides])
 
 
 def _strict_json_rows(path):
@@ -54,7 +33,7 @@ def test_non_finite_losses_are_skipped_counted_then_stop_with_the_last_applied_w
 
     monkeypatch.setattr(Supervised, "forward", poisoned)
     with pytest.raises(TrainingDiverged, match=r"non-finite for 3 consecutive steps.*max_consecutive_nonfinite=3"):
-        pretrain(_config(tmp_path, "trainer.max_steps=20", "trainer.max_consecutive_nonfinite=3"))
+        pretrain(pretrain_config(tmp_path, "trainer.max_steps=20", "trainer.max_consecutive_nonfinite=3"))
     metrics = _strict_json_rows(tmp_path / "metrics.jsonl")  # NaN is written as null
     assert [m["nonfinite_steps"] for m in metrics] == [0, 0, 1, 2, 3]
     assert metrics[-1]["loss"] is None and metrics[1]["loss"] > 0
@@ -68,7 +47,7 @@ def test_non_finite_losses_are_skipped_counted_then_stop_with_the_last_applied_w
 def test_an_update_that_wrecks_the_weights_stops_at_once_without_saving_them(tmp_path):
     """optim.lr=1e6: the first real update has a finite loss but ruins the weights."""
     with pytest.raises(TrainingDiverged) as caught:
-        pretrain(_config(tmp_path, "trainer.max_steps=20", "optim.lr=1e6", "optim.warmup_steps=0",
+        pretrain(pretrain_config(tmp_path, "trainer.max_steps=20", "optim.lr=1e6", "optim.warmup_steps=0",
                          "trainer.checkpoint_every=1"))
     message = str(caught.value)
     assert "update of step 1" in message and "parameter norm" in message and "not saved" in message
@@ -79,15 +58,15 @@ def test_an_update_that_wrecks_the_weights_stops_at_once_without_saving_them(tmp
     assert summary["step"] == 1 and "ruined" in summary["error"] and summary["checkpoint"] is None
 
 
+@pytest.mark.slow
 def test_fused_adamw_skips_a_non_finite_update_on_the_device_and_the_loop_reads_it_at_log_steps(tmp_path,
                                                                                                  monkeypatch, caplog):
     """The CUDA path (fused AdamW, whose found_inf skips the update on the device), forced on the CPU: step 2's loss
     is NaN; the loop reads the verdicts only at its log steps (3 and 6), counts the skip there, and ends with the
     weights of the host-decided path (unfused AdamW, the update skipped by the loop)."""
-    import ssl_vit.train.faults as faults
     import ssl_vit.train.trainer as trainer_module
 
-    monkeypatch.setattr(faults, "_FAULT", "nan_loss@2")
+    monkeypatch.setenv("SSL_VIT_FAULT", "nan_loss@2")
     settled = []
     original_settle = trainer_module.Trainer._settle
 
@@ -96,12 +75,12 @@ def test_fused_adamw_skips_a_non_finite_update_on_the_device_and_the_loop_reads_
         original_settle(self)
 
     monkeypatch.setattr(trainer_module.Trainer, "_settle", settle)
-    host = pretrain(_config(tmp_path / "host", "trainer.max_steps=6", "trainer.log_every=3"))
+    host = pretrain(pretrain_config(tmp_path / "host", "trainer.max_steps=6", "trainer.log_every=3"))
     assert settled == [1, 2, 3, 4, 5, 6]  # decided on the host: every step
     settled.clear()
     monkeypatch.setattr(trainer_module, "fused_optimizer", lambda accelerator: True)
     with caplog.at_level("WARNING", logger="ssl_vit"):
-        device = pretrain(_config(tmp_path / "device", "trainer.max_steps=6", "trainer.log_every=3"))
+        device = pretrain(pretrain_config(tmp_path / "device", "trainer.max_steps=6", "trainer.log_every=3"))
     assert settled == [3, 6]  # read at the log steps only
     assert host["nonfinite_steps"] == device["nonfinite_steps"] == 1
     assert [m["nonfinite_steps"] for m in read_metrics(tmp_path / "device") if "loss" in m] == [1, 1]
@@ -128,17 +107,18 @@ def test_the_guard_keeps_the_first_ruinous_update_on_the_device_until_asked():
 
 def test_divergence_advice_follows_the_config(tmp_path):
     with pytest.raises(TrainingDiverged) as caught:
-        pretrain(_config(tmp_path, "trainer.max_steps=100", "optim.lr=1e6", "optim.warmup_steps=50",
+        pretrain(pretrain_config(tmp_path, "trainer.max_steps=100", "optim.lr=1e6", "optim.warmup_steps=50",
                          "optim.grad_clip=null", "trainer.checkpoint_every=1"))
     message = str(caught.value)
     assert "set optim.grad_clip=1.0" in message and "warmup_steps" not in message
     assert "Last good checkpoint: " + str(tmp_path / "checkpoints" / "step_00000001") in message  # lr 0 at step 1
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     """2 micro-batches of 8 accumulate to the same update as 1 batch of 16 (same samples, same order)."""
-    big = pretrain(_config(tmp_path / "big", "trainer.max_steps=3", "data.batch_size=16"))
-    small = pretrain(_config(tmp_path / "acc", "trainer.max_steps=3", "data.batch_size=8",
+    big = pretrain(pretrain_config(tmp_path / "big", "trainer.max_steps=3", "data.batch_size=16"))
+    small = pretrain(pretrain_config(tmp_path / "acc", "trainer.max_steps=3", "data.batch_size=8",
                              "trainer.grad_accum_steps=2"))
     assert big["global_batch"] == small["global_batch"] == 16
     a = load_file(str(tmp_path / "big" / "checkpoints" / "step_00000003" / "model.safetensors"))
@@ -148,6 +128,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     assert_weights_close(b, a, atol=2e-5, rtol=1e-4, key_bias_atol=2e-4)
 
 
+@pytest.mark.slow
 def test_bf16_autocast_on_the_cpu_gives_the_fp32_losses_within_bf16_rounding(tmp_path):
     """The DDP / single-process bf16 path (accelerate's autocast over fp32 weights), slow on this CPU but the same
     code as on GPUs: finite, within 2% of the fp32 run's losses, and not equal to them (autocast did run)."""
@@ -156,13 +137,14 @@ def test_bf16_autocast_on_the_cpu_gives_the_fp32_losses_within_bf16_rounding(tmp
     runs = {}
     for precision in ("fp32", "bf16"):
         AcceleratorState._reset_state(reset_partial_state=True)  # the precision is accelerate's process-wide state
-        runs[precision] = pretrain(_config(tmp_path / precision, "trainer.max_steps=3",
+        runs[precision] = pretrain(pretrain_config(tmp_path / precision, "trainer.max_steps=3",
                                            f"trainer.precision={precision}"))
     assert all(summary["finished"] for summary in runs.values())
     losses = {precision: [m["loss"] for m in read_metrics(tmp_path / precision)] for precision in runs}
     assert losses["bf16"] == pytest.approx(losses["fp32"], rel=2e-2) and losses["bf16"] != losses["fp32"]
 
 
+@pytest.mark.slow
 def test_training_on_an_image_folder(tmp_path):
     from PIL import Image
     for index, colour in enumerate(((220, 30, 30), (30, 30, 220), (30, 200, 30))):
@@ -170,13 +152,14 @@ def test_training_on_an_image_folder(tmp_path):
         folder.mkdir(parents=True)
         for i in range(4):
             Image.new("RGB", (24 + i, 20), colour).save(folder / f"{i}.png")
-    summary = pretrain(_config(tmp_path / "run", "data=folder", f"data.root={tmp_path / 'images'}",
+    summary = pretrain(pretrain_config(tmp_path / "run", "data=folder", f"data.root={tmp_path / 'images'}",
                                "data.num_workers=0", "data.batch_size=4", "trainer.max_steps=3"))
     assert summary["finished"] and summary["global_batch"] == 4
     with pytest.raises(Exception, match="does not exist"):
-        pretrain(_config(tmp_path / "bad", "data=folder", f"data.root={tmp_path / 'nope'}"))
+        pretrain(pretrain_config(tmp_path / "bad", "data=folder", f"data.root={tmp_path / 'nope'}"))
 
 
+@pytest.mark.slow
 def test_resume_refuses_what_cannot_continue_the_run_exactly(tmp_path, caplog):
     import shutil
 
@@ -186,9 +169,9 @@ def test_resume_refuses_what_cannot_continue_the_run_exactly(tmp_path, caplog):
 
     def attempt(*overrides):
         AcceleratorState._reset_state(reset_partial_state=True)
-        return pretrain(_config(tmp_path / "resumed", "trainer.max_steps=6", *overrides))
+        return pretrain(pretrain_config(tmp_path / "resumed", "trainer.max_steps=6", *overrides))
 
-    pretrain(_config(tmp_path / "run", "trainer.max_steps=4", "trainer.checkpoint_every=2"))
+    pretrain(pretrain_config(tmp_path / "run", "trainer.max_steps=4", "trainer.checkpoint_every=2"))
     good = tmp_path / "run" / "checkpoints" / "step_00000004"
     cases = {"empty": lambda d: [p.unlink() for p in d.iterdir()],
              "garbage": lambda d: (d / "model.safetensors").write_bytes(b"\x13" * 999),
@@ -232,7 +215,7 @@ def test_a_weight_decay_schedule_reaches_the_optimizer_every_step(tmp_path, monk
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
-    pretrain(_config(tmp_path, "trainer.max_steps=5", "optim.weight_decay=0.04", "optim.weight_decay_end=0.4"))
+    pretrain(pretrain_config(tmp_path, "trainer.max_steps=5", "optim.weight_decay=0.04", "optim.weight_decay_end=0.4"))
     expected = [0.4 + 0.5 * (0.04 - 0.4) * (1 + math.cos(math.pi * k / 5)) for k in range(5)]  # DINO: k / n
     assert [row["wd"] for row in read_metrics(tmp_path)] == pytest.approx(expected)
     assert seen == pytest.approx(expected)

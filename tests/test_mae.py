@@ -1,22 +1,13 @@
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
+from helpers.builders import mae_objective
 from transformers.models.vit_mae.modeling_vit_mae import build_2d_sinusoidal_position_embedding
 
-from objectives import DataInfo, build_objective
-from objectives.mae import MAEConfig, mae_loss
+from objectives.mae import mae_loss
 from objectives.patches import patchify, per_sample_shuffle, unpatchify
 from ssl_vit.data import SyntheticShapes, ViewBuilder, build_loader
-from ssl_vit.vit import VisionTransformer, build_vit, sincos_pos_embed_2d
-
-LIGHT = dict(decoder_dim=32, decoder_depth=1, decoder_heads=2)
-
-
-def _mae(model="vit_test", img_size=None, **options):
-    cfg = OmegaConf.structured(MAEConfig(**{**LIGHT, **options}))
-    backbone = build_vit(model, **({"img_size": img_size} if img_size else {}))
-    return build_objective(cfg, backbone, DataInfo(8, backbone.patch_embed.img_size[0]))
+from ssl_vit.vit import VisionTransformer, sincos_pos_embed_2d
 
 
 def _mae_reference_sincos(embed_dim, grid_size):
@@ -57,7 +48,7 @@ def test_sincos_on_a_non_square_grid_encodes_columns_then_rows():
 def test_the_encoder_gets_maes_count_of_visible_tokens(ratio, size, visible):
     """MAE's `random_masking` keeps `int(L * (1 - mask_ratio))` patches: 25 of 64 at 0.6 and 9 of 100 at 0.9
     (1 - 0.9 is 0.09999... in floating point), where rounding would keep 26 and 10."""
-    objective = _mae(mask_ratio=ratio, img_size=size)
+    objective = mae_objective(mask_ratio=ratio, img_size=size)
     seen = []
     objective.backbone.blocks[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
     objective({"image": torch.randn(2, 3, size, size)})
@@ -65,7 +56,7 @@ def test_the_encoder_gets_maes_count_of_visible_tokens(ratio, size, visible):
 
 
 def test_encoder_sees_the_visible_patches_and_the_decoder_gets_them_back_in_order():
-    objective = _mae(decoder_dim=32, decoder_depth=0).eval()
+    objective = mae_objective(decoder_dim=32, decoder_depth=0).eval()
     vit = objective.backbone
     images = torch.randn(2, 3, 16, 16)
     captured = {}
@@ -123,7 +114,7 @@ def test_patchify_round_trips_on_non_square_images():
 
 
 def test_encoder_after_mae_is_a_plain_vit_with_fixed_sincos_positions():
-    objective = _mae()
+    objective = mae_objective()
     encoder = objective.encoder
     assert type(encoder) is VisionTransformer and not encoder.pos_embed.requires_grad
     torch.testing.assert_close(encoder.pos_embed, sincos_pos_embed_2d((4, 4), 32, 1))
@@ -131,9 +122,10 @@ def test_encoder_after_mae_is_a_plain_vit_with_fixed_sincos_positions():
     assert "backbone.pos_embed" not in names and "mask_token" in names
 
 
+@pytest.mark.slow
 def test_reconstruction_improves_over_a_short_run():
     torch.manual_seed(0)
-    objective = _mae(model="vit_test", img_size=32, decoder_dim=64, decoder_depth=2, decoder_heads=4)
+    objective = mae_objective(model="vit_test", img_size=32, decoder_dim=64, decoder_depth=2, decoder_heads=4)
     data = SyntheticShapes(256, 32, seed=0)
     views = ViewBuilder(("image",), 32, [0.5] * 3, [0.25] * 3)
     batches = iter(build_loader(data, views, 32, seed=0))
@@ -159,4 +151,4 @@ def test_reconstruction_improves_over_a_short_run():
 
 def test_bad_mask_ratio_is_rejected():
     with pytest.raises(ValueError, match=r"mask_ratio must be in \[0, 1\), got 1.0"):
-        _mae(mask_ratio=1.0)
+        mae_objective(mask_ratio=1.0)

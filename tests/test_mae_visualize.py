@@ -1,13 +1,12 @@
-import subprocess
-import sys
 
 import numpy as np
+import pytest
 import torch
 from conftest import ROOT
+from helpers.builders import CONFIGS, mae_objective
+from helpers.inprocess import run_script
 from hydra import compose, initialize_config_dir
 from PIL import Image
-from test_loop import CONFIGS, _fresh_accelerator_state  # noqa: F401  (fixture)
-from test_mae import _mae
 
 from objectives.patches import patchify
 from ssl_vit.analysis.mae_reconstruction import MASK_GREY, reconstruction_rows
@@ -16,7 +15,7 @@ from ssl_vit.train import pretrain
 
 
 def test_rows_show_grey_where_hidden_and_the_original_where_visible():
-    objective = _mae()
+    objective = mae_objective()
     images = torch.randn(2, 3, 16, 16)
     torch.manual_seed(1)
     rows = reconstruction_rows(objective, images, mean=[0.5] * 3, std=[0.25] * 3)
@@ -41,10 +40,11 @@ def _run(tmp_path, objective, *options):
 
 
 def _visualize(*args):
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "visualize_mae.py"), *map(str, args)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    """`python scripts/visualize_mae.py args` (in this process)."""
+    return run_script(ROOT / "scripts" / "visualize_mae.py", *map(str, args))
 
 
+@pytest.mark.slow
 def test_script_writes_the_grid_png_from_a_run(tmp_path):
     run = _run(tmp_path / "mae", "mae", "objective.decoder_dim=32", "objective.decoder_depth=1",
                "objective.decoder_heads=2")
@@ -54,6 +54,7 @@ def test_script_writes_the_grid_png_from_a_run(tmp_path):
     assert image.shape == (2 * (3 * 18 + 2), 2 * (3 * 18 + 2), 3)  # 3 rows x 3 images of 16 px, 2 px padding
 
 
+@pytest.mark.slow
 def test_script_refuses_a_run_of_another_objective(tmp_path):
     run = _run(tmp_path / "sup", "supervised")
     proc = _visualize(run)

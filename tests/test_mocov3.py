@@ -3,14 +3,13 @@ momentum schedule), written out here with torch's own BatchNorm1d, and across 2 
 
 import json
 import math
-import os
-import subprocess
-import sys
 
+import helpers.mocov3_two_ranks as two_ranks
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT
+from conftest import pretrain_in_process
+from helpers.ranks import on_ranks
 from torch import nn
 
 from objectives import DataInfo, build_objective, load_trained
@@ -101,27 +100,28 @@ def test_the_loss_gradients_momentum_update_and_frozen_patch_projection_are_moco
         torch.testing.assert_close(value, before[name] * m + student[name] * (1 - m), atol=1e-6, rtol=0, msg=name)
 
 
-def test_two_processes_give_the_one_process_loss_and_gradients_of_the_whole_batch():
+@pytest.mark.distributed
+def test_two_processes_give_the_one_process_loss_and_gradients_of_the_whole_batch(tmp_path):
     """BatchNorm over the global batch, every rank's keys as negatives and labels offset by rank make the mean of
     2 ranks' losses and gradients (what DDP applies) those of 1 process on the whole batch."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_PORT": "29561"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/helpers/mocov3_two_ranks.py")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.splitlines()[-1])
-    assert result["mean_rank_loss"] == pytest.approx(result["loss"], abs=1e-6)
-    assert result["grad_difference"] < 5e-6 * max(1.0, result["grad_scale"])
-    assert "projector.1.weight" in result["parameters"] and "backbone.blocks.0.attn.qkv.weight" in result["parameters"]
+    on_ranks(two_ranks.rank_main, tmp_path, log_dir=tmp_path / "ranks")
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    loss, grads = two_ranks.run(two_ranks.build(), {"crops": two_ranks.crops()})
+    assert set(grads) == set(ranks[0]["grads"])
+    assert sum(r["loss"] for r in ranks) / 2 == pytest.approx(loss, abs=1e-6)
+    difference = max(float((grads[n] - (ranks[0]["grads"][n] + ranks[1]["grads"][n]) / 2).abs().max()) for n in grads)
+    assert difference < 5e-6 * max(1.0, max(float(g.abs().max()) for g in grads.values()))
+    assert "projector.1.weight" in grads and "backbone.blocks.0.attn.qkv.weight" in grads
 
 
+@pytest.mark.slow
 def test_the_config_trains_saves_and_reloads_and_bad_views_are_named(tmp_path):
-    """Through the real CLI on one process: the recipe's optimiser, fixed sin-cos positions, logged health metrics,
-    and the run reloads with its projector, predictor and momentum encoder."""
+    """Through the real CLI on one process (in this one): the recipe's optimiser, fixed sin-cos positions, logged
+    health metrics, and the run reloads with its projector, predictor and momentum encoder."""
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/pretrain.py"), "objective=mocov3_tiny", "model=vit_test",
-                           "objective.dim=16", "objective.mlp_dim=32", "data.batch_size=8", "data.num_samples=32",
-                           "trainer.max_steps=3", "trainer.log_every=1", "trainer.progress=false", f"output_dir={out}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = pretrain_in_process("objective=mocov3_tiny", "model=vit_test", "objective.dim=16", "objective.mlp_dim=32",
+                               "data.batch_size=8", "data.num_samples=32", "trainer.max_steps=3", "trainer.log_every=1",
+                               f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "optim=mocov3 (lr 0.00015, weight decay 0.1" in proc.stdout + proc.stderr
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -51,6 +51,7 @@ def test_per_crop_probabilities_are_dinos():
     assert [_probability(views, i, "jitter") for i in range(4)] == [0.8] * 4
 
 
+@pytest.mark.slow
 def test_greyscale_happens_about_a_fifth_of_the_time():
     """Measured on the output: a grey crop has three equal channels (same mean and std per channel here)."""
     views = MultiCropViews(16, 8, [0.5] * 3, [0.5] * 3, n_global=1, n_local=3)
@@ -91,6 +92,7 @@ def test_device_mode_ships_uint8_crops_and_their_parameters_and_finishes_them_no
         MultiCropViews(32, 12, [0.5] * 3, [0.5] * 3, photometric_on="gpu")
 
 
+@pytest.mark.slow
 def test_device_mode_draws_dinos_probabilities_and_ranges():
     views = _device_views()
     torch.manual_seed(0)

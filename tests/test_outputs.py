@@ -8,7 +8,8 @@ import subprocess
 import uuid
 
 import pytest
-from conftest import TINY, check_ok, launch
+from conftest import TINY, check_ok, pretrain_in_process
+from helpers.ranks import pretrain_ranks
 
 from ssl_vit.train.outputs import drop_metrics_after, json_safe
 
@@ -31,13 +32,14 @@ def _error_line(proc) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_with_the_cause_keeps_complete_checkpoints_and_read_only_is_one_line(small_disk):
     run = small_disk / "run"
     args = [*TINY, "trainer.trackers=[]", "trainer.resume=auto", f"hydra.run.dir={run}"]
-    check_ok(launch(*args, "trainer.max_steps=10"))
+    check_ok(pretrain_in_process(*args, "trainer.max_steps=10"))
     free = shutil.disk_usage(small_disk).free
     (small_disk / "filler").write_bytes(b"\0" * (free - 64 * 1024))  # leave 64 KiB: less than one checkpoint
-    proc = launch(*args, "trainer.max_steps=20")
+    proc = pretrain_in_process(*args, "trainer.max_steps=20")
     assert proc.returncode != 0
     line = _error_line(proc)
     assert f"cannot write checkpoint step_00000020 in {run / 'checkpoints'}: no space left on the device" in line
@@ -46,11 +48,11 @@ def test_a_full_disk_stops_with_the_cause_keeps_complete_checkpoints_and_read_on
     assert "Traceback" not in proc.stderr.split("ssl-vit: error:")[0]
 
     (small_disk / "filler").unlink()
-    check_ok(launch(*args, "trainer.max_steps=20"))  # the kept checkpoint resumes once there is room
+    check_ok(pretrain_in_process(*args, "trainer.max_steps=20"))  # the kept checkpoint resumes once there is room
     assert json.loads((run / "summary.json").read_text())["step"] == 20
 
     subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
-    proc = launch(*args, "trainer.max_steps=30")
+    proc = pretrain_in_process(*args, "trainer.max_steps=30")
     assert proc.returncode != 0
     assert _error_line(proc) == (f"ssl-vit: error: cannot write to the output directory {run}: the file system is "
                                  "read-only (hydra.run.dir)")
@@ -60,14 +62,16 @@ def _limit_file_size():
     resource.setrlimit(resource.RLIMIT_FSIZE, (150_000, 150_000))  # Python ignores SIGXFSZ: writes get EFBIG
 
 
+@pytest.mark.slow
 def test_a_file_size_limit_is_reported_with_its_cause(tmp_path):
-    proc = launch(*TINY, "trainer.max_steps=10", "trainer.trackers=[]", f"hydra.run.dir={tmp_path}",
-                  preexec_fn=_limit_file_size)
+    """In a process of its own (forked: helpers.ranks), whose file-size limit it lowers first."""
+    proc = pretrain_ranks(*TINY, "trainer.max_steps=10", "trainer.trackers=[]", f"hydra.run.dir={tmp_path / 'run'}",
+                          log_dir=tmp_path / "logs", setup=_limit_file_size)
     assert proc.returncode != 0
     assert "cannot write checkpoint step_00000010" in _error_line(proc)
     assert "the file size limit is exceeded (ulimit -f): 150000 bytes" in _error_line(proc)
-    assert not list((tmp_path / "checkpoints").iterdir())
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert not list((tmp_path / "run" / "checkpoints").iterdir())
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["step"] == 10 and "file size limit" in summary["error"]
 
 

@@ -2,12 +2,11 @@
 the CLI."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from conftest import ROOT
+from helpers.inprocess import run_script
 from helpers.kept_for_backward import kept_for_backward
 
 from ssl_vit.schema import ConfigError
@@ -93,15 +92,16 @@ def test_bad_choices_name_the_valid_ones():
         deepspeed_estimate(ModelShape.of("vit_test"), "fsdp2", 8)
 
 
+@pytest.mark.slow
 def test_cli_prints_the_plan_and_every_strategy():
-    cmd = [sys.executable, "scripts/plan_memory.py", "model=vit_22b", "strategy=zero3", "gpus=64",
-           "batch_per_gpu=4", "grad_checkpointing=true"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    cmd = [ROOT / "scripts/plan_memory.py", "model=vit_22b", "strategy=zero3", "gpus=64", "batch_per_gpu=4",
+           "grad_checkpointing=true"]
+    proc = run_script(*cmd)
     assert proc.returncode == 0, proc.stderr
     assert "21,750,546,432 parameters" in proc.stdout and "zero3 on 64 GPUs" in proc.stdout
     row = next(line.split() for line in proc.stdout.splitlines() if line.startswith("zero3 ") and "GPUs" not in line)
     assert row[1] == row[2] == "6.68"  # ours == DeepSpeed's
-    bad = subprocess.run([*cmd[:2], "strategy=zero4"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad = run_script(cmd[0], "strategy=zero4")
     assert bad.returncode == 2 and "valid choices" in bad.stderr
 
 

@@ -1,12 +1,12 @@
-"""The real entry point, `accelerate launch scripts/pretrain.py`, end to end on tiny models."""
+"""The real entry point, `accelerate launch scripts/pretrain.py`, end to end on tiny models: through the launcher where
+the launcher is what is checked (the README's command, a failing run's report, workers that cannot meet), the
+script's own entry in this process elsewhere (helpers.inprocess)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY, launch, read_metrics
+from conftest import ROOT, TINY, launch, pretrain_in_process, read_metrics
 from conftest import check_ok as _ok
 from safetensors.torch import load_file
 
@@ -15,6 +15,7 @@ from ssl_vit.data import StepBatchSampler
 from ssl_vit.vit import sincos_pos_embed_2d
 
 
+@pytest.mark.slow
 def test_tiny_supervised_run_lowers_the_loss_and_writes_its_outputs(reference_run):
     metrics = read_metrics(reference_run)
     assert [m["step"] for m in metrics] == list(range(1, 31))
@@ -35,11 +36,13 @@ def test_tiny_supervised_run_lowers_the_loss_and_writes_its_outputs(reference_ru
     assert encoder(torch.randn(1, 3, 16, 16)).shape == (1, 32)
 
 
+@pytest.mark.slow
 def test_a_stopped_and_resumed_run_reproduces_the_uninterrupted_losses(reference_run, tmp_path):
     keys = "trainer.record_sample_keys=true"
-    _ok(launch(*TINY, "trainer.max_steps=30", "trainer.stop_at_step=10", keys, f"hydra.run.dir={tmp_path}"))
+    run = [*TINY, "trainer.max_steps=30", keys, f"hydra.run.dir={tmp_path}"]
+    _ok(pretrain_in_process(*run, "trainer.stop_at_step=10"))
     assert json.loads((tmp_path / "summary.json").read_text())["finished"] is False
-    _ok(launch(*TINY, "trainer.max_steps=30", "trainer.resume=auto", keys, f"hydra.run.dir={tmp_path}"))
+    _ok(pretrain_in_process(*run, "trainer.resume=auto"))
     resumed = {m["step"]: m["loss"] for m in read_metrics(tmp_path)}
     reference = {m["step"]: m["loss"] for m in read_metrics(reference_run)}
     assert sorted(resumed) == list(range(1, 31))
@@ -51,6 +54,7 @@ def test_a_stopped_and_resumed_run_reproduces_the_uninterrupted_losses(reference
     assert rows == [{"step": step, "keys": [index for index, _ in next(sampler)]} for step in range(1, 31)]
 
 
+@pytest.mark.distributed
 def test_two_workers_that_do_not_join_one_group_are_stopped(tmp_path):
     proc = launch(*TINY, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}", config="ddp_cpu2",
                   env={"ACCELERATE_USE_CPU": "0"})  # the one way left to keep CPU workers apart
@@ -74,11 +78,10 @@ BAD_CONFIGS = [
                           "supervised"]),
     BAD_CONFIGS[3]])
 def test_bad_configuration_fails_at_start_up_with_the_valid_choices(tmp_path, override, expected):
-    """Through `python scripts/pretrain.py` (one process: the message is the same; through `accelerate launch` it
-    comes first too: test_a_bad_value_is_one_line_first_then_accelerates_own_report): one of Hydra's composition
-    errors and one of ours; the others in-process below (each process costs ~6 s of imports)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "pretrain.py"), "model=vit_test", override,
-                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    """`python scripts/pretrain.py`'s entry (in this process; through `accelerate launch` the line comes first too:
+    test_a_bad_value_is_one_line_first_then_accelerates_own_report): one of Hydra's composition errors and one of
+    ours; the others through the build below."""
+    proc = pretrain_in_process("model=vit_test", override, f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-3000:]
     for text in expected:
         assert text in proc.stderr, proc.stderr[-3000:]
@@ -104,6 +107,7 @@ def test_bad_configuration_messages_name_the_valid_choices(override, expected):
         assert text in "\n".join(messages), messages
 
 
+@pytest.mark.slow
 def test_masked_patch_pretraining_through_the_cli_lowers_the_loss(tmp_path):
     _ok(launch("objective=masked_patch", *TINY, "trainer.max_steps=20", f"hydra.run.dir={tmp_path}",
                launcher="accelerate"))  # the `accelerate launch` command as the README gives it
@@ -113,23 +117,24 @@ def test_masked_patch_pretraining_through_the_cli_lowers_the_loss(tmp_path):
     assert all(m["corrupted_fraction"] == 0.5 for m in metrics) and "acc" in metrics[-1]
 
 
+@pytest.mark.slow
 def test_mae_pretraining_through_the_cli_lowers_the_loss(tmp_path):
-    _ok(launch("objective=mae", "objective.decoder_dim=32", "objective.decoder_depth=1", "objective.decoder_heads=2",
-               *TINY, "trainer.max_steps=20", f"hydra.run.dir={tmp_path}"))
+    _ok(pretrain_in_process("objective=mae", "objective.decoder_dim=32", "objective.decoder_depth=1",
+                            "objective.decoder_heads=2", *TINY, "trainer.max_steps=20", f"hydra.run.dir={tmp_path}"))
     losses = [m["loss"] for m in read_metrics(tmp_path)]
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
     encoder = load_encoder(tmp_path / "encoder.safetensors")
     torch.testing.assert_close(encoder.pos_embed, sincos_pos_embed_2d((4, 4), 32, 1))  # fixed during training
 
 
+@pytest.mark.slow
 def test_a_bad_value_is_one_line_first_then_accelerates_own_report(tmp_path):
     proc = launch("model=vit_test", "data.batch_size=0", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 1  # accelerate launch turns our exit status 2 into 1 (documented in the README)
     ours = proc.stderr.index("ssl-vit: error: data.batch_size=0 is invalid: must be >= 1\n")
     assert "Traceback" not in proc.stderr[:ours]  # only accelerate's own preamble and traceback surround it
     assert "returned non-zero exit status 2" in proc.stderr[ours:]
-    direct = subprocess.run([sys.executable, "scripts/pretrain.py", "data=folder", f"hydra.run.dir={tmp_path}"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    direct = pretrain_in_process("data=folder", f"hydra.run.dir={tmp_path}")  # the script's own entry
     assert direct.returncode == 2 and direct.stderr.strip().splitlines() == [
         "ssl-vit: error: data.root is not set (data=folder); give it on the command line, e.g. "
         "data.root=/path/to/images (any layout; class subfolders for labels)"]

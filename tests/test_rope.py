@@ -326,6 +326,7 @@ def test_sincos_is_maes_fixed_table_and_none_adds_no_position():
     torch.testing.assert_close(reversed_tokens[:, 0], tokens[:, 0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_model_init_from_takes_timms_dinov3_checkpoints_and_dinov3vitmodel_directories(tmp_path):
     """`model.init_from=timm:vit_small_patch16_dinov3:<file>` (a timm checkpoint of the full ViT-S/16, random
     weights) and `hf:<dir>` (a DINOv3ViTModel) start a run with those weights at data.img_size (no resampling)."""

@@ -92,6 +92,7 @@ def test_the_linear_head_segments_separable_tokens_perfectly():
     assert result["miou"] == 1.0 and result["pixel_accuracy"] == 1.0 and result["mask_size"] == [24, 24]
 
 
+@pytest.mark.slow
 def test_the_linear_head_on_random_tokens_sits_at_the_class_frequency_floor():
     """Random tokens carry nothing: the head predicts the most frequent class (background) everywhere, so pixel
     accuracy is its frequency and mIoU its frequency over the classes present."""
@@ -155,6 +156,7 @@ def _evaluate(*overrides):
         return evaluate(compose("evaluate", overrides=["cache_dir=null", *overrides]), progress=False)
 
 
+@pytest.mark.slow
 def test_evaluate_runs_segmentation_and_the_attentive_probe_and_names_what_has_no_masks(tmp_path):
     torch.manual_seed(0)
     encoder = save_encoder(build_vit("vit_test"), tmp_path / "run" / "encoder.safetensors",

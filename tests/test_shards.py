@@ -1,4 +1,3 @@
-import gzip
 import io
 import json
 import tarfile
@@ -6,27 +5,24 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, check_ok, launch, read_metrics, write_tar
+from conftest import ROOT, check_ok, read_metrics, write_tar
+from helpers.builders import synthetic_shards, write_idx
+from helpers.inprocess import run_script
+from helpers.ranks import pretrain_ranks
 from PIL import Image
 from torch.utils.data import DataLoader
 
 from ssl_vit.data import Digits, FashionMNIST, NoUsableShardsError, ShardStream, SyntheticShapes, ViewBuilder
 from ssl_vit.data.real import read_idx
-from ssl_vit.data.shards import expand_urls, write_shards
-from ssl_vit.data.sources import open_source
+from ssl_vit.data.shards import expand_urls
 
 
 def _identity(sample):
     return sample
 
 
-def _synthetic_shards(out_dir, count=40, per_shard=16, img_size=16):
-    samples, classes = open_source("synthetic", num_samples=count, img_size=img_size, seed=3)
-    return write_shards(samples, out_dir, source="synthetic", samples_per_shard=per_shard, classes=classes)
-
-
 def test_round_trip_is_pixel_exact_in_a_shuffled_order(tmp_path):
-    summary = _synthetic_shards(tmp_path)
+    summary = synthetic_shards(tmp_path)
     assert summary["samples"] == 40 and len(summary["shards"]) == 3 and summary["formats"] == {"png": 40}
     stream = ShardStream(str(tmp_path), resampled=False, shuffle_buffer=10)
     pipeline, decode = stream.pipeline(_identity, batch_size=None, seed=1, need_label=True, need_text=True, epochs=1)
@@ -42,7 +38,7 @@ def test_round_trip_is_pixel_exact_in_a_shuffled_order(tmp_path):
 
 
 def test_shard_metadata_json_names_the_source_and_class(tmp_path):
-    _synthetic_shards(tmp_path, count=4)
+    synthetic_shards(tmp_path, count=4)
     with tarfile.open(tmp_path / "shard-000000.tar") as tar:
         meta = json.loads(tar.extractfile("000000002.json").read())
     assert meta["source"] == "synthetic" and meta["index"] == 2 and meta["class_name"] in SyntheticShapes.classes
@@ -53,7 +49,7 @@ def _keys(batch):
 
 
 def test_resampled_streams_differ_between_workers_and_ranks(tmp_path, monkeypatch):
-    _synthetic_shards(tmp_path, count=64)
+    synthetic_shards(tmp_path, count=64)
     stream = ShardStream(str(tmp_path), resampled=True, shuffle_buffer=8)
     pipeline, _ = stream.pipeline(_identity, batch_size=8, seed=0)
     loader = DataLoader(pipeline, batch_size=None, num_workers=2)
@@ -71,12 +67,13 @@ def test_resampled_streams_differ_between_workers_and_ranks(tmp_path, monkeypatc
     assert [_keys(b) for _, b in zip(range(3), pipeline, strict=False)] == streams[1]  # deterministic per seed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resampled", [True, False])
 def test_a_resumed_stream_continues_exactly_on_2_ranks_x_2_workers(tmp_path, monkeypatch, resampled):
     """Stopped inside a shard with a part-full shuffle buffer, then resumed from the saved loader state (through a
     file, as a checkpoint holds it): each rank's batches, their keys and their random augmentation equal the
     uninterrupted stream's."""
-    _synthetic_shards(tmp_path / "shards", count=70, per_shard=9)  # 8 shards, the last one short
+    synthetic_shards(tmp_path / "shards", count=70, per_shard=9)  # 8 shards, the last one short
     stream = ShardStream(str(tmp_path / "shards"), resampled=resampled, shuffle_buffer=6)
     views = ViewBuilder(("image", "label"), 16, mean=(0.5,) * 3, std=(0.5,) * 3, augment=True)
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -101,6 +98,16 @@ def test_a_resumed_stream_continues_exactly_on_2_ranks_x_2_workers(tmp_path, mon
                 next(iter(other))
         positions = list(_stream_positions(first.state_dict()))
         assert len(positions) == 2 and all(p["offset"] > 0 and len(p["buffer"]) == 5 for p in positions), positions
+        for loader in (whole, first, resumed):  # their workers now, not at a garbage collection in a later test
+            _shut_down(loader)
+
+
+def _shut_down(loader) -> None:
+    """End a StatefulDataLoader's worker processes. Left to the garbage collector, which may find them in a later
+    test, the workers of an unfinished iterator each cost that test 5 s (MP_STATUS_CHECK_INTERVAL) here."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
 
 
 def _stream_positions(state):
@@ -151,19 +158,24 @@ def test_missing_or_empty_shards_fail_at_start_up(tmp_path):
         expand_urls(str(tmp_path / "nothing"))
 
 
+@pytest.mark.distributed
 def test_a_killed_shard_run_resumes_with_the_samples_of_an_uninterrupted_one(tmp_path):
     """2 processes x 2 loader workers on shards read once per epoch: killed after step 5 (checkpoint at 4, inside
     the epoch), resumed: every rank's per-step sample keys and the losses equal the uninterrupted run's."""
-    _synthetic_shards(tmp_path / "shards", count=70, per_shard=9, img_size=16)
+    synthetic_shards(tmp_path / "shards", count=70, per_shard=9, img_size=16)
     args = ["objective=supervised", "model=vit_test", "data=wds", f"data.urls={tmp_path / 'shards'}",
             "data.resampled=false", "data.shuffle_buffer=6", "data.num_classes=8", "data.num_workers=2",
             "data.batch_size=4", "trainer.max_steps=6", "trainer.log_every=1", "trainer.checkpoint_every=2",
             "trainer.record_sample_keys=true", "trainer.cpu_threads=1"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    check_ok(launch(*args, f"hydra.run.dir={whole}", config="ddp_cpu2"))
-    killed = launch(*args, f"hydra.run.dir={parts}", config="ddp_cpu2", env={"SSL_VIT_FAULT": "step_done@5"})
+
+    def launch(*overrides, env=None):  # 2 processes forked as `accelerate launch` would start them (helpers.ranks)
+        return pretrain_ranks(*args, *overrides, config="ddp_cpu2", log_dir=tmp_path / "logs", env=env)
+
+    check_ok(launch(f"hydra.run.dir={whole}"))
+    killed = launch(f"hydra.run.dir={parts}", env={"SSL_VIT_FAULT": "step_done@5"})
     assert killed.returncode != 0 and (parts / "checkpoints" / "step_00000004").is_dir()
-    resumed = check_ok(launch(*args, f"hydra.run.dir={parts}", "trainer.resume=auto", config="ddp_cpu2"))
+    resumed = check_ok(launch(f"hydra.run.dir={parts}", "trainer.resume=auto"))
     assert "at step 4" in resumed.stdout + resumed.stderr
     for rank in (0, 1):
         rows, expected = ([json.loads(line) for line in (run / "sample_keys" / f"rank_{rank}.jsonl").open()]
@@ -188,18 +200,12 @@ def test_a_killed_shard_run_resumes_with_the_samples_of_an_uninterrupted_one(tmp
         build_components(cfg)
 
 
-def _write_idx(path, array, gz):
-    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
-    data = header + array.astype(np.uint8).tobytes()
-    (gzip.open if gz else open)(path, "wb").write(data)
-
-
 @pytest.mark.parametrize("gz", [True, False])
 def test_fashion_mnist_reader_on_a_tiny_idx_file(tmp_path, gz):
     images = np.arange(3 * 28 * 28).reshape(3, 28, 28) % 256
     suffix = ".gz" if gz else ""
-    _write_idx(tmp_path / f"t10k-images-idx3-ubyte{suffix}", images, gz)
-    _write_idx(tmp_path / f"t10k-labels-idx1-ubyte{suffix}", np.array([9, 0, 4]), gz)
+    write_idx(tmp_path / f"t10k-images-idx3-ubyte{suffix}", images, gz)
+    write_idx(tmp_path / f"t10k-labels-idx1-ubyte{suffix}", np.array([9, 0, 4]), gz)
     data = FashionMNIST(tmp_path, split="test")
     assert len(data) == 3 and data[0]["label"] == 9 and data.classes[9] == "Ankle boot"
     assert data[1]["image"].shape == (3, 28, 28) and torch.equal(data[1]["image"][2], torch.from_numpy(
@@ -233,12 +239,7 @@ def test_digits_splits_and_scaling():
 
 
 def _make_shards(*args):
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "make_shards.py"), *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return run_script(ROOT / "scripts" / "make_shards.py", *map(str, args))
 
 
 def test_make_shards_from_image_caption_pairs_and_class_folders(tmp_path):

@@ -43,6 +43,7 @@ def _stand_ins(tmp_path, run, exit_status):
     (1, OVERRIDES, 1),  # failed
     (None, OVERRIDES, 1),  # failed before writing a summary: an earlier job's 75 must not requeue it
 ])
+@pytest.mark.slow
 def test_the_sbatch_template_launches_every_node_and_requeues_only_a_run_stopped_with_a_checkpoint(
         tmp_path, exit_status, overrides, status):
     run = tmp_path / "shared runs" / "vit b"  # spaces in the path

@@ -5,6 +5,7 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
+from helpers.builders import randomise
 from omegaconf import OmegaConf
 from timm.layers import LayerScale, resample_abs_pos_embed
 from timm.models.vision_transformer import ParallelScalingBlock
@@ -18,19 +19,13 @@ from ssl_vit.interop.timm import from_timm, layer_scale_init
 from ssl_vit.vit import VisionTransformer, build_vit, resample_pos_embed
 
 
-def _randomise(module: nn.Module) -> None:
-    with torch.no_grad():
-        for p in module.parameters():
-            p.normal_(0, 0.05).add_(1.0 if p.ndim == 1 and p.numel() > 0 else 0.0)
-
-
 def _gammas(model: nn.Module) -> torch.Tensor:
     return torch.cat([m.gamma.detach().flatten() for m in model.modules()
                       if isinstance(m, LayerScale | OurLayerScale)])
 
 
 def _check_import(theirs: nn.Module, size: int, init_value: float) -> VisionTransformer:
-    _randomise(theirs)  # trained-looking weights: the gammas no longer hold the init value
+    randomise(theirs)  # trained-looking weights: the gammas no longer hold the init value
     theirs.eval()
     ours = from_timm(theirs).eval()
     assert ours.config["layer_scale"] == init_value
@@ -70,7 +65,7 @@ def test_layer_scale_init_without_a_record_comes_from_equal_gammas_or_is_an_erro
         if isinstance(module, LayerScale):
             del module.init_values  # as if an older timm had not kept it
     assert layer_scale_init(theirs) == 0.25  # untrained: every gamma still holds the init value
-    _randomise(theirs)
+    randomise(theirs)
     with pytest.raises(ValueError, match="layer_scale="):
         from_timm(theirs)
     assert from_timm(theirs, layer_scale=0.25).config["layer_scale"] == 0.25

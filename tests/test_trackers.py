@@ -6,7 +6,7 @@ line."""
 import json
 
 import pytest
-from conftest import TINY, check_ok, launch
+from conftest import TINY, check_ok, pretrain_in_process
 
 from ssl_vit.schema import ConfigError
 from ssl_vit.train.trackers import check_trackers
@@ -15,6 +15,7 @@ mlflow = pytest.importorskip("mlflow")  # both are in the dev extra; a user's in
 pytest.importorskip("wandb")
 
 
+@pytest.mark.slow
 def test_mlflow_and_wandb_get_the_config_metrics_evaluations_and_summary_and_a_resume_continues_them(tmp_path,
                                                                                                     monkeypatch):
     store = tmp_path / "mlruns"
@@ -23,8 +24,8 @@ def test_mlflow_and_wandb_get_the_config_metrics_evaluations_and_summary_and_a_r
     args = [*TINY, "trainer.max_steps=4", "trainer.log_every=2", "trainer.checkpoint_every=2",
             "trainer.eval_every=4", "trainer.eval_max_samples=32", "trainer.trackers=[mlflow,wandb]",
             f"out={tmp_path / 'run'}"]
-    check_ok(launch(*args, "trainer.stop_at_step=2", env=env))
-    check_ok(launch(*args, "trainer.resume=auto", env=env))  # continues the MLflow and W&B runs
+    check_ok(pretrain_in_process(*args, "trainer.stop_at_step=2", env=env))
+    check_ok(pretrain_in_process(*args, "trainer.resume=auto", env=env))  # continues the MLflow and W&B runs
     ids = json.loads((tmp_path / "run" / "trackers.json").read_text())
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps its file store for those who ask
     client = mlflow.tracking.MlflowClient(tracking_uri=store.as_uri())

@@ -5,19 +5,13 @@ from functools import partial
 import pytest
 import timm
 import torch
+from helpers.builders import randomise
 from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import ParallelScalingBlock
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch import nn
 
 from ssl_vit.vit import PRESETS, Attention, PatchEmbed, build_vit, count_parameters, resample_pos_embed
-
-
-def _randomise(module: nn.Module) -> None:
-    """Give every parameter random values (norm scales and biases included) so parity tests see them all."""
-    with torch.no_grad():
-        for p in module.parameters():
-            p.normal_(0, 0.05).add_(1.0 if p.ndim == 1 and p.numel() > 0 else 0.0)
 
 
 def test_patch_embedding_equals_patchify_then_matmul():
@@ -54,9 +48,10 @@ def test_vit_22b_parameter_count_on_meta_device():
     assert abs(count_parameters(model) / 21_743e6 - 1) < 0.005
 
 
+@pytest.mark.slow
 def test_state_dict_loads_into_timm_vit_small_and_features_match():
     ours = build_vit("vit_s16", img_size=224).eval()
-    _randomise(ours)
+    randomise(ours)
     theirs = timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=0).eval()
     theirs.load_state_dict(ours.state_dict(), strict=True)
     images = torch.randn(2, 3, 224, 224)
@@ -68,7 +63,7 @@ def test_state_dict_loads_into_timm_vit_small_and_features_match():
 
 def test_22b_style_block_matches_timm_parallel_scaling_block():
     ours = build_vit("vit_test_22b").eval()
-    _randomise(ours)
+    randomise(ours)
     theirs = TimmViT(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=0,
                      qkv_bias=False, qk_norm=True, class_token=False, global_pool="avg",
                      block_fn=ParallelScalingBlock, norm_layer=partial(nn.LayerNorm, eps=1e-6, bias=False)).eval()
@@ -88,7 +83,7 @@ def test_22b_style_block_matches_timm_parallel_scaling_block():
 ])
 def test_options_match_timm(options, timm_options):
     ours = build_vit("vit_test", **options).eval()
-    _randomise(ours)
+    randomise(ours)
     theirs = TimmViT(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=0,
                      **timm_options).eval()
     theirs.load_state_dict(ours.state_dict(), strict=True)
@@ -120,7 +115,7 @@ def test_higher_resolution_keeps_the_class_slot_and_grows_the_grid():
 
 def test_sdpa_equals_explicit_attention():
     attn = Attention(32, 4, qk_norm=True).eval()
-    _randomise(attn)
+    randomise(attn)
     x = torch.randn(2, 10, 32)
     out_explicit, weights = attn(x, return_attention=True)
     torch.testing.assert_close(attn(x), out_explicit, atol=1e-6, rtol=0)

@@ -3,9 +3,10 @@ every import circle as it happens: an import statement that names a module still
 `__spec__._initializing`), the partially initialised module a circle hands over. Prints one JSON object:
 {"modules": [...], "circles": [[importer, imported], ...], "errors": {module: message}}.
 
-argv: a root directory and its comma-separated top-level packages. Third-party modules stay loaded between modules
-(only the project's are emptied), so the run takes seconds; each project module still starts from nothing, in an
-order where a circle cannot hide behind an earlier import."""
+argv: a root directory, its comma-separated top-level packages, and optionally "i/n": every n-th module from the
+i-th (so n processes share the modules; each is imported alone either way). Third-party modules stay loaded between
+modules (only the project's are emptied), so the run takes seconds; each project module still starts from nothing,
+in an order where a circle cannot hide behind an earlier import."""
 
 import builtins
 import importlib
@@ -19,6 +20,9 @@ sys.path.insert(0, str(root))
 modules = sorted(
     ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
     for package in PACKAGES for path in (root / package).rglob("*.py"))
+if len(sys.argv) > 3:
+    part, parts = map(int, sys.argv[3].split("/"))
+    modules = modules[part::parts]
 circles, errors = set(), {}
 original_import = builtins.__import__
 

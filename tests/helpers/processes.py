@@ -1,0 +1,38 @@
+"""Real launches and what every launching test reads back: `launch` (the real `accelerate launch`), `check_ok`,
+`read_metrics`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+# accelerate's own launch entry point: `accelerate launch` runs exactly this (launch_command_parser + launch_command)
+# after the accelerate CLI has registered all its other subcommands, whose imports (timm, torchvision models via
+# `accelerate estimate-memory`) cost ~4 s per launch here. The `accelerate` command itself is run by
+# test_pretrain_cli (launcher="accelerate").
+ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
+
+
+def launch(*overrides, config="cpu", env=None, timeout=300, launcher=None, **popen) -> subprocess.CompletedProcess:
+    """Run scripts/pretrain.py through accelerate's launcher in a subprocess (env: None unsets; launcher="accelerate":
+    the `accelerate launch` command itself; popen: more subprocess.run arguments, e.g. preexec_fn)."""
+    start = [ACCELERATE, "launch"] if launcher == "accelerate" else ACCELERATE_LAUNCH
+    cmd = [*start, "--config_file", str(ROOT / "configs" / "accelerate" / f"{config}.yaml"),
+           str(ROOT / "scripts" / "pretrain.py"), "trainer.progress=false", *overrides]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {k: v for k, v in full_env.items() if v is not None}  # None removes a variable
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout, **popen)
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
