@@ -14,6 +14,12 @@ from ssl_vit.analysis.inspect import (
     patch_embedding_components,
     pos_embed_similarity,
 )
+from ssl_vit.analysis.plots import (
+    plot_attention_distance,
+    plot_filter_components,
+    plot_pos_embed_similarity,
+    plot_rollout,
+)
 from ssl_vit.artifacts import save_encoder
 from ssl_vit.vit import build_vit
 
@@ -77,6 +83,23 @@ def test_pos_embed_similarity_and_filter_components():
     assert components.shape == (5, 3, 4, 4) and variance[0] == pytest.approx(1.0, abs=1e-5)
     cosine = torch.nn.functional.cosine_similarity(components[0].flatten(), direction.flatten(), dim=0)
     assert abs(cosine.item()) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_the_four_plots_are_pngs_of_what_they_draw(tmp_path):
+    """The plotting functions alone (analyze.py's slow test draws them from a trained run): each writes a PNG that
+    decodes; the position-similarity figure has one panel per patch position, so it grows with the grid."""
+    small = plot_pos_embed_similarity(pos_embed_similarity(build_vit("vit_test")), tmp_path / "a" / "sim.png")
+    large = plot_pos_embed_similarity(torch.rand(6, 6, 6, 6) * 2 - 1, tmp_path / "sim6.png")
+    paths = [small, large,
+             plot_attention_distance(torch.rand(3, 4) * 16, tmp_path / "distance.png", image_size=16),
+             plot_rollout(torch.rand(2, 3, 16, 16), torch.rand(2, 4, 4), tmp_path / "rollout.png"),
+             plot_filter_components(torch.randn(9, 3, 4, 4), torch.linspace(0.5, 0.01, 9), tmp_path / "pca.png")]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        with Image.open(path) as image:
+            image.verify()
+    with Image.open(small) as a, Image.open(large) as b:
+        assert b.size[0] > a.size[0] and b.size[1] > a.size[1]
 
 
 @pytest.mark.slow

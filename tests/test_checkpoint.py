@@ -4,6 +4,7 @@ checkpoints of 2-process runs (the session's pool, helpers.pool) and their conso
 import pytest
 import torch
 from conftest import ROOT, check_ok, pretrain_in_process, read_metrics
+from helpers.builders import pretrain_config
 from helpers.pool import EVAL, OBJECTIVES, STEPS, strategy_run
 from safetensors.torch import load_file
 
@@ -55,6 +56,47 @@ def test_a_data_position_from_another_layout_or_none_is_refused_unless_inexact_i
     (tmp_path / data_position_file(0)).write_bytes(b"cut")
     with pytest.raises(ConfigError, match="data_position_0.pt is unreadable"):
         read_data_position(tmp_path, 0, 2, 2, allow_inexact=True)
+
+
+def test_a_single_process_checkpoint_consolidates_into_the_runs_files(tmp_path):
+    """ssl_vit.train.consolidate on the DDP / one-process layout (model.safetensors, optimizer.bin, the loop's state)
+    as save_checkpoint writes it after one optimizer step: the full state and Adam's moments come back as they were,
+    and the files written from them are the run's encoder and head (the sharded layouts: the distributed tests)."""
+    from accelerate import Accelerator
+
+    from objectives import load_trained
+    from ssl_vit.train.build import build_components
+    from ssl_vit.train.checkpoint import save_checkpoint
+    from ssl_vit.train.consolidate import find_checkpoint, full_state, write_consolidated
+    from ssl_vit.train.trainer import TrainState
+
+    objective, dataset, views, preprocess = build_components(pretrain_config(tmp_path / "run", "objective=supervised"))
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = accelerator.prepare(objective, torch.optim.AdamW(objective.parameters(), lr=1e-2))
+    batch = torch.utils.data.default_collate([views(dataset[i]) for i in range(4)])
+    accelerator.backward(model(batch)["loss"])
+    optimizer.step()
+    accelerator.register_for_checkpointing(TrainState(step=7))
+    for step in (3, 7):
+        save_checkpoint(accelerator, tmp_path / "run", step, keep=2)
+
+    checkpoint = find_checkpoint(str(tmp_path / "run"))  # the run: its newest checkpoint
+    assert checkpoint.name == "step_00000007"
+    state, adam = full_state(checkpoint)
+    assert state.keys() == objective.state_dict().keys()
+    for name, tensor in objective.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+    moments = [entry["exp_avg"] for entry in adam["state"].values()]
+    assert len(moments) == len(list(objective.parameters())) and any(m.abs().sum() > 0 for m in moments)
+
+    written = write_consolidated(objective, state, adam, checkpoint, tmp_path / "whole", preprocess)
+    whole = torch.load(written["training_state"], weights_only=False)
+    assert (whole["format"], whole["world_size"], whole["train_state"]["step"]) == ("whole", 1, 7)
+    rebuilt = load_trained(tmp_path / "whole")
+    for name, tensor in objective.state_dict().items():
+        assert torch.equal(rebuilt.state_dict()[name], tensor), name
+    with pytest.raises(ValueError, match="is not a checkpoint of this project .* a checkpoint is a directory like"):
+        full_state(tmp_path / "run")
 
 
 @pytest.mark.distributed
