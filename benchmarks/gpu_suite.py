@@ -28,7 +28,7 @@ Sections:
 - packing: DINO's student (ViT-B/16, 2 x 224 + 6 x 96 crops) one forward per resolution against all of an image's
   crops packed into one sequence with block-diagonal attention (benchmarks/packed_crops.py), forward + backward.
 - quality: masked_patch, MAE, DINO and DINOv2 pre-train ViT-Ti/4 on Fashion-MNIST at 32 px (the real pretrain
-  path) for a fixed budget of seconds each (steps set from a measured rate; --tiny: 10 steps), then linear probe and
+  path) for a fixed budget of seconds each (steps set from a measured rate; --tiny: 3 steps), then linear probe and
   k-NN on the frozen encoder, next to the random encoder and raw pixels.
 """
 
