@@ -243,12 +243,18 @@ def time_steps(runner, device: torch.device, steps: int) -> dict:
             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
 
 
-def speed_section(args, device: torch.device, peak: dict, work: Path, rows: list) -> list[dict]:
-    """Fills `rows` as they are measured (main saves the JSON after each): timm's step first, the reference, then
-    every objective. On a GPU a row that fails is recorded with its error and the others still run."""
+def speed_section(args, device: torch.device, peak: dict, work: Path, rows: list, save) -> list[dict]:
+    """Fills `rows` as they are measured, calling `save` after each: timm's step first, the reference, then every
+    objective. On a GPU a row that fails is recorded with its error and the others still run."""
     bf16 = device.type == "cuda"
     accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no", cpu=device.type == "cpu")
     enable_tf32(accelerator.device)
+
+    def measure(row: dict, make_runner) -> None:
+        rows.append(measure_row(row, make_runner, device, peak, args.steps, keep_going=not args.tiny))
+        save()
+        accelerator.free_memory()
+
     teacher_name = TINY_TEACHER if args.tiny else TEACHER
     teacher_file = work / f"{teacher_name}.safetensors"
     # the teacher's classes are the data's (the synthetic shapes)
@@ -260,8 +266,7 @@ def speed_section(args, device: torch.device, peak: dict, work: Path, rows: list
                 dict(img_size=224, patch_size=16, embed_dim=768, depth=12, num_heads=12))
         row = {"objective": "timm supervised", "model": model, "img_size": img_size, "batch": batch,
                "compiled": compiled}
-        measure_row(rows, row, partial(TimmStep, accelerator, arch, batch, compiled, args.compile_backend),
-                    args, device, peak, accelerator)
+        measure(row, partial(TimmStep, accelerator, arch, batch, compiled, args.compile_backend))
     for model, img_size, batch in models + ([] if args.tiny else [("vit_l16", 224, args.batch // 2)]):
         names = [n for n in args.objectives if model != "vit_l16" or n in LARGE]
         for name in names:
@@ -276,30 +281,26 @@ def speed_section(args, device: torch.device, peak: dict, work: Path, rows: list
                 row = {"objective": name, "model": model, "img_size": img_size, "batch": per_step,
                        "compiled": compiled}
                 workers = 0 if args.tiny else min(8, os.cpu_count() or 1)
-                measure_row(rows, row, partial(StepRunner, accelerator, cfg, compiled, args.compile_backend, workers),
-                            args, device, peak, accelerator)
+                measure(row, partial(StepRunner, accelerator, cfg, compiled, args.compile_backend, workers))
     AcceleratorState._reset_state(reset_partial_state=True)
     return rows
 
 
-def measure_row(rows: list, row: dict, make_runner, args, device: torch.device, peak: dict,
-                accelerator: Accelerator) -> None:
-    runner = None
+def measure_row(row: dict, make_runner, device: torch.device, peak: dict, steps: int, keep_going: bool) -> dict:
+    """`row` with its FLOPs per image, timings and utilisation; with `keep_going` (a GPU run: one kernel or compile
+    failing keeps the other rows) an exception becomes the row's "error" instead (--tiny: a failure is a bug)."""
     try:
         runner = make_runner()
         row["flops_per_image"] = runner.flops_per_image()
-        row.update(time_steps(runner, device, args.steps))
+        row.update(time_steps(runner, device, steps))
         print_row(with_utilisation(row, peak))
-    except Exception as err:  # on a GPU one row failing (a kernel, a compile) keeps the others
-        if args.tiny:  # the CPU check: a failure is a bug
+    except Exception as err:
+        if not keep_going:
             raise
         row["error"] = f"{type(err).__name__}: {err}"
         print(f"{row['objective']:<16}{row['model']:<9}{'compiled' if row['compiled'] else 'eager':<9}"
               f"failed: {row['error'][:300]}", flush=True)
-    rows.append(row)
-    args.save_partial()
-    del runner
-    accelerator.free_memory()
+    return row
 
 
 def with_utilisation(row: dict, peak: dict) -> dict:
@@ -474,10 +475,12 @@ def main(argv=None) -> dict:
           + f"; attention runs {', '.join(peak['attention_kernels'])}", flush=True)
     out = Path(args.out or f"benchmarks/results/gpu_suite_{device.type}{'_tiny' if args.tiny else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    args.save_partial = lambda: out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    def save() -> None:
+        out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
     if "speed" in sections:
         report["speed"] = []  # filled row by row
-    runners = {"speed": lambda: speed_section(args, device, peak, work, report["speed"]),
+    runners = {"speed": lambda: speed_section(args, device, peak, work, report["speed"], save),
                "loader": lambda: loader_section(args, device, work),
                "packing": lambda: packing_section(args, device, work),
                "quality": lambda: quality_section(args, device, work)}
@@ -493,9 +496,9 @@ def main(argv=None) -> dict:
             report[section] = {"error": f"{type(err).__name__}: {err}"}
             print(f"\n{section} section failed: {report[section]['error']}", flush=True)
         report["wall_s"] = time.perf_counter() - start
-        out.write_text(json.dumps(report, indent=2, default=str) + "\n")  # after every section
+        save()  # after every section
     report["wall_s"] = time.perf_counter() - start
-    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    save()
     print(f"\n{report['wall_s']:.0f} s in all -> {out}")
     return report
 

@@ -3,14 +3,25 @@ checkpoints of 2-process runs (the session's pool, helpers.pool) and their conso
 
 import pytest
 import torch
+from accelerate import Accelerator
 from conftest import ROOT, check_ok, pretrain_in_process, read_metrics
 from helpers.builders import pretrain_config
 from helpers.pool import EVAL, OBJECTIVES, STEPS, strategy_run
 from safetensors.torch import load_file
 
+from objectives import load_trained
 from ssl_vit.artifacts import load_encoder, read_metadata, save_encoder
 from ssl_vit.schema import ConfigError
-from ssl_vit.train.checkpoint import data_position_file, list_checkpoints, read_data_position, resolve_resume
+from ssl_vit.train.build import build_components
+from ssl_vit.train.checkpoint import (
+    data_position_file,
+    list_checkpoints,
+    read_data_position,
+    resolve_resume,
+    save_checkpoint,
+)
+from ssl_vit.train.consolidate import find_checkpoint, full_state, write_consolidated
+from ssl_vit.train.trainer import TrainState
 from ssl_vit.vit import build_vit
 
 
@@ -62,14 +73,6 @@ def test_a_single_process_checkpoint_consolidates_into_the_runs_files(tmp_path):
     """ssl_vit.train.consolidate on the DDP / one-process layout (model.safetensors, optimizer.bin, the loop's state)
     as save_checkpoint writes it after one optimizer step: the full state and Adam's moments come back as they were,
     and the files written from them are the run's encoder and head (the sharded layouts: the distributed tests)."""
-    from accelerate import Accelerator
-
-    from objectives import load_trained
-    from ssl_vit.train.build import build_components
-    from ssl_vit.train.checkpoint import save_checkpoint
-    from ssl_vit.train.consolidate import find_checkpoint, full_state, write_consolidated
-    from ssl_vit.train.trainer import TrainState
-
     objective, dataset, views, preprocess = build_components(pretrain_config(tmp_path / "run", "objective=supervised"))
     accelerator = Accelerator(cpu=True)
     model, optimizer = accelerator.prepare(objective, torch.optim.AdamW(objective.parameters(), lr=1e-2))

@@ -1,9 +1,13 @@
 """benchmarks/gpu_suite.py on the CPU with test-sized models: every section runs and writes its JSON (the suite is
 run for real on a GPU whenever one is lent; this keeps it from rotting in between)."""
 
+import importlib
 import json
+import time
 
 import pytest
+import torch
+from conftest import ROOT
 from helpers.inprocess import run_script
 
 
@@ -35,3 +39,39 @@ def test_the_gpu_suite_runs_every_section_on_the_cpu_and_writes_its_json(tmp_pat
     assert set(quality) == {"random init", "masked_patch", "mae", "dino", "dinov2", "raw pixels"}
     assert all(0.1 < row["linear"] <= 1 for row in quality.values())  # 10 classes: above chance
     assert "DINO multi-crop loader" in proc.stdout and "Fashion-MNIST quality" in proc.stdout
+
+
+def test_a_speed_row_is_measured_and_a_failing_one_is_recorded_on_a_gpu_run_but_raised_in_the_cpu_check(
+        monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the script imports packed_crops beside it
+    gpu_suite = importlib.import_module("gpu_suite")
+    peak = {"measured_tflop_s": 2.0, "datasheet_tflop_s": None}
+
+    class Runner:  # 8 images a step, 1 GFLOP each
+        batch_size, steps = 8, 0
+
+        def flops_per_image(self):
+            return 1e9
+
+        def step(self):
+            self.steps += 1
+            time.sleep(1e-4)
+
+    runner = Runner()
+    row = gpu_suite.measure_row({"objective": "mae", "model": "vit_b16", "batch": 8, "compiled": False}, lambda: runner,
+                                torch.device("cpu"), peak, 3, keep_going=True)
+    assert runner.steps == 2 + 3 and "error" not in row  # two warm-up steps, then the timed ones
+    assert row["achieved_tflop_s"] == pytest.approx(1e9 * row["images_per_s"] / 1e12)
+    assert row["utilisation_measured_peak"] == pytest.approx(row["achieved_tflop_s"] / 2.0)
+
+    def broken():
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    row = gpu_suite.measure_row({"objective": "dino", "model": "vit_b16", "compiled": True}, broken,
+                                torch.device("cpu"), peak, 3, keep_going=True)
+    assert row["error"] == "RuntimeError: no kernel image is available for execution on the device"
+    assert "flops_per_image" not in row
+    assert "dino            vit_b16  compiled failed: RuntimeError" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        gpu_suite.measure_row({"objective": "dino", "model": "vit_test", "compiled": True}, broken,
+                              torch.device("cpu"), peak, 3, keep_going=False)
