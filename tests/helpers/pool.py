@@ -101,6 +101,7 @@ class RunPool:
     def __init__(self, root: Path):
         self.root = root
         self._runs: dict[tuple[str, str], Path] = {}
+        self._failed: set[tuple[str, str]] = set()
         self._files: dict[str, Path] | None = None
 
     def files(self) -> dict[str, Path]:
@@ -130,10 +131,13 @@ class RunPool:
         return [_fill(o, files) for o in needed]
 
     def __getitem__(self, key: tuple[str, str]) -> Path:
+        objective, config = key
+        out = self.root / f"{objective}-{config}"
+        # a run that failed is not launched again into its directory: every test that needs it fails on the
+        # first failure, whose whole output stays in <run>.log
+        assert key not in self._failed, f"the pool's run {key} failed earlier in this session; see {out}.log"
         if key not in self._runs:
             assert key in RUNS, f"{key} is not in the pool's RUNS"
-            objective, config = key
-            out = self.root / f"{objective}-{config}"
             overrides = [*EVAL, *self.overrides(objective, config)]
             if key in REAL_LAUNCHES:  # the config file alone sets the strategy up (nothing in the environment)
                 model = [] if any(o.startswith("model=") for o in overrides) else ["model=vit_test"]
@@ -141,8 +145,10 @@ class RunPool:
                               env={"ACCELERATE_USE_CPU": None})
             else:
                 proc = strategy_run(config, out, *overrides, env={"ACCELERATE_USE_CPU": None})
-            check_ok(proc)
             Path(f"{out}.log").write_text(proc.stdout + proc.stderr)
+            if proc.returncode != 0:
+                self._failed.add(key)
+            check_ok(proc)
             self._runs[key] = out
         return self._runs[key]
 
