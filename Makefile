@@ -6,13 +6,16 @@
 #   make coverage    the whole suite under coverage.py (subprocesses and forked ranks included): a report of the
 #                    lines of ssl_vit/ and objectives/ it runs, and coverage.json
 # `make setup` alone installs: the virtual environment (.venv, pip install -e '.[dev]', again when pyproject.toml
-# changes), transformers 4.x beside 5.x for one interop test, and the Debian data sets (Fashion-MNIST, Tux Paint).
+# changes), transformers 4.x beside 5.x for one interop test, the Debian data sets (Fashion-MNIST, Tux Paint) and
+# DeepSpeed's shared-memory op.
 PYTHON ?= python3.11
 VENV := .venv
 ARGS ?=
+# pytest-xdist workers for make test and make test-fast (-n; tests/helpers/cores.py); WORKERS=0: in pytest's own process
+WORKERS ?= 2
 
 .PHONY: setup run test test-fast coverage
-setup: $(VENV)/.installed $(VENV)/.data-installed
+setup: $(VENV)/.installed $(VENV)/.data-installed $(VENV)/.ops-built
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -24,15 +27,21 @@ $(VENV)/.data-installed: scripts/get_data.sh | $(VENV)/.installed
 	bash scripts/get_data.sh
 	touch $@
 
+# DeepSpeed compiles its shared-memory collective (a C++ op: ~75 s on 2 cores) in the first ZeRO run on a machine
+# and caches it (~/.cache/torch_extensions); built here once, by DeepSpeed's own function, not inside that run.
+$(VENV)/.ops-built: | $(VENV)/.installed
+	$(VENV)/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	touch $@
+
 run: setup
 	$(VENV)/bin/python scripts/pretrain.py objective=masked_patch $(ARGS)
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/python -m pytest -q $(ARGS)
+	$(VENV)/bin/python -m pytest -q -n $(WORKERS) --dist loadgroup $(ARGS)
 
 test-fast: setup
-	$(VENV)/bin/python -m pytest -q -m "not slow and not distributed" $(ARGS)
+	$(VENV)/bin/python -m pytest -q -n $(WORKERS) --dist loadgroup -m "not slow and not distributed" $(ARGS)
 
 coverage: setup
 	rm -f .coverage .coverage.*

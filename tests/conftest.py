@@ -13,10 +13,12 @@ from pathlib import Path
 import helpers.ranks
 import pytest
 import torch
+from helpers.cores import own_share
 from helpers.inprocess import pretrain as pretrain_in_process
 from helpers.pool import RunPool
 from helpers.processes import ACCELERATE, ACCELERATE_LAUNCH, ROOT, check_ok, launch, read_metrics  # noqa: F401
 
+own_share()  # helpers.cores: a pytest-xdist worker on its share of the cores
 TINY = ["model=vit_test", "data.num_samples=32", "data.batch_size=16", "trainer.log_every=1",
         "optim.lr=3e-3", "optim.warmup_steps=3", "trainer.checkpoint_every=10"]
 
@@ -68,6 +70,31 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         if undo is not None:
             undo()
+
+
+SHARED = ("pool", "reference_run")  # the session fixtures: computed once on whichever worker runs their modules
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marks into the groups it schedules by
+def pytest_collection_modifyitems(config, items):
+    """With pytest-xdist (`make test`: -n 2 --dist loadgroup) each module's tests run on one worker (their module
+    fixtures computed once), and every module that uses a session fixture of SHARED on the same worker (the pool's
+    runs launched once, as without xdist)."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    parent: dict[str, str] = {}  # modules and shared fixtures, joined when a module's test uses the fixture
+
+    def root(name: str) -> str:
+        while parent.setdefault(name, name) != name:
+            name = parent[name]
+        return name
+
+    for item in items:
+        for shared in SHARED:
+            if shared in item.fixturenames:
+                parent[root(item.module.__name__)] = root(shared)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(root(item.module.__name__)))
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
+from helpers.cores import widen
+
 ROOT = Path(__file__).resolve().parents[2]
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 # accelerate's own launch entry point: `accelerate launch` runs exactly this (launch_command_parser + launch_command)
@@ -26,7 +30,14 @@ def launch(*overrides, config="cpu", env=None, timeout=300, launcher=None, **pop
            str(ROOT / "scripts" / "pretrain.py"), "trainer.progress=false", *overrides]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env = {k: v for k, v in full_env.items() if v is not None}  # None removes a variable
+    if "preexec_fn" not in popen and processes(config) > 1:
+        popen["preexec_fn"] = widen  # the launcher and its ranks on the session's cores (helpers.cores)
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout, **popen)
+
+
+def processes(config: str) -> int:
+    """The number of processes configs/accelerate/<config>.yaml launches."""
+    return int(yaml.safe_load((ROOT / "configs" / "accelerate" / f"{config}.yaml").read_text())["num_processes"])
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

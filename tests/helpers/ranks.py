@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from helpers.cores import widen
+
 ROOT = Path(__file__).resolve().parents[2]
 # What a rank of a training run imports, imported once by the server the ranks are forked from. Names of installed
 # packages only: Python 3.11's forkserver does not take the test process's sys.path (tests/ is not on it), and it
@@ -82,6 +84,8 @@ def _as_launched(env: dict[str, str], out: str, err: str) -> None:
     """This process as a launched one: that environment, stdout and stderr into those files."""
     os.environ.clear()
     os.environ.update(env)
+    if int(env.get("WORLD_SIZE", "1")) > 1:
+        widen()  # the ranks of a run share the session's cores (helpers.cores)
     # A process started by the forkserver inherits its start method; a launched one starts DataLoader workers with
     # the platform's default (fork here), not by a second server of its own that imports everything again (~12 s).
     multiprocessing.set_start_method(None, force=True)
