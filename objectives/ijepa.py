@@ -68,11 +68,11 @@ class MultiBlockMasks:
         self.num_targets, self.min_keep, self.tries = num_targets, min_keep, tries_per_relaxation
         self.target_scale, self.target_aspect, self.context_scale = target_scale, target_aspect, context_scale
         for kind, scale, aspect in (("target", target_scale, target_aspect), ("context", context_scale, (1.0, 1.0))):
-            h, w = self.block_size(scale, aspect, 0.0)  # the smallest block (the draw scales area and ratio alike)
+            h, w = min(self.block_sizes(scale, aspect), key=lambda size: size[0] * size[1])
             if h * w <= min_keep:
-                raise ValueError(f"objective.min_keep={min_keep}: the smallest {kind} block ({h} x {w} patches at "
-                                 f"scale {scale[0]} of a {self.rows} x {self.cols} grid) can never keep more; lower "
-                                 "objective.min_keep or raise data.img_size")
+                raise ValueError(f"objective.min_keep={min_keep}: a {kind} block can be drawn {h} x {w} patches "
+                                 f"(scale {list(scale)}, aspect {list(aspect)} of a {self.rows} x {self.cols} grid), "
+                                 "which can never keep more; lower objective.min_keep or raise data.img_size")
 
     def block_size(self, scale, aspect, u: float) -> tuple[int, int]:
         """The uniform draw `u` sets both the area (a share `scale` of the grid) and the aspect ratio h / w; each
@@ -82,26 +82,44 @@ class MultiBlockMasks:
         h, w = round(math.sqrt(area * ratio)), round(math.sqrt(area / ratio))
         return min(h, self.rows - 1), min(w, self.cols - 1)
 
+    def block_sizes(self, scale, aspect) -> set[tuple[int, int]]:
+        """Every size `block_size` gives over the draws u in [0, 1]: it is constant between the points where the
+        area's floor or a side's rounding changes, so its values at those points and between them are all of them
+        (the size is not monotonic in u: the area and the ratio grow together)."""
+        cells, span, slope = self.rows * self.cols, scale[1] - scale[0], aspect[1] - aspect[0]
+        areas = range(int(cells * scale[0]), int(cells * scale[1]) + 1)
+        points = {0.0, 1.0}
+        if span > 0:
+            points.update((area / cells - scale[0]) / span for area in areas)
+        if slope != 0:  # where sqrt(area x ratio) or sqrt(area / ratio) crosses a half-integer
+            for area in filter(None, areas):
+                for side in range(max(self.rows, self.cols) + 1):
+                    half = (side + 0.5) ** 2
+                    points.update(((half / area - aspect[0]) / slope, (area / half - aspect[0]) / slope))
+        inside = sorted(u for u in points if 0.0 <= u <= 1.0)
+        draws = inside + [(a + b) / 2 for a, b in zip(inside, inside[1:], strict=False)]
+        return {self.block_size(scale, aspect, u) for u in draws}
+
     def place(self, size, generator, allowed: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices of a block of `size` at a random top-left corner within the allowed regions, its complement
         as a (rows, cols) bool grid). When `tries` placements in a row keep `min_keep` patches or fewer, the last
-        allowed region is dropped (then the one before, ...)."""
+        allowed region is dropped (then the one before, ...); with none left a placement keeps the whole block,
+        which the start-up check makes larger than `min_keep` (ValueError naming them otherwise)."""
         h, w = size
-        failures, dropped = 0, 0
-        while True:
+        allowed = allowed or []
+        for attempt in range((len(allowed) + 1) * self.tries):
             top = int(torch.randint(0, self.rows - h, (1,), generator=generator))
             left = int(torch.randint(0, self.cols - w, (1,), generator=generator))
             block = torch.zeros(self.rows, self.cols, dtype=torch.bool)
             block[top:top + h, left:left + w] = True
             kept = block
-            for region in (allowed or [])[:max(len(allowed or []) - dropped, 0)]:
+            for region in allowed[:len(allowed) - attempt // self.tries]:
                 kept = kept & region
             indices = kept.flatten().nonzero().flatten()
             if len(indices) > self.min_keep:
                 return indices, ~block
-            failures += 1
-            if failures == self.tries:
-                failures, dropped = 0, dropped + 1
+        raise ValueError(f"objective.min_keep={self.min_keep}: a {h} x {w} block on the {self.rows} x {self.cols} "
+                         f"patch grid keeps at most {h * w} patches; lower objective.min_keep or raise data.img_size")
 
     def __call__(self, batch: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         target_size = self.block_size(self.target_scale, self.target_aspect, float(torch.rand(1, generator=generator)))

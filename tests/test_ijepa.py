@@ -95,6 +95,49 @@ def test_the_multi_block_masks_are_the_reference_collators(grid, min_keep, seed)
         assert context.shape[1] > min_keep and targets.shape[-1] > min_keep
 
 
+def _drawn_sizes(grid, scale, aspect, draws: int = 20_001) -> set[tuple[int, int]]:
+    """The block sizes of `draws` evenly spaced draws, as the reference's _sample_block_size computes one."""
+    u = torch.linspace(0, 1, draws, dtype=torch.float64)
+    area = (grid[0] * grid[1] * (scale[0] + u * (scale[1] - scale[0]))).floor()
+    ratio = aspect[0] + u * (aspect[1] - aspect[0])
+    h = (area * ratio).sqrt().round().clamp(max=grid[0] - 1)
+    w = (area / ratio).sqrt().round().clamp(max=grid[1] - 1)
+    return {tuple(size) for size in torch.stack([h, w], dim=1).long().unique(dim=0).tolist()}
+
+
+@pytest.mark.parametrize("rows", range(4, 17))
+def test_every_grid_and_min_keep_draws_masks_or_is_refused_at_start(rows):
+    """Grids 4..16 (square, and one column fewer) x min_keep 0..12: refused at construction exactly when some draw
+    gives a block of min_keep patches or fewer (found here by sampling the draw densely), else every batch's masks
+    are drawn, each keeping more than min_keep patches. Either way nothing loops without a bound."""
+    for grid in [(rows, rows), (rows, rows - 1)]:
+        probe = MultiBlockMasks(grid, min_keep=0)
+        sizes = {kind: _drawn_sizes(grid, scale, aspect)
+                 for kind, scale, aspect in (("target", (0.15, 0.2), (0.75, 1.5)), ("context", (0.85, 1.0), (1, 1)))}
+        assert sizes["target"] <= probe.block_sizes((0.15, 0.2), (0.75, 1.5))  # the start-up check sees them all
+        assert sizes["context"] <= probe.block_sizes((0.85, 1.0), (1.0, 1.0))
+        smallest = min(h * w for found in sizes.values() for h, w in found)
+        for min_keep in range(13):
+            if smallest <= min_keep:
+                with pytest.raises(ValueError, match=rf"^objective.min_keep={min_keep}: a (target|context) block can "
+                                                     rf"be drawn \d+ x \d+ patches .* of a {grid[0]} x {grid[1]} grid"):
+                    MultiBlockMasks(grid, min_keep=min_keep)
+                continue
+            context, targets = MultiBlockMasks(grid, min_keep=min_keep)(4, torch.Generator().manual_seed(min_keep))
+            assert context.shape[1] > min_keep and targets.shape[-1] > min_keep
+
+
+def test_a_placement_that_cannot_keep_enough_gives_up_naming_min_keep_and_the_block():
+    masks = MultiBlockMasks((8, 8), min_keep=2)
+    masks.min_keep = 4  # as if the start-up check had let a 2 x 2 block through
+    regions = [torch.zeros(8, 8, dtype=torch.bool)]  # nothing allowed: relaxed after `tries` placements, then given up
+    with pytest.raises(ValueError, match=r"^objective.min_keep=4: a 2 x 2 block on the 8 x 8 patch grid keeps at "
+                                         r"most 4 patches"):
+        masks.place((2, 2), torch.Generator().manual_seed(0), regions)
+    indices, _ = masks.place((3, 3), torch.Generator().manual_seed(0), regions)  # relaxed: the whole block
+    assert len(indices) == 9
+
+
 def _objective(**overrides):
     torch.manual_seed(0)
     backbone = build_vit("vit_test", img_size=32, pos_embed="sincos", class_token=False, global_pool="avg")
@@ -200,5 +243,13 @@ def test_the_config_trains_saves_and_reloads_and_an_impossible_min_keep_is_named
     for name, value in load_file(out / "encoder.safetensors").items():
         assert torch.equal(model.target.state_dict()[name], value), name
         assert torch.equal(model.backbone.state_dict()[name], heads[f"backbone.{name}"]), name
-    with pytest.raises(ValueError, match=r"objective.min_keep=10: the smallest target block \(3 x 3 patches"):
+    with pytest.raises(ValueError, match=r"objective.min_keep=10: a target block can be drawn 3 x 3 patches"):
         _objective(min_keep=10)
+    # the issue's case: on vit_test's 4 x 4 grid a draw of u = 0.25 gives a 1 x 1 target (u = 0 gives 2 x 1), on
+    # which the placement once retried for ever; now one line before anything trains
+    proc = pretrain_in_process("objective=ijepa", "model=vit_test", "objective.min_keep=1", "trainer.max_steps=2",
+                               f"output_dir={tmp_path / 'refused'}")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "ssl-vit: error: objective=ijepa: objective.min_keep=1: a target block can be drawn 1 x 1 patches (scale "
+        "[0.15, 0.2], aspect [0.75, 1.5] of a 4 x 4 grid), which can never keep more; lower objective.min_keep or "
+        "raise data.img_size"]

@@ -118,3 +118,21 @@ def test_the_engine_names_no_objective_no_objective_config_key_and_no_dataset():
                                                     | (message_words & (names | objective_keys)))
     assert len(found) >= 8 and "mask_ratio" in objective_keys and "lock_image" in objective_keys
     assert {path: words for path, words in found.items() if words} == {}
+
+
+def _unbounded_loops(source: str) -> list[int]:
+    """Lines of `while <constant true>` loops that never yield: only a stream's generator loop (which hands out an
+    item every pass, e.g. the loader's batch sampler) may run without a bound."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.While) and isinstance(node.test, ast.Constant) and node.test.value
+            and not any(isinstance(inner, ast.Yield | ast.YieldFrom) for inner in ast.walk(node))]
+
+
+def test_no_loop_of_the_library_runs_without_a_bound():
+    """Rejection sampling retries a bounded number of times (I-JEPA's block placement once retried for ever when
+    no placement could keep enough patches: a step that never ended)."""
+    assert _unbounded_loops("while True:\n    tries += 1\n") == [1]
+    assert _unbounded_loops("def draws():\n    while True:\n        yield 1\n") == []
+    found = [f"{path.relative_to(ROOT)}:{line}" for package in (*PACKAGES, "scripts")
+             for path in sorted((ROOT / package).rglob("*.py")) for line in _unbounded_loops(path.read_text())]
+    assert found == []
