@@ -44,13 +44,14 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
 from typing import ClassVar, Protocol
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ssl_vit.artifacts import load_encoder, load_heads, read_preprocess, run_files
+from ssl_vit.artifacts import load_encoder, load_heads, read_metadata, read_preprocess, run_files
 from ssl_vit.schema import to_container, validate_config
 from ssl_vit.vit import Block, ParallelBlock, VisionTransformer
 
@@ -245,6 +246,22 @@ def typed_config(cls: type[Objective], cfg):
     return typed
 
 
+def recorded_objective(encoder_path: Path) -> dict[str, str]:
+    """The objective's name and config that a run without heads.safetensors recorded: in encoder.safetensors (every
+    run since encoder files record the config), else the name there and the config Hydra saved beside it
+    (`.hydra/config.yaml`: masked_patch and MAE runs wrote no heads file before they saved their heads); ValueError
+    naming what is missing."""
+    meta = read_metadata(encoder_path)
+    hydra = encoder_path.parent / ".hydra" / "config.yaml"
+    if "objective_config" not in meta and "objective" in meta and hydra.is_file():
+        meta["objective_config"] = json.dumps(OmegaConf.to_container(OmegaConf.load(hydra).objective, resolve=True))
+    if "objective_config" not in meta:
+        raise ValueError(f"{encoder_path.parent} has no heads.safetensors, and neither its encoder.safetensors nor "
+                         "a .hydra/config.yaml beside it records the objective's config: copy the run's "
+                         "heads.safetensors (or .hydra/) into it")
+    return meta
+
+
 def load_run(run, objective_class: Callable[[str], type[Objective]], image_text: bool = False,
              weights: bool = True) -> Objective:
     """The objective a run trained, rebuilt from its encoder.safetensors and heads.safetensors (which record the
@@ -252,11 +269,9 @@ def load_run(run, objective_class: Callable[[str], type[Objective]], image_text:
     what is missing. `image_text`: refuse, before building anything, a run whose objective is not an image-text
     model. `weights=False`: the objective as built, holding the encoder's weights only (to fill from a checkpoint)."""
     encoder_path, heads_path = run_files(run)
-    if not (encoder_path.is_file() and heads_path.is_file()):
-        raise ValueError(f"{str(run)!r} is not a run directory with encoder.safetensors and heads.safetensors")
-    heads, meta = load_heads(heads_path)
-    if "objective_config" not in meta:
-        raise ValueError(f"{heads_path} records no objective config (written before it was recorded); train again")
+    if not encoder_path.is_file():
+        raise ValueError(f"{str(run)!r} is not a run directory with encoder.safetensors")
+    heads, meta = load_heads(heads_path) if heads_path.is_file() else ({}, recorded_objective(encoder_path))
     cls = objective_class(meta.get("objective", ""))
     cfg = cls.rebuild_config(typed_config(cls, json.loads(meta["objective_config"])))
     if image_text and not cls.requirements(cfg).image_text:
@@ -275,6 +290,9 @@ def load_run(run, objective_class: Callable[[str], type[Objective]], image_text:
     # I-JEPA's context encoder) before the encoder's values reach the teacher / target encoder
     encoder = {name: value.clone() for name, value in backbone.state_dict().items()}
     missing, unexpected = model.load_state_dict(model.state_from_artifacts(encoder, heads), strict=False)
+    if missing and not heads_path.is_file():
+        raise ValueError(f"{str(run)!r} has no heads.safetensors: the weights of objective={cfg.name} beyond its "
+                         f"encoder are not in the run directory (missing {missing[:3]})")
     if missing or unexpected:
         raise ValueError(f"{heads_path} does not fit its objective config: missing {missing[:5]}, unexpected "
                          f"{unexpected[:5]}")

@@ -51,6 +51,8 @@ def mae_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, norm_
 
 class MAE(Objective):
     config_class = MAEConfig
+    # the decoder and the mask token, to continue pre-training (its position embeddings are fixed, rebuilt)
+    saved_heads = ("decoder_embed.", "mask_token", "decoder_blocks.", "decoder_norm.", "decoder_pred.")
     @classmethod
     def requirements(cls, cfg) -> Requirements:
         if not cfg.fixed_pos_embed:

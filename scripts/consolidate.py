@@ -16,16 +16,16 @@ from pathlib import Path
 
 from objectives import rebuild_untrained
 from ssl_vit.artifacts import read_preprocess
-from ssl_vit.run_dirs import ENCODER_FILE, HEADS_FILE
+from ssl_vit.run_dirs import ENCODER_FILE
 from ssl_vit.train.consolidate import find_checkpoint, full_state, write_consolidated
 
 
 def consolidate(checkpoint: str, out: str) -> dict[str, Path]:
     path = find_checkpoint(checkpoint)
     run = path.parent.parent  # <run>/checkpoints/step_*
-    if not (run / HEADS_FILE).is_file():
-        raise ValueError(f"{path}: its run directory {run} has no {HEADS_FILE}, which records the objective the "
-                         "checkpoint belongs to; consolidate a checkpoint inside its run directory")
+    if not (run / ENCODER_FILE).is_file():
+        raise ValueError(f"{path}: {run} has no {ENCODER_FILE}, which records the objective the checkpoint belongs "
+                         "to; consolidate a checkpoint inside its run directory")
     state, optimizer = full_state(path)
     return write_consolidated(rebuild_untrained(run), state, optimizer, path, out, read_preprocess(run / ENCODER_FILE))
 

@@ -51,6 +51,7 @@ from ssl_vit.train.strategy import MainProcessFailed
 from ssl_vit.vit import PRESETS, VisionTransformer
 
 EXIT_STOPPED, EXIT_CONFIG = EXIT_FAILED, 2
+EXIT_STATUS_FILE_ENV = "SSL_VIT_EXIT_STATUS_FILE"  # set by ssl_vit.launch: where the main process records its status
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
@@ -68,7 +69,17 @@ def fail(message: str, status: int) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if status != EXIT_CONFIG or rank == 0:  # a bad config is the same on every rank: say it once
         print(f"ssl-vit: error: {'' if rank == 0 else f'[rank {rank}] '}{message}", file=sys.stderr, flush=True)
+    record_exit_status(status)
     sys.exit(status)
+
+
+def record_exit_status(status: int) -> None:
+    """The main process's exit status, for the launch that started it (ssl_vit.launch names the file in
+    EXIT_STATUS_FILE_ENV): accelerate's launcher reports every failing run, a preempted one too, as status 1."""
+    path = os.environ.get(EXIT_STATUS_FILE_ENV)
+    if path and int(os.environ.get("RANK", "0")) == 0:
+        with contextlib.suppress(OSError):
+            Path(path).write_text(str(status))
 
 
 def exit_without_teardown(status: int = 0) -> None:
@@ -76,6 +87,7 @@ def exit_without_teardown(status: int = 0) -> None:
     threads): measured on this machine, rank 1 of a finished 2-process gloo run sometimes aborted there
     ("terminate called without an active exception", SIGABRT: 2 of 3 full test runs, each time after every output
     was written and the process group destroyed). A single process exits normally."""
+    record_exit_status(status)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         if status:
             sys.exit(status)

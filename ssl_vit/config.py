@@ -155,6 +155,9 @@ class TrainerConfig:
     max_consecutive_nonfinite: int = checked(5, ge=1)
     # Stop when one update multiplies the parameter norm by more than this (the weights are then ruined).
     max_param_norm_growth: float = checked(2.0, gt=1)
+    # A step (its evaluation and checkpoint included) that runs longer stops the run: one line, every thread's stack
+    # on every rank, exit status 1 (ssl_vit/train/watchdog.py). None: no limit.
+    step_timeout_s: float | None = checked(None, gt=0)
     # How long a process waits in a collective (gradient reduction, barrier) before the run stops with an error.
     collective_timeout_s: int = checked(1800, ge=1)
     cpu_threads: int | None = checked(None, ge=1)  # None: the machine's cores divided among the local processes

@@ -175,7 +175,7 @@ def test_folder_with_a_corrupt_jpeg_and_an_empty_png_gives_full_counted_batches(
         assert torch.equal(expected["image"], got["image"]) and torch.equal(expected["label"], got["label"])
 
 
-def test_training_on_a_folder_with_bad_files_counts_them(tmp_path):
+def test_training_on_a_folder_with_bad_files_counts_them(tmp_path, caplog):
     from accelerate.state import AcceleratorState
     from hydra import compose, initialize_config_dir
 
@@ -191,10 +191,12 @@ def test_training_on_a_folder_with_bad_files_counts_them(tmp_path):
             "trainer.trackers=[]", f"output_dir={tmp_path / 'run'}"])
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
-        summary = pretrain(cfg)
+        with caplog.at_level(logging.INFO, logger="ssl_vit"):
+            summary = pretrain(cfg)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     assert summary["finished"] and summary["skipped_samples"] == 4  # 6 steps x 4 = two epochs of 12 files
+    assert "done: 6 steps" in caplog.text and ", 4 bad samples skipped; encoder at" in caplog.text
 
 
 def test_a_folder_without_a_readable_image_is_a_clear_error(tmp_path):

@@ -1,13 +1,16 @@
 """Checkpoints: the encoder file, finding the checkpoint to resume, the data position; exact resume from the sharded
 checkpoints of 2-process runs (the session's pool, helpers.pool) and their consolidation into one process's files."""
 
+import re
+import shutil
+
 import pytest
 import torch
 from accelerate import Accelerator
 from conftest import ROOT, check_ok, pretrain_in_process, read_metrics
 from helpers.builders import pretrain_config
 from helpers.pool import EVAL, OBJECTIVES, STEPS, strategy_run
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from objectives import load_trained
 from ssl_vit.artifacts import load_encoder, read_metadata, save_encoder
@@ -135,6 +138,44 @@ def _consolidate_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("objective", ["masked_patch", "mae"])
+def test_masked_patch_and_mae_save_their_heads_consolidate_and_continue_with_them(pool, tmp_path, objective):
+    """The two objectives whose runs once saved no heads (consolidation refused their shards, and MAE continued from
+    a run restarted its decoder): ZeRO-3 shards consolidate into the run's own encoder and heads, bitwise; a run
+    directory as they were written before (no heads.safetensors, an encoder file recording the objective's name
+    only) consolidates too, its config read from Hydra's .hydra/config.yaml; load_trained rebuilds the whole
+    objective; a run continued with model.init_heads starts from the run's heads (one step at lr 1e-12)."""
+    run = pool[objective, "zero3_cpu2"]
+    heads = load_file(run / "heads.safetensors")
+    expected = ({"mask_token", "decoder_pred.weight", "decoder_blocks.0.attn.qkv.weight"} if objective == "mae" else
+                {"mask_token", "head.weight", "head.bias"})
+    assert expected <= set(heads) and (objective == "mae" or expected == set(heads))
+    old = tmp_path / "old"
+    shutil.copytree(run, old, ignore=shutil.ignore_patterns("heads.safetensors", "tb"))
+    encoder = load_file(old / "encoder.safetensors")
+    meta = {k: v for k, v in read_metadata(old / "encoder.safetensors").items() if k not in ("objective_config",
+                                                                                              "data_info")}
+    save_file(encoder, old / "encoder.safetensors", metadata=meta)
+    for source in (run, old):
+        out = tmp_path / f"whole-{source.name}"
+        assert _consolidate_script().main([str(source), "--out", str(out)]) == 0
+        for name, theirs in (("encoder.safetensors", encoder), ("heads.safetensors", heads)):
+            ours = load_file(out / name)
+            assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs), name
+    rebuilt = load_trained(run).state_dict()
+    assert all(torch.equal(rebuilt[name], value) for name, value in heads.items())
+    fixed = ["objective.fixed_pos_embed=false"] if objective == "mae" else []  # taken from the run (the same)
+    proc = pretrain_in_process("model=vit_test", *STEPS, *OBJECTIVES[objective], *fixed, f"model.init_from={run}",
+                               "model.init_heads=true", "trainer.max_steps=1", "optim.lr=1e-12", "optim.min_lr=0",
+                               "optim.warmup_steps=0", f"out={tmp_path / 'continued'}")
+    check_ok(proc)
+    assert re.search(rf"model.init_heads: \d+ tensors from {re.escape(str(run))} \(objective={objective}\)",
+                     proc.stdout + proc.stderr)
+    for name, value in load_file(tmp_path / "continued" / "heads.safetensors").items():
+        torch.testing.assert_close(value, heads[name], atol=1e-6, rtol=0, msg=name)
 
 
 @pytest.mark.distributed

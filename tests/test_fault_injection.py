@@ -18,6 +18,7 @@ from helpers.ranks import pretrain_ranks, start_script
 from safetensors.torch import load_file
 
 from ssl_vit.artifacts import load_encoder, read_metadata
+from ssl_vit.train.watchdog import StepWatchdog
 
 STEPS = 30
 
@@ -113,3 +114,61 @@ def test_a_failure_of_the_main_process_alone_stops_every_rank_at_once(tmp_path):
     assert "ssl-vit: error: [rank 1] the main process stopped (RuntimeError: injected failure" in proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["step"] == 2 and summary["error"].startswith("injected failure")
+
+
+@pytest.mark.distributed
+def test_a_step_past_step_timeout_s_stops_every_rank_with_its_stacks(tmp_path):
+    """Rank 1 never ends step 2 (SSL_VIT_FAULT=hang@2); rank 0 waits for it in step 3's gradient reduction. With
+    trainer.step_timeout_s each rank says which step ran past the limit, dumps its threads' stacks (rank 1's shows
+    the fault point it waits in) and exits 1, long before the collective's own timeout (30 min by default)."""
+    proc = pretrain_ranks("model=vit_test", "data.num_samples=64", "data.batch_size=8", "trainer.max_steps=6",
+                          "trainer.step_timeout_s=8", f"hydra.run.dir={tmp_path / 'run'}", config="ddp_cpu2",
+                          log_dir=tmp_path / "logs", env={"SSL_VIT_FAULT": "hang@2"}, timeout=240)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "ssl-vit: error: step 3 has run past trainer.step_timeout_s=8; every thread's stack follows" in proc.stderr
+    rank1 = (tmp_path / "logs" / "rank1.err").read_text()
+    assert "ssl-vit: error: [rank 1] step 2 has run past trainer.step_timeout_s=8" in rank1
+    assert 'ssl_vit/train/faults.py", line' in rank1 and "in fault_point" in rank1  # where it hung
+
+
+@pytest.mark.slow
+def test_a_second_signal_stops_a_step_that_never_ends_and_prints_every_stack(tmp_path):
+    """The first SIGTERM asks for a stop after the step, which never comes (SSL_VIT_FAULT=hang@2); the second (past
+    the 2 s in which a repeat counts as the same request) stops at once: every thread's stack, then exit 130."""
+    run = tmp_path / "run"
+    processes, logs = start_script(ROOT / "scripts" / "pretrain.py", "trainer.progress=false", *_run_args(run),
+                                   config=ROOT / "configs" / "accelerate" / "cpu.yaml", log_dir=tmp_path / "logs",
+                                   env={"SSL_VIT_FAULT": "hang@2"})
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.jsonl").is_file() or not any(m.get("step") == 2 for m in read_metrics(run)):
+        assert time.monotonic() < deadline and processes[0].exitcode is None, logs[0][1].read_text()[-3000:]
+        time.sleep(0.2)
+    os.kill(processes[0].pid, signal.SIGTERM)
+    time.sleep(3)
+    assert processes[0].exitcode is None  # asked to stop after a step that does not end
+    os.kill(processes[0].pid, signal.SIGTERM)
+    processes[0].join(60)
+    err = logs[0][1].read_text()
+    assert processes[0].exitcode == 130, err[-3000:]
+    assert "ssl-vit: SIGTERM again: stopping now; every thread's stack:" in err
+    assert "in fault_point" in err and "ssl-vit: error: interrupted: the steps since the last checkpoint" in err
+
+
+def test_the_step_watchdog_fires_only_for_a_step_past_its_limit(monkeypatch):
+    """In this process, its exit replaced by a record: steps that finish in time pass; the one that does not is
+    reported once, with its number; none is watched without a limit."""
+    fired = []
+    monkeypatch.setattr(StepWatchdog, "_expire", lambda self, step: (fired.append(step), self.finished()))
+    with StepWatchdog(0.5) as watchdog:
+        for step in (1, 2, 3):
+            watchdog.started(step)
+            time.sleep(0.05)
+            watchdog.finished()
+        watchdog.started(4)
+        deadline = time.monotonic() + 30
+        while not fired and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert fired == [4] and not watchdog.thread.is_alive()
+    with StepWatchdog(None) as unwatched:
+        unwatched.started(1)
+    assert unwatched.thread is None

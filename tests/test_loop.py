@@ -197,6 +197,9 @@ def test_resume_refuses_what_cannot_continue_the_run_exactly(tmp_path, caplog):
     with pytest.raises(ConfigError, match=r"holds a different model: backbone.cls_token is \(1, 1, 32\) there, "
                                           r"\(1, 1, 64\) here.*configuration of that run \(.*run/config.yaml\)"):
         attempt(f"trainer.resume={good}", "model.embed_dim=64")
+    with pytest.raises(ConfigError, match=r"holds a different model \(the checkpoint is model=vit_test, this config "
+                                          r"asks model=vit_tiny\): "):
+        attempt(f"trainer.resume={good}", "model=vit_tiny")
     summary = attempt(f"trainer.resume={tmp_path / 'no_rng'}", "trainer.allow_inexact_resume=true")
     assert summary["finished"] and summary["step"] == 6
     assert "RESUME IS NOT EXACT" in caplog.text and "random_states_0.pkl" in caplog.text

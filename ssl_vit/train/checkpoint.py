@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from safetensors import safe_open
 
 from ssl_vit.run_dirs import CHECKPOINTS, RUN_OUTPUTS, previous_outputs, resolve_run
@@ -110,11 +111,12 @@ def resolve_resume(resume: str | None, out_dir: str | Path) -> Path | None:
     return path
 
 
-def check_checkpoint(path: Path, model, world_size: int, allow_inexact: bool) -> None:
+def check_checkpoint(path: Path, model, world_size: int, allow_inexact: bool, model_name: str | None = None) -> None:
     """Refuse, with the reason, a checkpoint that cannot resume this run exactly: unreadable files, another model's
     weights, or a missing RNG state (unless allow_inexact, which warns instead). Sharded checkpoints (DeepSpeed's
     pytorch_model/, FSDP's) are checked by their own loaders; one written by another number of processes is
-    refused, naming scripts/consolidate.py (their shards load only as they were cut)."""
+    refused, naming scripts/consolidate.py (their shards load only as they were cut). `model_name`: this run's
+    model preset, named beside the checkpoint's when they differ."""
     wrote, kind = written_by(path), checkpoint_format(path)
     if wrote and wrote != world_size and kind in ("deepspeed", "dcp"):
         raise ConfigError(f"trainer.resume: {path} was written by {wrote} processes and this run has {world_size}: "
@@ -137,9 +139,20 @@ def check_checkpoint(path: Path, model, world_size: int, allow_inexact: bool) ->
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         config = path.parent.parent / "config.yaml"
-        raise ConfigError(f"trainer.resume: {path} holds a different model: {'; '.join(problems[:3])}{more}. "
+        theirs = _model_name(config)
+        names = (f" (the checkpoint is model={theirs}, this config asks model={model_name})"
+                 if theirs and model_name and theirs != model_name else "")
+        raise ConfigError(f"trainer.resume: {path} holds a different model{names}: {'; '.join(problems[:3])}{more}. "
                           f"Resume with the configuration of that run"
                           + (f" ({config})" if config.is_file() else ""))
+
+
+def _model_name(config: Path) -> str | None:
+    """model.name in a run's config.yaml, or None (no file, an older or a foreign one)."""
+    try:
+        return str(OmegaConf.load(config).model.name)
+    except Exception:  # absent, unreadable, or without model.name: the message goes without it
+        return None
 
 
 def _check_rng_states(path: Path, world_size: int, allow_inexact: bool) -> None:
@@ -159,9 +172,9 @@ def _check_rng_states(path: Path, world_size: int, allow_inexact: bool) -> None:
                 "(trainer.allow_inexact_resume=true)", path, reason)
 
 
-def load_checkpoint(accelerator, path: Path, model, allow_inexact: bool = False) -> None:
+def load_checkpoint(accelerator, path: Path, model, allow_inexact: bool = False, model_name: str | None = None) -> None:
     """Check, then load model, optimizer, every rank's RNG state and the registered train state."""
-    check_checkpoint(path, accelerator.unwrap_model(model), accelerator.num_processes, allow_inexact)
+    check_checkpoint(path, accelerator.unwrap_model(model), accelerator.num_processes, allow_inexact, model_name)
     try:
         accelerator.load_state(str(path))
     except Exception as err:  # pickle, zip and shape errors from torch.load / load_state_dict

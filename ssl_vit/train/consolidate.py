@@ -92,7 +92,7 @@ def write_consolidated(objective, state: dict, optimizer: dict | None, checkpoin
     out.mkdir(parents=True, exist_ok=True)
     written = {
         "encoder": save_encoder_state(artifacts.encoder, objective.encoder.config, out / ENCODER_FILE, preprocess,
-                                      step=step, objective=artifacts.metadata["objective"]),
+                                      step=step, **artifacts.metadata),
         "heads": save_heads(artifacts.heads, out / HEADS_FILE, step=step, **artifacts.metadata),
         "training_state": out / TRAINING_STATE_FILE,
     }

@@ -8,13 +8,15 @@ place, old ones deleted, before encoder.safetensors is written). And one that is
 makes that step's loss NaN on rank 0, to test that the update is skipped under every strategy; `eval_error@<step>`
 makes the main process's evaluation at that step raise, to test that every rank stops; and `sigint@<step>`
 (`sigterm@`, `sigusr1@`, any signal's lower-case name) makes the last rank send itself that signal at `step_done`,
-as a Ctrl-C or a scheduler would (the other ranks get none: they must stop with it).
+as a Ctrl-C or a scheduler would (the other ranks get none: they must stop with it); `hang@<step>` makes the last
+rank wait for ever at `step_done`, as a step that never ends would (trainer.step_timeout_s, a second signal).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 
 FAULT_ENV = "SSL_VIT_FAULT"
 
@@ -34,6 +36,8 @@ def fault_point(name: str, step: int) -> None:
     last_rank = int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1
     if name == "step_done" and fault.startswith("sig") and fault.endswith(f"@{step}") and last_rank:
         os.kill(os.getpid(), signal.Signals[fault.split("@")[0].upper()])
+    if name == "step_done" and fault == f"hang@{step}" and last_rank:
+        threading.Event().wait()  # never set; a signal's handler still runs (and may raise) in this thread
 
 
 def poisoned(loss, step: int):

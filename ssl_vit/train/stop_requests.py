@@ -5,7 +5,8 @@ default SIGTERM, what SLURM and torchrun send before a time limit or a preemptio
 The first signal asks the run to stop after the current optimizer step: the trainer then writes a checkpoint and
 the encoder, prints the command that resumes it and exits with `stop_status`: 130 after Ctrl-C, EXIT_PREEMPTED (75,
 "temporary failure: try again") after a preemption signal, so a job script can requeue on it. A second signal of
-the same kind stops at once (KeyboardInterrupt); one within SAME_REQUEST_S of the first is taken as the same request
+the same kind stops at once (KeyboardInterrupt), after printing every thread's Python stack (a step that
+does not end shows where it is); one within SAME_REQUEST_S of the first is taken as the same request
 (a scheduler signals every process and the launcher forwards it again). The handler only sets a flag, so no step,
 collective or file write is cut in half. The ranks of a launch agree on the step they stop at and on the signal
 (one all-reduce every step in one process and every log step in several), so no rank waits in a collective alone.
@@ -13,6 +14,7 @@ collective or file write is cut in half. The ranks of a launch agree on the step
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import shlex
@@ -60,8 +62,10 @@ class StopRequests:
         name = signal.Signals(signum).name
         if self.requested is not None and time.monotonic() - self.requested_at < SAME_REQUEST_S:
             return  # the same request reaching this process twice (scheduler and launcher)
-        if self.requested == name:  # the second of the same kind: stop now
+        if self.requested == name:  # the second of the same kind: stop now, showing where the step was
             signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+            print(f"\nssl-vit: {name} again: stopping now; every thread's stack:", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             raise KeyboardInterrupt
         if self.requested is not None:
             return  # another kind while stopping (e.g. SIGTERM after SIGUSR1): the checkpoint is on its way

@@ -67,6 +67,7 @@ from ssl_vit.train.strategy import (
     strategy_name,
     unshard,
 )
+from ssl_vit.train.watchdog import StepWatchdog
 from ssl_vit.vit import VisionTransformer, count_parameters
 
 log = logging.getLogger("ssl_vit")
@@ -238,7 +239,8 @@ class Trainer:
         resume_dir = resolve_resume(settings.resume, self.out_dir)
         if resume_dir is not None:
             fused = [group.get("fused") for group in self.optimizer.param_groups]
-            load_checkpoint(accelerator, resume_dir, self.model, settings.allow_inexact_resume)
+            load_checkpoint(accelerator, resume_dir, self.model, settings.allow_inexact_resume,
+                            (config.get("model") or {}).get("name"))
             for group, value in zip(self.optimizer.param_groups, fused, strict=True):  # this device's choice,
                 group["fused"] = value  # not the one saved with the checkpoint (load_state_dict restores it)
         else:
@@ -281,9 +283,12 @@ class Trainer:
         self.run_start = self.interval_start = time.perf_counter()
         self.interval_step, error = self.state.step, None
         try:
-            with StopRequests(self.settings.preempt_signals) as requests:
+            with StopRequests(self.settings.preempt_signals) as requests, \
+                    StepWatchdog(self.settings.step_timeout_s) as watchdog:
                 while self.state.step < self.end_step:
+                    watchdog.started(self.state.step + 1)
                     logged = self.step()
+                    watchdog.finished()
                     progress.update(1)
                     if logged:
                         progress.set_postfix(self.log_line)
@@ -430,9 +435,8 @@ class Trainer:
     def _write_artifacts(self, state: dict, step: int) -> None:
         artifacts = self.objective.artifacts(state)
         self.outputs.save_encoder(artifacts.encoder, self.objective.encoder.config, step, self.run.preprocess,
-                                  objective=artifacts.metadata["objective"])
-        if artifacts.heads:
-            self.outputs.save_heads(artifacts.heads, step, **artifacts.metadata)
+                                  **artifacts.metadata)
+        self.outputs.save_heads(artifacts.heads, step, **artifacts.metadata)
 
     def evaluate(self) -> None:
         """Periodic evaluation on the main process, of the live encoder, or of a gathered copy when the parameters
@@ -499,8 +503,8 @@ class Trainer:
             if summary["replicas_in_sync"] is False:
                 log.error("model replicas differ across processes after training: %s", digests)
             if summary["finished"] and error is None:
-                log.info("done: %d steps, %.1f images/s; encoder at %s", state.step, summary["images_per_s"] or 0,
-                         summary["encoder"])
+                log.info("done: %d steps, %.1f images/s, %d bad samples skipped; encoder at %s", state.step,
+                         summary["images_per_s"] or 0, state.skipped_samples, summary["encoder"])
             elif error is None:
                 status = f", exit status {summary['exit_status']}" if summary["exit_status"] else ""
                 log.info("stopped at step %d of %d%s, checkpoint and encoder saved%s; continue with:\n  %s",

@@ -72,6 +72,7 @@ RUNS += [(objective, config) for objective in ("dinov3", "mocov3", "ijepa") for 
 RUNS += [(objective, config) for objective in ("deit", "distill") for config in ("ddp_cpu2", "zero3_cpu2",
                                                                                  "fsdp2_cpu2")]
 RUNS += [("supervised", "ddp_cpu2")]  # the eager reference of a compiled run (test_compile)
+RUNS += [("masked_patch", "zero3_cpu2"), ("mae", "zero3_cpu2")]  # consolidated with their heads (test_checkpoint)
 PER_RUN = {("distill", "zero3_cpu2"): ["objective.teachers.0.shard=true"]}
 # CLIP under FSDP2 through the real launcher, the FSDP2 config file alone setting it up (CLIP ran under all five
 # launched for real until the suite was tiered: the forked ranks get their environment from the same accelerate
