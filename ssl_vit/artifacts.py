@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from ssl_vit.files import save_safetensors
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.run_dirs import ENCODER_FILE, HEADS_FILE, resolve_run
 from ssl_vit.vit import VisionTransformer
@@ -49,8 +50,8 @@ def _write(tensors: dict, path: str | Path, metadata: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
-              metadata={k: str(v) for k, v in metadata.items()})
+    save_safetensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp,
+                     metadata={k: str(v) for k, v in metadata.items()})
     os.replace(tmp, path)
     return path
 

@@ -1,8 +1,10 @@
 """Checkpoints: the encoder file, finding the checkpoint to resume, the data position; exact resume from the sharded
 checkpoints of 2-process runs (the session's pool, helpers.pool) and their consolidation into one process's files."""
 
+import os
 import re
 import shutil
+import stat
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from objectives import load_trained, rebuild_untrained
 from ssl_vit.artifacts import load_encoder, read_metadata, save_encoder
+from ssl_vit.files import plain_mode
 from ssl_vit.schema import ConfigError
 from ssl_vit.train.build import build_components
 from ssl_vit.train.checkpoint import (
@@ -27,6 +30,9 @@ from ssl_vit.train.consolidate import find_checkpoint, full_state, write_consoli
 from ssl_vit.train.trainer import TrainState
 from ssl_vit.vit import build_vit
 
+UMASK = os.umask(0o022)
+os.umask(UMASK)
+
 
 def test_encoder_file_round_trips_with_its_config(tmp_path):
     model = build_vit("vit_test", num_registers=1, global_pool="avg").eval()
@@ -36,6 +42,7 @@ def test_encoder_file_round_trips_with_its_config(tmp_path):
     images = torch.randn(2, 3, 16, 16)
     torch.testing.assert_close(loaded(images), model(images), atol=0, rtol=0)
     assert not list(path.parent.glob(".*tmp*"))
+    assert stat.S_IMODE(path.stat().st_mode) == plain_mode()  # readable as any file (safetensors writes 0600)
 
 
 def test_load_encoder_rejects_a_foreign_file(tmp_path):
@@ -88,6 +95,7 @@ def test_a_single_process_checkpoint_consolidates_into_the_runs_files(tmp_path):
 
     checkpoint = find_checkpoint(str(tmp_path / "run"))  # the run: its newest checkpoint
     assert checkpoint.name == "step_00000007"
+    assert stat.S_IMODE((checkpoint / "model.safetensors").stat().st_mode) == plain_mode() == 0o666 & ~UMASK
     state, adam = full_state(checkpoint)
     assert state.keys() == objective.state_dict().keys()
     for name, tensor in objective.state_dict().items():

@@ -4,6 +4,7 @@
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ from helpers.inprocess import run_script
 from helpers.ranks import pretrain_ranks
 
 from ssl_vit.artifacts import save_encoder
+from ssl_vit.files import plain_mode
 from ssl_vit.interop.hf import export_hf, from_hf
 from ssl_vit.interop.onnx import export_onnx
 from ssl_vit.interop.sources import load_pretrained
@@ -186,6 +188,7 @@ def test_timm_export_loads_through_timms_own_loader_and_imports_back(tmp_path, o
     export_timm(encoder, tmp_path, Preprocess(16, interpolation="bicubic", crop_pct=0.875,
                                               resize_mode="squash" if squash else "shortest"))
     hub = json.loads((tmp_path / "config.json").read_text())
+    assert stat.S_IMODE((tmp_path / "model.safetensors").stat().st_mode) == plain_mode()  # not 0600: shareable
     by_dir = timm.create_model(f"local-dir:{tmp_path}", pretrained=True).eval()
     by_file = timm.create_model(hub["architecture"], pretrained=True, **hub["model_args"],
                                 pretrained_cfg_overlay=dict(file=str(tmp_path / "model.safetensors"))).eval()

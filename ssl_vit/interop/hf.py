@@ -31,9 +31,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ssl_vit.artifacts import file_fingerprint
+from ssl_vit.files import save_safetensors
 from ssl_vit.interop.hf_dinov3 import dinov3_config, dinov3_refusals, dinov3_state, from_dinov3
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.vit import VisionTransformer
@@ -274,7 +274,7 @@ def export_hf(encoder, out_dir: str | Path, arch: str | None = None, projection:
     hf.save_pretrained(out_dir)
     state = (dinov3_state(encoder.state_dict(), config) if arch == "dinov3"
              else hf_state(encoder.state_dict(), config, arch, projection))
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(state, out_dir / "model.safetensors", metadata={"format": "pt"})
     if preprocess is None:  # nothing recorded: our eval transform's defaults at the encoder's size
         preprocess = Preprocess(img_size=hf.image_size)
     (out_dir / "preprocessor_config.json").write_text(json.dumps(processor_config(preprocess), indent=2) + "\n")

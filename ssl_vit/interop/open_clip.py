@@ -25,9 +25,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ssl_vit.artifacts import file_fingerprint
+from ssl_vit.files import save_safetensors
 from ssl_vit.preprocess import INTERPOLATIONS, Preprocess
 from ssl_vit.vit import VisionTransformer
 
@@ -158,7 +158,7 @@ def export_open_clip(model, out_dir: str | Path, preprocess=None) -> Path:
                           "interpolation": preprocess.interpolation, "resize_mode": preprocess.resize_mode}
     (out_dir / CONFIG_FILE).write_text(json.dumps({"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg},
                                                   indent=2) + "\n")
-    save_file(state, str(out_dir / WEIGHTS_FILE))
+    save_safetensors(state, out_dir / WEIGHTS_FILE)
     return out_dir
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import timm
 import torch
-from safetensors.torch import save_file
 from timm.layers import (
     GELU,
     GELUTanh,
@@ -29,6 +28,7 @@ from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch import nn
 
 from ssl_vit.artifacts import file_fingerprint
+from ssl_vit.files import save_safetensors
 from ssl_vit.preprocess import INTERPOLATIONS, Preprocess
 from ssl_vit.rope import ROPE_KINDS, ROPE_THETA
 from ssl_vit.stem import RESNET_CHANNELS
@@ -391,7 +391,7 @@ def export_timm(encoder, out_dir, preprocess=None):
     state = {k: v.detach().float().contiguous().clone() for k, v in encoder.state_dict().items()}
     if rope:
         state = _timm_rope_state(state, config.get("rope_kind", "dinov3"))
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(state, out_dir / "model.safetensors", metadata={"format": "pt"})
     return out_dir
 
 

@@ -18,6 +18,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
+from ssl_vit.files import make_readable
 from ssl_vit.run_dirs import CHECKPOINTS, RUN_OUTPUTS, previous_outputs, resolve_run
 from ssl_vit.schema import ConfigError
 from ssl_vit.train.faults import fault_point
@@ -238,6 +239,7 @@ def save_checkpoint(accelerator, out_dir: str | Path, step: int, keep: int, data
                           ) from err
     fault_point("checkpoint_written", step)
     if accelerator.is_main_process:
+        make_readable(tmp)  # accelerate's save_state writes model.safetensors for the owner alone
         stale = root / f".old_{final.name}"
         if final.exists():  # re-saving a step (e.g. after a stop): swap, so a complete copy always exists
             final.rename(stale)
