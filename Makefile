@@ -5,8 +5,8 @@
 #   make test-fast   the tests marked neither slow nor distributed (unit level, no process started)
 #   make coverage    the whole suite under coverage.py (subprocesses and forked ranks included): a report of the
 #                    lines of ssl_vit/ and objectives/ it runs, and coverage.json
-# `make setup` alone installs: the virtual environment (.venv, pip install -e '.[dev]', again when pyproject.toml
-# changes), transformers 4.x beside 5.x for one interop test, the Debian data sets (Fashion-MNIST, Tux Paint) and
+# `make setup` alone installs: the virtual environment (.venv, pip install -c constraints.txt -e '.[dev]', again
+# when pyproject.toml or constraints.txt changes), transformers 4.x beside 5.x for one interop test, the Debian data sets (Fashion-MNIST, Tux Paint) and
 # DeepSpeed's shared-memory op.
 PYTHON ?= python3.11
 VENV := .venv
@@ -14,12 +14,12 @@ ARGS ?=
 # pytest-xdist workers for make test and make test-fast (-n; tests/helpers/cores.py); WORKERS=0: in pytest's own process
 WORKERS ?= 2
 
-.PHONY: setup run test test-fast coverage
+.PHONY: setup run test test-fast coverage lock
 setup: $(VENV)/.installed $(VENV)/.data-installed $(VENV)/.ops-built
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -e '.[dev]'
+	$(VENV)/bin/pip install -c constraints.txt -e '.[dev]'
 	bash scripts/get_transformers4.sh
 	touch $@
 
@@ -49,3 +49,13 @@ coverage: setup
 	$(VENV)/bin/python -m coverage combine -q
 	$(VENV)/bin/python -m coverage report --skip-covered --sort=cover
 	$(VENV)/bin/python -m coverage json -q -o coverage.json
+
+# constraints.txt anew: pyproject.toml's floors resolved to today's releases in a fresh venv, frozen (commit it)
+lock:
+	rm -rf .lock-venv
+	$(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/pip install -q -e '.[dev]'
+	head -2 constraints.txt > .constraints.new
+	.lock-venv/bin/pip freeze --exclude-editable | grep -v '^ssl-vit' >> .constraints.new
+	mv .constraints.new constraints.txt
+	rm -rf .lock-venv

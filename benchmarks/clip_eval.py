@@ -31,7 +31,6 @@ import torch
 from accelerate.state import AcceleratorState
 from hydra import compose, initialize_config_dir
 
-from objectives import load_trained
 from ssl_vit.artifacts import read_preprocess
 from ssl_vit.cli import register_configs
 from ssl_vit.config import EvalConfig
@@ -39,6 +38,7 @@ from ssl_vit.data import SyntheticShapes, TuxPaintStamps
 from ssl_vit.data.shards import write_shards
 from ssl_vit.data.sources import ReadableSamples
 from ssl_vit.eval.run import run_evaluators
+from ssl_vit.objectives import load_trained
 from ssl_vit.train import build_components, pretrain
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

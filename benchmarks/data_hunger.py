@@ -28,10 +28,10 @@ import torch
 from accelerate.state import AcceleratorState
 from hydra import compose, initialize_config_dir
 
-from objectives.teacher import load_teacher
 from ssl_vit.cli import register_configs
 from ssl_vit.data import build_dataset, build_loader
 from ssl_vit.data.subset import limit_samples
+from ssl_vit.objectives.teacher import load_teacher
 from ssl_vit.optim import schedule
 from ssl_vit.preprocess import resolve_preprocess
 from ssl_vit.train import pretrain

@@ -32,13 +32,13 @@ import torch
 from accelerate.state import AcceleratorState
 from hydra import compose, initialize_config_dir
 
-from objectives import load_trained
-from objectives.distill import Distill
 from ssl_vit.artifacts import load_encoder, read_preprocess
 from ssl_vit.cli import register_configs
 from ssl_vit.config import EvalConfig
 from ssl_vit.data import SyntheticShapes
 from ssl_vit.eval.run import adaptor_features, run_evaluators
+from ssl_vit.objectives import load_trained
+from ssl_vit.objectives.distill import Distill
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.train import build_components, pretrain
 

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from objectives import DataInfo, build_objective
-from objectives.supervised import SupervisedConfig
 from ssl_vit.data import SyntheticShapes
 from ssl_vit.init import WEIGHT_INITS
+from ssl_vit.objectives import DataInfo, build_objective
+from ssl_vit.objectives.supervised import SupervisedConfig
 from ssl_vit.optim import apply_schedule, build_optimizer, schedule
 from ssl_vit.vit import build_vit
 

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from objectives import DataInfo, build_objective
-from objectives.mae import MAEConfig
-from objectives.masked_patch import MaskedPatchConfig
-from objectives.patches import per_sample_shuffle
+from ssl_vit.objectives import DataInfo, build_objective
+from ssl_vit.objectives.mae import MAEConfig
+from ssl_vit.objectives.masked_patch import MaskedPatchConfig
+from ssl_vit.objectives.patches import per_sample_shuffle
 from ssl_vit.vit import build_vit
 
 

@@ -10,17 +10,25 @@ from __future__ import annotations
 
 import importlib
 
-from objectives.base import Artifacts, DataInfo, Objective, ObjectiveConfig, Requirements, load_run, typed_config
-from objectives.clip import CLIP, SigLIP
-from objectives.deit import DeiT
-from objectives.dino import DINO, DINOv2
-from objectives.dinov3 import DINOv3
-from objectives.distill import Distill
-from objectives.ijepa import IJEPA
-from objectives.mae import MAE
-from objectives.masked_patch import MaskedPatch
-from objectives.mocov3 import MoCoV3
-from objectives.supervised import Supervised
+from ssl_vit.objectives.base import (
+    Artifacts,
+    DataInfo,
+    Objective,
+    ObjectiveConfig,
+    Requirements,
+    load_run,
+    typed_config,
+)
+from ssl_vit.objectives.clip import CLIP, SigLIP
+from ssl_vit.objectives.deit import DeiT
+from ssl_vit.objectives.dino import DINO, DINOv2
+from ssl_vit.objectives.dinov3 import DINOv3
+from ssl_vit.objectives.distill import Distill
+from ssl_vit.objectives.ijepa import IJEPA
+from ssl_vit.objectives.mae import MAE
+from ssl_vit.objectives.masked_patch import MaskedPatch
+from ssl_vit.objectives.mocov3 import MoCoV3
+from ssl_vit.objectives.supervised import Supervised
 from ssl_vit.schema import ConfigError
 
 OBJECTIVES: dict[str, type[Objective]] = {

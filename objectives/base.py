@@ -11,7 +11,7 @@ The engine meets it at these points, and only these:
     every step         begin_step(step, total); micro_steps(batches, engine); after_optimizer_step(step, total)
     saving             artifacts(full_state) -> encoder / heads / metadata; fp32_shards() (16-bit runs)
     evaluation         encoder (what is evaluated and exported); evaluation_copy(full_state)
-    reloading          rebuild_config(cfg), state_from_artifacts(encoder, heads) (objectives.load_trained)
+    reloading          rebuild_config(cfg), state_from_artifacts(encoder, heads) (ssl_vit.objectives.load_trained)
     strategies         fp32_buffers (kept fp32 under 16-bit training), _no_split_modules (FSDP2's units)
 
 `forward(batch) -> {"loss": scalar, **scalar metrics}` is the one method an objective must write. The smallest
@@ -101,7 +101,7 @@ class Requirements:
 @dataclass
 class Artifacts:
     """What a run saves of an objective: the encoder's state dict (encoder.safetensors), the heads' (heads.safetensors,
-    by their names in the objective) and metadata that rebuilds the objective (`objectives.load_trained`): its name,
+    by their names in the objective) and metadata that rebuilds the objective (`load_trained`): its name,
     its config and its `DataInfo`, as JSON."""
 
     encoder: dict[str, torch.Tensor]

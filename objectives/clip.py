@@ -38,9 +38,10 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from torch import nn
 
-from objectives.base import DataInfo, FixedBackbone, Objective, ObjectiveConfig, Requirements
 from ssl_vit.artifacts import ENCODER_FILE, read_metadata, read_preprocess
+from ssl_vit.extras import require
 from ssl_vit.init import rng_devices, writable
+from ssl_vit.objectives.base import DataInfo, FixedBackbone, Objective, ObjectiveConfig, Requirements
 from ssl_vit.schema import checked
 from ssl_vit.vit import Block, ParallelBlock, VisionTransformer
 
@@ -146,6 +147,7 @@ def build_text_tower(cfg) -> nn.Module:
                 torch.manual_seed(seed)
                 text.init_parameters()
         return text
+    require("transformers", "objective.text_tower=hf")
     from open_clip.hf_model import HFTextEncoder  # heavy: image-text models only
     from transformers import AutoConfig  # (the same)
 

@@ -7,7 +7,7 @@ its argmax (hard distillation, DeiT's default and best) or its softened distribu
 scaled by tau^2). loss = (1 - alpha) * CE(class head, labels) + alpha * distillation. At inference the two heads'
 logits are averaged (`predict`); the encoder's pooled embedding is the mean of the two tokens (timm's pre-logits).
 
-The teacher (`objectives.teacher`): a timm model from a local weights file or a supervised run of this framework;
+The teacher (`teacher.py`): a timm model from a local weights file or a supervised run of this framework;
 it sees the student's images, runs in eval mode without gradients and is held outside the module tree, so it is in
 no optimizer, checkpoint or exported encoder. Logs `loss`, `acc` (averaged heads), `acc_cls`, `acc_dist`,
 `base_loss`, `distill_loss` and `teacher_agreement` (distillation head's argmax = the teacher's).
@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from omegaconf import MISSING
 
-from objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
-from objectives.supervised import HeadInit, accuracy, build_head, classification_loss, head_scheme
-from objectives.teacher import TEACHER_FORMS, load_teacher
 from ssl_vit.init import whole_modules
+from ssl_vit.objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
+from ssl_vit.objectives.supervised import HeadInit, accuracy, build_head, classification_loss, head_scheme
+from ssl_vit.objectives.teacher import TEACHER_FORMS, load_teacher
 from ssl_vit.schema import checked
 
 

@@ -23,8 +23,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
-from objectives.distillation import (
+from ssl_vit.data.multicrop import local_crop_size
+from ssl_vit.data.token_masks import ibot_masks
+from ssl_vit.ema import EMA, teacher_backbone
+from ssl_vit.objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
+from ssl_vit.objectives.distillation import (
     DINOHead,
     all_reduce,
     centred_probs,
@@ -36,10 +39,7 @@ from objectives.distillation import (
     teacher_temperature_schedule,
     updated_centre,
 )
-from objectives.patches import refuse_hybrid
-from ssl_vit.data.multicrop import local_crop_size
-from ssl_vit.data.token_masks import ibot_masks
-from ssl_vit.ema import EMA, teacher_backbone
+from ssl_vit.objectives.patches import refuse_hybrid
 from ssl_vit.optim import schedule
 from ssl_vit.schema import checked
 from ssl_vit.vit import VisionTransformer

@@ -1,7 +1,7 @@
 """Multi-teacher feature distillation, as AM-RADIO (Ranzinger et al. 2024) and C-RADIO train their students: one
 student ViT learns from N frozen teachers at once, each through its own adaptor heads.
 
-Each teacher (objectives.feature_teacher: any encoder the project imports) sees the student's crop at its own size
+Each teacher (feature_teacher.py: any encoder the project imports) sees the student's crop at its own size
 and normalisation (the `teacher_images` view: the data layer cuts every view from the same box). Per teacher the
 student has two adaptors, 2-layer MLPs (Linear, GELU, Linear) as RADIO's: one on its summary (the pooled embedding)
 predicting the teacher's summary (a CLIP teacher's image embedding, another's pooled embedding), one on every patch
@@ -39,10 +39,11 @@ import torch.nn.functional as F
 from omegaconf import MISSING, OmegaConf
 from torch import nn
 
-from objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
-from objectives.clip import check_choice
-from objectives.distillation import all_reduce
-from objectives.feature_teacher import (
+from ssl_vit.init import whole_modules
+from ssl_vit.objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
+from ssl_vit.objectives.clip import check_choice
+from ssl_vit.objectives.distillation import all_reduce
+from ssl_vit.objectives.feature_teacher import (
     TEACHER_FORMS,
     FeatureTeacher,
     cast_keeping_fp32,
@@ -51,8 +52,7 @@ from objectives.feature_teacher import (
     load_text_side,
     shard_for_inference,
 )
-from objectives.patches import resize_patch_features
-from ssl_vit.init import whole_modules
+from ssl_vit.objectives.patches import resize_patch_features
 from ssl_vit.schema import checked
 
 log = logging.getLogger("ssl_vit")

@@ -24,11 +24,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from objectives.base import Objective, load_run
-from objectives.clip import CLIP, SigLIP
 from ssl_vit.artifacts import load_heads, read_preprocess, run_files
 from ssl_vit.interop.open_clip import from_open_clip_visual, load_open_clip_model, open_clip_preprocess
 from ssl_vit.interop.sources import SOURCES, load_pretrained
+from ssl_vit.objectives.base import Objective, load_run
+from ssl_vit.objectives.clip import CLIP, SigLIP
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.vit import VisionTransformer
 

@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
-from objectives.patches import refuse_hybrid
 from ssl_vit.ema import EMA, teacher_backbone
 from ssl_vit.init import Linear, writable
+from ssl_vit.objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
+from ssl_vit.objectives.patches import refuse_hybrid
 from ssl_vit.schema import checked
 from ssl_vit.vit import Block, VisionTransformer, sincos_pos_embed_2d
 

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
-from objectives.patches import patchify, per_sample_shuffle, refuse_hybrid
 from ssl_vit.init import Linear
+from ssl_vit.objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
+from ssl_vit.objectives.patches import patchify, per_sample_shuffle, refuse_hybrid
 from ssl_vit.schema import checked
 
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from timm.loss import SoftTargetCrossEntropy
 from torch import nn
 
-from objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
 from ssl_vit.init import WEIGHT_INITS, Linear
+from ssl_vit.objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
 from ssl_vit.schema import checked
 
 

@@ -15,8 +15,8 @@ import torch
 from timm.models import load_checkpoint
 from torch import nn
 
-from objectives.supervised import build_head
 from ssl_vit.artifacts import load_encoder, load_heads, read_preprocess, run_files
+from ssl_vit.objectives.supervised import build_head
 
 TEACHER_FORMS = ["timm:<timm model name>:<weights file (.pth / .safetensors)>",
                  "<run directory (or its encoder.safetensors) of objective=supervised or deit>"]

@@ -5,7 +5,7 @@
 
 DeepSpeed ZeRO-1/2/3 checkpoints are read by DeepSpeed's zero_to_fp32, FSDP2's by torch.distributed.checkpoint's
 format utilities, DDP / single-process ones as they are. Writes encoder.safetensors and heads.safetensors (as a
-run does: evaluate.py, export.py, objectives.load_trained take the directory) and training_state.pt (the full model
+run does: evaluate.py, export.py, objectives' load_trained take the directory) and training_state.pt (the full model
 state dict, the whole optimizer state where the format has one (FSDP2, DDP), step and counters); see
 ssl_vit/train/consolidate.py. Exit status 2 with one line for a directory that is not a checkpoint.
 """
@@ -14,8 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from objectives import rebuild_untrained
 from ssl_vit.artifacts import read_preprocess
+from ssl_vit.objectives import rebuild_untrained
 from ssl_vit.run_dirs import ENCODER_FILE
 from ssl_vit.train.consolidate import find_checkpoint, full_state, write_consolidated
 

@@ -16,11 +16,12 @@ import hydra
 
 from ssl_vit.cli import register_configs, run_hydra, run_reporting_errors
 from ssl_vit.eval.run import evaluate, print_table, write_report
+from ssl_vit.paths import CONFIG_DIR
 
 register_configs()
 
 
-@hydra.main(config_path="../configs", config_name="evaluate", version_base="1.3")
+@hydra.main(config_path=str(CONFIG_DIR), config_name="evaluate", version_base="1.3")
 def main(cfg) -> None:
     report = run_reporting_errors(evaluate, cfg)
     print_table(report)

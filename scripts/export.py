@@ -26,7 +26,6 @@ import shutil
 import sys
 from pathlib import Path
 
-from objectives import load_trained, objective_class
 from ssl_vit.artifacts import load_heads, read_preprocess, run_files, save_encoder
 from ssl_vit.interop.hf import HF_ARCHS, default_arch, export_hf
 from ssl_vit.interop.onnx import export_onnx
@@ -34,6 +33,7 @@ from ssl_vit.interop.open_clip import export_open_clip
 from ssl_vit.interop.sources import LIBRARIES, load_pretrained
 from ssl_vit.interop.timm import export_timm
 from ssl_vit.model_card import write_model_card
+from ssl_vit.objectives import load_trained, objective_class
 from ssl_vit.run_dirs import resolve_run
 
 TARGETS = ("hf", "timm", "onnx", "open_clip", "safetensors")
@@ -86,7 +86,7 @@ def export(source: str, to: str, out: str, hf_arch: str | None = None) -> str:
         path = save_encoder(encoder, Path(out) / "encoder.safetensors", preprocess, source=source)
         load = f"ssl_vit.artifacts.load_encoder('{path}')  # or checkpoint={path.parent} in ssl-vit's scripts"
         if _copy_adaptors(source, Path(out)):
-            load += f"; its adaptors: objectives.load_trained('{path.parent}')"
+            load += f"; its adaptors: ssl_vit.objectives.load_trained('{path.parent}')"
     card = write_model_card(out, source, to, load, encoder, preprocess)
     return f"wrote {path} and its model card {card.name}: {load}"
 
@@ -94,7 +94,7 @@ def export(source: str, to: str, out: str, hf_arch: str | None = None) -> str:
 def _copy_adaptors(source: str, out: Path) -> bool:
     """A distilled student's adaptor heads (heads.safetensors of an objective with adaptors: objective=distill) go
     with its encoder, so that the export evaluates through them (eval.features=<teacher>, zero-shot through an
-    image-text teacher's adaptor) and `objectives.load_trained` rebuilds the student from it."""
+    image-text teacher's adaptor) and `ssl_vit.objectives.load_trained` rebuilds the student from it."""
     _, heads = run_files(source)
     if source.split(":", 1)[0] in LIBRARIES or not heads.is_file():
         return False

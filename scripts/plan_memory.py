@@ -10,6 +10,7 @@ import hydra
 
 from ssl_vit.cli import register_configs, run_hydra, run_reporting_errors
 from ssl_vit.config import model_kwargs
+from ssl_vit.paths import CONFIG_DIR
 from ssl_vit.schema import validate_config
 from ssl_vit.train.memory import (
     GIB,
@@ -58,7 +59,7 @@ def report(cfg) -> None:
               f"{p.cpu_per_node / GIB:>14.1f}")
 
 
-@hydra.main(config_path="../configs", config_name="plan_memory", version_base="1.3")
+@hydra.main(config_path=str(CONFIG_DIR), config_name="plan_memory", version_base="1.3")
 def main(cfg) -> None:
     run_reporting_errors(report, cfg)
 

@@ -14,12 +14,13 @@ requeue on. A second Ctrl-C (the same signal again) stops at once.
 import hydra
 
 from ssl_vit.cli import exit_without_teardown, register_configs, run_hydra, run_reporting_errors, stopped_status
+from ssl_vit.paths import CONFIG_DIR
 from ssl_vit.train import pretrain
 
 register_configs()
 
 
-@hydra.main(config_path="../configs", config_name="pretrain", version_base="1.3")
+@hydra.main(config_path=str(CONFIG_DIR), config_name="pretrain", version_base="1.3")
 def main(cfg) -> None:
     status = stopped_status(run_reporting_errors(pretrain, cfg))
     if status:  # Ctrl-C / a preemption signal: saved, then 130 / 75

@@ -15,8 +15,8 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from objectives.mae import MAE
 from ssl_vit.analysis.mae_reconstruction import save_reconstruction_png
+from ssl_vit.objectives.mae import MAE
 from ssl_vit.run_dirs import resolve_run
 from ssl_vit.train import build_components
 from ssl_vit.train.checkpoint import list_checkpoints

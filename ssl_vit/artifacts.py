@@ -3,7 +3,7 @@
 - `encoder.safetensors`: the encoder alone, with its constructor arguments (`model`), its preprocessing and the
   step in the metadata, so that it rebuilds without the run (`load_encoder`);
 - `heads.safetensors`: the objective's heads by their names in the objective, with the objective's name and config
-  in the metadata (`objectives.load_trained` rebuilds the whole objective from the two files).
+  in the metadata (`ssl_vit.objectives.load_trained` rebuilds the whole objective from the two files).
 
 Both are written atomically (temp file + rename): a reader never sees a half-written file.
 """

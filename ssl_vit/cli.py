@@ -28,7 +28,6 @@ from hydra.errors import ConfigCompositionException, OverrideParseException
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from objectives import OBJECTIVES
 from ssl_vit.config import (
     EvalConfig,
     ModelConfig,
@@ -41,6 +40,8 @@ from ssl_vit.config import (
 )
 from ssl_vit.data import DATASETS
 from ssl_vit.data.errors import DataError
+from ssl_vit.objectives import OBJECTIVES
+from ssl_vit.paths import CONFIG_DIR
 from ssl_vit.run_dirs import default_run_dir, evaluation_dir
 from ssl_vit.schema import ConfigError, closest_names
 from ssl_vit.train.build import requirements
@@ -52,7 +53,6 @@ from ssl_vit.vit import PRESETS, VisionTransformer
 
 EXIT_STOPPED, EXIT_CONFIG = EXIT_FAILED, 2
 EXIT_STATUS_FILE_ENV = "SSL_VIT_EXIT_STATUS_FILE"  # set by ssl_vit.launch: where the main process records its status
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
 def user_message(err: BaseException) -> str:
@@ -144,7 +144,8 @@ def print_help(config_name: str, doc: str | None) -> None:
         options = {path.stem for path in (CONFIG_DIR / group).glob("*.yaml")}
         options |= {name.removesuffix(".yaml") for name in stored.get(group, {})}
         print(f"  {group}: {', '.join(sorted(options))}")
-    print(f"\nAny key: key=value (the keys and their values: python {sys.argv[0]} --cfg job; one group's: "
+    program = sys.argv[0] if sys.argv[0].startswith("ssl-vit") else f"python {sys.argv[0]}"
+    print(f"\nAny key: key=value (the keys and their values: {program} --cfg job; one group's: "
           "--cfg job --package <group>). Hydra's own flags: --hydra-help.")
 
 

@@ -197,8 +197,11 @@ def whole_modules():
 def without_transformers_zero3():
     """transformers builds models under deepspeed.zero.Init while a ZeRO-3 config is registered with it (accelerate
     registers one): off inside, for models built whole on one rank."""
-    from transformers.integrations import deepspeed as hf_deepspeed  # heavy: only where a model is built whole
-
+    try:  # heavy: only where a model is built whole; without transformers nothing registered a config with it
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ModuleNotFoundError:
+        yield
+        return
     saved = hf_deepspeed._hf_deepspeed_config_weak_ref
     hf_deepspeed._hf_deepspeed_config_weak_ref = None
     try:

@@ -10,6 +10,10 @@ when it finished. A launch that failed without a recorded status (a crash, a kil
 the first process that failed and status 1, or that process's own status with a single process.
 
     python -m ssl_vit.launch --config_file configs/accelerate/ddp_gpu8.yaml scripts/pretrain.py objective=dinov2
+    ssl-vit launch --config_file ddp_gpu8 pretrain objective=dinov2      # the same, installed, from any directory
+
+Installed, `--config_file` may name a shipped accelerate config (configs/accelerate/<name>.yaml, e.g. zero3_gpu8:
+its DeepSpeed JSON is found beside it), and the script may be an `ssl-vit` command (run as `-m ssl_vit <command>`).
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from accelerate.commands.launch import launch_command, launch_command_parser
+import yaml
 
 from ssl_vit.cli import EXIT_STATUS_FILE_ENV
+from ssl_vit.commands import COMMANDS
+from ssl_vit.paths import CONFIG_DIR
 from ssl_vit.train.stop_requests import EXIT_FAILED
 
 MEANINGS = {0: "finished", 2: "a bad configuration", 75: "stopped for preemption with a checkpoint: requeue it",
@@ -46,9 +52,40 @@ def describe(failure: BaseException) -> tuple[str, int]:
         EXIT_FAILED
 
 
+def shipped_config(name: str | None, scratch: Path) -> str | None:
+    """`--config_file` as given when it is a file; else the shipped accelerate config of that name (a copy in
+    `scratch` whose DeepSpeed JSON points at the shipped one); FileNotFoundError naming the shipped ones."""
+    if name is None or Path(name).is_file():
+        return name
+    shipped = CONFIG_DIR / "accelerate" / f"{Path(name).stem}.yaml"
+    if not shipped.is_file():
+        names = sorted(path.stem for path in (CONFIG_DIR / "accelerate").glob("*.yaml"))
+        raise FileNotFoundError(f"--config_file {name}: no such file, and no shipped accelerate config of that name "
+                                f"(shipped: {', '.join(names)})")
+    config = yaml.safe_load(shipped.read_text())
+    deepspeed = config.get("deepspeed_config", {})
+    json_file = deepspeed.get("deepspeed_config_file")
+    if json_file and not Path(json_file).is_file():  # configs/deepspeed/<name>.json, relative to a checkout
+        deepspeed["deepspeed_config_file"] = str(CONFIG_DIR / "deepspeed" / Path(json_file).name)
+    copy = scratch / shipped.name
+    copy.write_text(yaml.safe_dump(config))
+    return str(copy)
+
+
 def main(argv: list[str] | None = None) -> int:
+    # imported here, after ssl_vit.train set DS_ACCELERATOR (DeepSpeed's CPU warning), and only for a launch
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
     args = launch_command_parser().parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ssl-vit-launch-") as scratch:
+        try:
+            args.config_file = shipped_config(args.config_file, Path(scratch))
+        except FileNotFoundError as err:
+            print(f"ssl-vit launch: error: {err}", file=sys.stderr, flush=True)
+            return 2
+        if not args.module and args.training_script in COMMANDS and not Path(args.training_script).exists():
+            args.module, args.training_script_args = True, [args.training_script, *args.training_script_args]
+            args.training_script = "ssl_vit"  # python -m ssl_vit <command> in every process
         status_file = Path(scratch) / "exit_status"
         os.environ[EXIT_STATUS_FILE_ENV] = str(status_file)  # the processes inherit the launcher's environment
         failure = None

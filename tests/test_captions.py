@@ -10,10 +10,10 @@ from conftest import ROOT
 from helpers.inprocess import run_script
 from PIL import Image
 
-from objectives.clip import TextTokenizer
 from ssl_vit.data import CaptionFolder, ShardStream, SyntheticShapes, TuxPaintStamps, build_loader
 from ssl_vit.data.captions import TUXPAINT_DIR
 from ssl_vit.data.shards import write_shards
+from ssl_vit.objectives.clip import TextTokenizer
 from ssl_vit.preprocess import Preprocess
 
 TOKENIZER = TextTokenizer(context_length=16)

@@ -14,9 +14,9 @@ from helpers.builders import pretrain_config
 from helpers.pool import EVAL, OBJECTIVES, STEPS, strategy_run
 from safetensors.torch import load_file, save_file
 
-from objectives import load_trained, rebuild_untrained
 from ssl_vit.artifacts import load_encoder, read_metadata, save_encoder
 from ssl_vit.files import plain_mode
+from ssl_vit.objectives import load_trained, rebuild_untrained
 from ssl_vit.schema import ConfigError
 from ssl_vit.train.build import build_components
 from ssl_vit.train.checkpoint import (

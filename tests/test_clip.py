@@ -14,11 +14,11 @@ from helpers.ranks import on_ranks
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from objectives import Objective, load_trained
-from objectives.clip import CLIP, share_gradient
 from ssl_vit.cli import register_configs
 from ssl_vit.eval.zeroshot import retrieval_recall, zeroshot_accuracy, zeroshot_classifier
 from ssl_vit.interop.sources import load_pretrained
+from ssl_vit.objectives import Objective, load_trained
+from ssl_vit.objectives.clip import CLIP, share_gradient
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.schema import ConfigError
 from ssl_vit.vit import build_vit

@@ -8,9 +8,9 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from objectives import OBJECTIVES
 from ssl_vit.cli import register_configs
 from ssl_vit.config import MODEL_OVERRIDE_FIELDS, launch_time
+from ssl_vit.objectives import OBJECTIVES
 from ssl_vit.schema import ConfigError, validate_config
 from ssl_vit.vit import PRESETS, VisionTransformer
 

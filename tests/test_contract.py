@@ -13,8 +13,8 @@ from helpers.ranks import pretrain_ranks
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from objectives import load_trained, objective_class
 from ssl_vit.cli import register_configs
+from ssl_vit.objectives import load_trained, objective_class
 from ssl_vit.schema import ConfigError
 from ssl_vit.train.build import build_components
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import nn
 
-from objectives.base import Objective, ObjectiveConfig, Requirements
+from ssl_vit.objectives.base import Objective, ObjectiveConfig, Requirements
 from ssl_vit.schema import checked
 
 

@@ -11,9 +11,9 @@ from helpers.builders import objective_and_batch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 
-from objectives.teacher import load_teacher
 from ssl_vit.artifacts import load_encoder
 from ssl_vit.cli import register_configs
+from ssl_vit.objectives.teacher import load_teacher
 from ssl_vit.schema import ConfigError
 from ssl_vit.vit import VisionTransformer
 

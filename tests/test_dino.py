@@ -23,14 +23,14 @@ from PIL import Image
 from safetensors.torch import load_file
 from torch import nn
 
-from objectives import DataInfo, build_objective
-from objectives.dino import DINOConfig, DINOv2Config
 from ssl_vit import ema as ema_module
 from ssl_vit.artifacts import load_encoder, load_heads, read_preprocess, save_heads
 from ssl_vit.cli import register_configs
 from ssl_vit.data import SyntheticShapes, ViewBuilder, build_dataset, make_loader
 from ssl_vit.ema import EMA
 from ssl_vit.eval.knn import knn_eval
+from ssl_vit.objectives import DataInfo, build_objective
+from ssl_vit.objectives.dino import DINOConfig, DINOv2Config
 from ssl_vit.optim import apply_schedule, build_optimizer
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.schema import ConfigError, validate_config

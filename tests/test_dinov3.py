@@ -16,14 +16,14 @@ from conftest import ROOT, pretrain_in_process
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from objectives import DataInfo, build_objective, load_trained
-from objectives.dinov3 import DINOv3Config, gram_plan
-from objectives.distillation import cross_view_loss, gram_loss, sinkhorn_knopp
-from objectives.patches import resize_patch_features
 from ssl_vit.cli import register_configs
 from ssl_vit.data import make_loader
 from ssl_vit.data.multicrop import PARAMETERS, MultiCropViews
 from ssl_vit.data.photometric import finish_crops
+from ssl_vit.objectives import DataInfo, build_objective, load_trained
+from ssl_vit.objectives.dinov3 import DINOv3Config, gram_plan
+from ssl_vit.objectives.distillation import cross_view_loss, gram_loss, sinkhorn_knopp
+from ssl_vit.objectives.patches import resize_patch_features
 from ssl_vit.train import build_components
 from ssl_vit.vit import build_vit
 

@@ -18,16 +18,16 @@ from omegaconf import OmegaConf
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from objectives import DataInfo, load_trained
-from objectives.clip import CLIP
-from objectives.distill import Distill, DistillConfig, RunningStandardizer, TeacherConfig
-from objectives.feature_teacher import load_feature_teacher
-from objectives.patches import resize_patch_features
 from ssl_vit.artifacts import load_encoder, save_encoder, save_encoder_state, save_heads
 from ssl_vit.cli import explain_hydra_error, register_configs
 from ssl_vit.config import EvalConfig
 from ssl_vit.data.views import PairedCrops, ViewBuilder
 from ssl_vit.eval.run import evaluate, zeroshot_eval
+from ssl_vit.objectives import DataInfo, load_trained
+from ssl_vit.objectives.clip import CLIP
+from ssl_vit.objectives.distill import Distill, DistillConfig, RunningStandardizer, TeacherConfig
+from ssl_vit.objectives.feature_teacher import load_feature_teacher
+from ssl_vit.objectives.patches import resize_patch_features
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.schema import ConfigError, validate_config
 from ssl_vit.train.build import build_components

@@ -9,7 +9,8 @@ import pytest
 import torch
 from helpers.ranks import on_ranks
 
-from objectives.distillation import (
+from ssl_vit.data.token_masks import GlobalCropMasks, block_mask, ibot_masks
+from ssl_vit.objectives.distillation import (
     DINOHead,
     WeightNormLinear,
     dino_loss,
@@ -21,7 +22,6 @@ from objectives.distillation import (
     teacher_temperature_schedule,
     updated_centre,
 )
-from ssl_vit.data.token_masks import GlobalCropMasks, block_mask, ibot_masks
 
 
 def reference_loss(student_crops, teacher_globals, centre, ts, tt):

@@ -82,8 +82,8 @@ def _is_classifier_start(layer, scheme, fan_in):
 def test_the_supervised_head_starts_as_its_scheme_starts_a_classifier(head_init):
     """auto follows model.weight_init; the tanh hidden layer of head=mlp starts as the scheme's dense layers. DeiT's
     two heads take the same option (tests/test_deit.py)."""
-    from objectives import DataInfo, build_objective
-    from objectives.supervised import SupervisedConfig
+    from ssl_vit.objectives import DataInfo, build_objective
+    from ssl_vit.objectives.supervised import SupervisedConfig
 
     for backbone_init in ("timm", "jax", "torch"):
         scheme = backbone_init if head_init == "auto" else head_init

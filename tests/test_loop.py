@@ -9,7 +9,7 @@ from conftest import assert_weights_close, read_metrics
 from helpers.builders import pretrain_config
 from safetensors.torch import load_file
 
-from objectives.supervised import Supervised
+from ssl_vit.objectives.supervised import Supervised
 from ssl_vit.train import TrainingDiverged, pretrain
 from ssl_vit.train.guard import UpdateGuard
 

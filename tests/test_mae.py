@@ -4,9 +4,9 @@ import torch
 from helpers.builders import mae_objective
 from transformers.models.vit_mae.modeling_vit_mae import build_2d_sinusoidal_position_embedding
 
-from objectives.mae import mae_loss
-from objectives.patches import patchify, per_sample_shuffle, unpatchify
 from ssl_vit.data import SyntheticShapes, ViewBuilder, build_loader
+from ssl_vit.objectives.mae import mae_loss
+from ssl_vit.objectives.patches import patchify, per_sample_shuffle, unpatchify
 from ssl_vit.vit import VisionTransformer, sincos_pos_embed_2d
 
 

@@ -8,9 +8,9 @@ from helpers.inprocess import run_script
 from hydra import compose, initialize_config_dir
 from PIL import Image
 
-from objectives.patches import patchify
 from ssl_vit.analysis.mae_reconstruction import MASK_GREY, reconstruction_rows
 from ssl_vit.cli import register_configs
+from ssl_vit.objectives.patches import patchify
 from ssl_vit.train import pretrain
 
 

@@ -4,8 +4,8 @@ import torch.nn.functional as F
 from helpers.builders import pretrain_config
 from omegaconf import OmegaConf
 
-from objectives import OBJECTIVES, DataInfo, Objective, build_objective
-from objectives.supervised import Supervised, SupervisedConfig
+from ssl_vit.objectives import OBJECTIVES, DataInfo, Objective, build_objective
+from ssl_vit.objectives.supervised import Supervised, SupervisedConfig
 from ssl_vit.train.build import build_components
 from ssl_vit.vit import build_vit
 

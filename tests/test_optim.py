@@ -5,9 +5,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from objectives.base import DataInfo
-from objectives.supervised import Supervised, SupervisedConfig
 from ssl_vit.config import OptimConfig
+from ssl_vit.objectives.base import DataInfo
+from ssl_vit.objectives.supervised import Supervised, SupervisedConfig
 from ssl_vit.optim import apply_schedule, param_groups, schedule, weight_decay_schedule
 from ssl_vit.vit import build_vit
 

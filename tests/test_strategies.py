@@ -364,8 +364,8 @@ def test_zero_init_builds_parameters_in_the_precision_whatever_the_accelerator_s
 
 
 def test_training_refuses_parameters_of_another_dtype_than_the_precision_means():
-    from objectives import DataInfo, build_objective
-    from objectives.dino import DINOConfig
+    from ssl_vit.objectives import DataInfo, build_objective
+    from ssl_vit.objectives.dino import DINOConfig
     from ssl_vit.train.strategy import check_dtypes
 
     objective = build_objective(DINOConfig(out_dim=16, hidden_dim=16, bottleneck_dim=8, local_crops=0),

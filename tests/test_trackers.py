@@ -52,7 +52,8 @@ def test_an_unknown_or_missing_tracker_is_one_line_with_the_choices_or_the_pip_c
     with pytest.raises(ConfigError, match=r"unknown tracker 'tensorbord'; valid: aim, comet_ml, mlflow, tensorboard"):
         check_trackers(["tensorbord"])
     monkeypatch.setattr("ssl_vit.train.trackers.get_available_trackers", lambda: ["tensorboard"])
-    with pytest.raises(ConfigError, match=r"^trainer.trackers: mlflow is not installed; pip install mlflow$"):
+    missing = r"^trainer.trackers: mlflow is not installed; pip install 'ssl-vit\[trackers\]'$"
+    with pytest.raises(ConfigError, match=missing):
         check_trackers(["tensorboard", "mlflow"])
 
 

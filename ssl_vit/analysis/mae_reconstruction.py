@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from objectives.mae import MAE
-from objectives.patches import patchify, unpatchify
+from ssl_vit.objectives.mae import MAE
+from ssl_vit.objectives.patches import patchify, unpatchify
 
 MASK_GREY = 0.5
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from objectives import load_trained
 from ssl_vit.data import eval_datasets
 from ssl_vit.eval.attentive import attentive_eval
 from ssl_vit.eval.features import FEATURE_KINDS, cache_key, cached, extract_features
@@ -33,6 +32,7 @@ from ssl_vit.eval.zeroshot import (
     zeroshot_classifier,
 )
 from ssl_vit.interop.sources import load_pretrained
+from ssl_vit.objectives import load_trained
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
 from ssl_vit.run_dirs import resolve_run
 from ssl_vit.schema import ConfigError, validate_config

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ssl_vit.artifacts import file_fingerprint
+from ssl_vit.extras import require
 from ssl_vit.files import save_safetensors
 from ssl_vit.interop.hf_dinov3 import dinov3_config, dinov3_refusals, dinov3_state, from_dinov3
 from ssl_vit.preprocess import Preprocess
@@ -130,7 +131,7 @@ def default_arch(config: dict) -> str:
 
 def hf_config(config: dict, arch: str, projection_dim: int | None = None):
     """The transformers config of our encoder as `arch` (ValueError naming everything `arch` cannot hold)."""
-    import transformers  # heavy: transformers models only
+    transformers = require("transformers", "a transformers export (--to hf)")
 
     if arch not in HF_ARCHS:
         raise ValueError(f"unknown transformers target {arch!r}; valid choices: {list(HF_ARCHS)}")
@@ -297,7 +298,7 @@ def _arch_of(hf_cfg) -> str:
 def load_hf_vision(path: str | Path):
     """(the vision transformer module, its config, our arch name) of a transformers directory; CLIP / SigLIP
     image-text directories give their vision tower."""
-    import transformers  # heavy: transformers models only
+    transformers = require("transformers", "a transformers model (hf:)")
 
     path = Path(path)
     if not (path / "config.json").is_file():

@@ -12,8 +12,11 @@ with periods from `rope_theta` and coordinates over each side; the training-time
 from __future__ import annotations
 
 import torch
+from packaging.version import Version
 
 from ssl_vit.vit import VisionTransformer
+
+MIN_TRANSFORMERS = "5.4"
 
 # ours -> transformers, per block (Linear weights and biases alike)
 _BLOCK = (("norm1", "norm1"), ("norm2", "norm2"), ("attn.proj", "attention.o_proj"), ("mlp.fc1", "mlp.up_proj"),
@@ -47,8 +50,18 @@ def dinov3_refusals(config: dict) -> list[str]:
     return problems
 
 
+def check_layout() -> None:
+    """transformers 5.4 moved DINOv3's blocks under `model.layer` (4.56-5.3: `layer`); only that layout is mapped."""
+    import transformers  # heavy: transformers models only
+
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise ValueError(f"DINOv3 transformers models need transformers>={MIN_TRANSFORMERS} (installed: "
+                         f"{transformers.__version__}); pip install -U 'transformers>={MIN_TRANSFORMERS}'")
+
+
 def dinov3_config(config: dict, hidden_act: str):
     """The DINOv3ViTConfig of an encoder config (`dinov3_refusals` empty); `hidden_act` transformers' name."""
+    check_layout()
     from transformers import DINOv3ViTConfig  # heavy: transformers models only
 
     width = config["embed_dim"]
@@ -91,6 +104,7 @@ def dinov3_state(state: dict, config: dict) -> dict:
 
 
 def from_dinov3(module, hf_cfg, act_layer: str) -> VisionTransformer:
+    check_layout()
     """Our encoder from a DINOv3ViTModel, weights included (its mask token dropped); `act_layer` ours."""
     if getattr(hf_cfg, "use_gated_mlp", False):
         raise ValueError("use_gated_mlp=True (DINOv3's SwiGLU MLP, ViT-7B / H+) is not supported")

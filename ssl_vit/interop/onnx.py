@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ssl_vit.extras import require
+
 MODEL_FILE = "model.onnx"
 
 
@@ -32,7 +34,8 @@ def export_onnx(encoder, out_dir: str | Path, preprocess=None, opset: int = 18,
                 check_batch: int = 3) -> tuple[Path, float]:
     """Write DIR/model.onnx (+ preprocess.json); returns (path, max |onnxruntime - torch|) on a random batch of
     `check_batch` images (a batch size other than the traced one: the batch dimension is dynamic)."""
-    import onnxruntime  # only when exporting to ONNX
+    require("onnx", "an ONNX export (--to onnx)")  # torch.onnx.export's serialiser
+    onnxruntime = require("onnxruntime", "an ONNX export (--to onnx)")
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -137,7 +137,8 @@ def text_config(model, out_dir: Path) -> dict:
 
 
 def export_open_clip(model, out_dir: str | Path, preprocess=None) -> Path:
-    """Write `model` (a CLIP / SigLIP objective: `objectives.load_trained(run)`) as an open_clip model directory."""
+    """Write `model` (a CLIP / SigLIP objective: `ssl_vit.objectives.load_trained(run)`) as an open_clip model
+    directory."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     encoder_config = model.backbone.config

@@ -172,7 +172,9 @@ def _rope_kwargs(rope: nn.Module) -> dict:
                     rope_min_period=rope.min_period, rope_max_period=rope.max_period,
                     rope_normalize=rope.normalize_coords, rope_shift=rope.shift_coords,
                     rope_jitter=rope.jitter_coords, rope_rescale=rope.rescale_coords)
-    augment = dict(rope_shift=rope.shift_coords, rope_jitter=rope.jitter_coords, rope_rescale=rope.rescale_coords)
+    # timm < 1.0.31 has no coordinate augmentation on RoPE-ViT's modules (the attributes are absent: none)
+    augment = {ours: getattr(rope, theirs, None) for ours, theirs in (
+        ("rope_shift", "shift_coords"), ("rope_jitter", "jitter_coords"), ("rope_rescale", "rescale_coords"))}
     if isinstance(rope, RotaryEmbeddingMixed) and rope.grid_indexing == "xy":
         return dict(rope_kind="mixed", rope_theta=rope.temperature, **augment)
     if (isinstance(rope, RotaryEmbeddingCat) and rope.grid_indexing == "xy" and rope.grid_type == "index"

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from objectives import DataInfo, Objective, Requirements, build_objective, objective_class
 from ssl_vit.config import model_kwargs, peak_lr, warmup_steps
 from ssl_vit.data import DATASETS, DataError, ViewBuilder, build_dataset, dataset_kind
 from ssl_vit.data.augreg import mixes
@@ -22,6 +21,7 @@ from ssl_vit.data.multicrop import PHOTOMETRIC_ON
 from ssl_vit.data.subset import limit_samples
 from ssl_vit.init import without_transformers_zero3, writable
 from ssl_vit.interop.sources import SOURCES, Pretrained, load_pretrained
+from ssl_vit.objectives import DataInfo, Objective, Requirements, build_objective, objective_class
 from ssl_vit.optim import build_optimizer, schedule, weight_decay_schedule
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
 from ssl_vit.schema import ConfigError

@@ -4,7 +4,7 @@
 as it is. The objective's `artifacts` split the full state into the run's two files:
 
     encoder.safetensors   the encoder (load_encoder, evaluate, export), as the run writes it
-    heads.safetensors     the heads, teacher heads and centres (objectives.load_trained)
+    heads.safetensors     the heads, teacher heads and centres (ssl_vit.objectives.load_trained)
     training_state.pt     {"model": the full state dict, "optimizer": the optimizer's state (FSDP2, DDP: whole;
                           DeepSpeed: None, its zero_to_fp32 recovers weights, not Adam's moments), "train_state":
                           step and counters, "world_size": the processes that wrote it, "format"}
@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from ssl_vit.artifacts import save_encoder_state, save_heads
+from ssl_vit.extras import require
 from ssl_vit.run_dirs import ENCODER_FILE, HEADS_FILE, resolve_run
 from ssl_vit.train.checkpoint import (
     DEEPSPEED_DIR,
@@ -53,6 +54,7 @@ def full_state(path: Path) -> tuple[dict, dict | None]:
         raise ValueError(f"{path} is not a checkpoint of this project (no {DEEPSPEED_DIR}/, {FSDP_MODEL_DIR}/ or "
                          f"{MODEL_FILE}); a checkpoint is a directory like <run>/checkpoints/step_00000100")
     if kind == "deepspeed":
+        require("deepspeed", f"{path} (a DeepSpeed ZeRO checkpoint)")
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # heavy: DeepSpeed only
 
         try:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from objectives import Requirements
 from ssl_vit.config import EvalConfig
 from ssl_vit.data import eval_datasets
 from ssl_vit.data.subset import limit_samples
 from ssl_vit.eval.run import FEATURE_EVALUATORS, TEXT_EVALUATORS, run_evaluators
+from ssl_vit.objectives import Requirements
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.schema import ConfigError
 

@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass
 import torch
 from timm.layers import GroupNormAct
 
+from ssl_vit.extras import require
 from ssl_vit.schema import ConfigError
 from ssl_vit.vit import ParallelBlock, build_vit
 
@@ -231,6 +232,7 @@ def plan(shape: ModelShape, strategy: str, gpus: int, *, gpus_per_node: int = 8,
 def deepspeed_estimate(shape: ModelShape, strategy: str, gpus: int, gpus_per_node: int = 8) -> tuple[int, int]:
     """(GPU bytes, CPU bytes) of model states from DeepSpeed's own estimator functions, for the DeepSpeed
     strategies it covers (zero2, zero3 and their offload variants), given counts from the meta device."""
+    require("deepspeed", "the comparison with DeepSpeed's own estimators")
     # heavy (deepspeed): only for the comparison with DeepSpeed's own estimators
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs  # (the same)

@@ -36,6 +36,7 @@ from accelerate.utils import (
 )
 
 from ssl_vit.config import Precision
+from ssl_vit.extras import require
 from ssl_vit.init import fp32_random_init
 from ssl_vit.partition import local_shard
 from ssl_vit.schema import ConfigError
@@ -68,6 +69,8 @@ def make_accelerator(settings: StrategySettings, out_dir) -> Accelerator:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if deepspeed:
+        require("deepspeed", "a DeepSpeed ZeRO launch (this accelerate config)")
     backend = None
     if distributed and not torch.cuda.is_available():
         if deepspeed:

@@ -17,6 +17,7 @@ from pathlib import Path
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 from torch.utils.tensorboard.summary import hparams as hparams_summary
 
+from ssl_vit.extras import EXTRA_OF
 from ssl_vit.run_dirs import TRACKER_IDS_FILE
 from ssl_vit.schema import ConfigError
 
@@ -32,7 +33,8 @@ def check_trackers(names) -> list[str]:
         if name not in LOGGER_TYPE_TO_CLASS:
             raise ConfigError(f"trainer.trackers: unknown tracker {name!r}; valid: {', '.join(LOGGER_TYPE_TO_CLASS)}")
         if name not in available:
-            raise ConfigError(f"trainer.trackers: {name} is not installed; pip install {PIP_NAMES.get(name, name)}")
+            how = f"'ssl-vit[{EXTRA_OF[name]}]'" if name in EXTRA_OF else PIP_NAMES.get(name, name)
+            raise ConfigError(f"trainer.trackers: {name} is not installed; pip install {how}")
     return names
 
 

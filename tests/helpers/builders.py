@@ -12,12 +12,12 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch import nn
 
-from objectives import DataInfo, build_objective
-from objectives.clip import CLIP, SigLIP
-from objectives.mae import MAEConfig
 from ssl_vit.cli import register_configs
 from ssl_vit.data.shards import write_shards
 from ssl_vit.data.sources import open_source
+from ssl_vit.objectives import DataInfo, build_objective
+from ssl_vit.objectives.clip import CLIP, SigLIP
+from ssl_vit.objectives.mae import MAEConfig
 from ssl_vit.train.build import build_components
 from ssl_vit.vit import build_vit
 

@@ -3,7 +3,8 @@ every import circle as it happens: an import statement that names a module still
 `__spec__._initializing`), the partially initialised module a circle hands over. Prints one JSON object:
 {"modules": [...], "circles": [[importer, imported], ...], "errors": {module: message}}.
 
-argv: a root directory, its comma-separated top-level packages, and optionally "i/n": every n-th module from the
+argv: a root directory, its comma-separated packages as folder=module (objectives=ssl_vit.objectives: a folder the
+package maps elsewhere; a folder alone is its own name), and optionally "i/n": every n-th module from the
 i-th (so n processes share the modules; each is imported alone either way). Third-party modules stay loaded between
 modules (only the project's are emptied), so the run takes seconds; each project module still starts from nothing,
 in an order where a circle cannot hide behind an earlier import."""
@@ -15,11 +16,13 @@ import sys
 from importlib.machinery import PathFinder
 from pathlib import Path
 
-root, PACKAGES = Path(sys.argv[1]), tuple(sys.argv[2].split(","))
+root = Path(sys.argv[1])
+FOLDERS = dict(item.split("=") if "=" in item else (item, item) for item in sys.argv[2].split(","))
+PACKAGES = {module.split(".")[0] for module in FOLDERS.values()}
 sys.path.insert(0, str(root))
 modules = sorted(
-    ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
-    for package in PACKAGES for path in (root / package).rglob("*.py"))
+    ".".join((module, *path.relative_to(root / folder).with_suffix("").parts)).removesuffix(".__init__")
+    for folder, module in FOLDERS.items() for path in (root / folder).rglob("*.py"))
 if len(sys.argv) > 3:
     part, parts = map(int, sys.argv[3].split("/"))
     modules = modules[part::parts]

@@ -5,8 +5,8 @@ and gradients on all 8."""
 
 import torch
 
-from objectives import DataInfo, build_objective
-from objectives.mocov3 import MoCoV3Config
+from ssl_vit.objectives import DataInfo, build_objective
+from ssl_vit.objectives.mocov3 import MoCoV3Config
 from ssl_vit.vit import build_vit
 
 

@@ -10,8 +10,8 @@ import os
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from objectives import DataInfo, build_objective
-from objectives.dino import DINOConfig
+from ssl_vit.objectives import DataInfo, build_objective
+from ssl_vit.objectives.dino import DINOConfig
 from ssl_vit.train.strategy import kept_fp32_buffers, zero_init
 from ssl_vit.vit import build_vit
 
