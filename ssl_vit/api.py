@@ -109,9 +109,8 @@ def _job(config_name: str, overrides: list[str]) -> Iterator[DictConfig]:
     hydra.set_config(cfg)
     try:
         check_writable(run_dir)
-        _save_hydra_files(cfg, run_dir, overrides)
-        with open_dict(cfg):
-            job = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+        job = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+        _save_hydra_files(job, cfg.hydra, run_dir, overrides)
         with _progress_log():
             yield job
     except ConfigError:
@@ -122,12 +121,12 @@ def _job(config_name: str, overrides: list[str]) -> Iterator[DictConfig]:
         AcceleratorState._reset_state(reset_partial_state=True)  # the next call may ask for other precision
 
 
-def _save_hydra_files(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
+def _save_hydra_files(job: DictConfig, hydra: DictConfig, run_dir: Path, overrides: list[str]) -> None:
     """config.yaml, hydra.yaml and overrides.yaml in <run>/.hydra, as a command's run has them."""
-    folder = run_dir / str(cfg.hydra.output_subdir)
+    folder = run_dir / str(hydra.output_subdir)
     folder.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), folder / "config.yaml")
-    OmegaConf.save(OmegaConf.create({"hydra": cfg.hydra}), folder / "hydra.yaml")
+    OmegaConf.save(job, folder / "config.yaml")
+    OmegaConf.save(OmegaConf.create({"hydra": hydra}), folder / "hydra.yaml")
     OmegaConf.save(OmegaConf.create(overrides), folder / "overrides.yaml")
 
 
