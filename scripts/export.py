@@ -18,7 +18,7 @@ projection becomes visual_projection) with its image processor; --to timm a mode
 (timm's DINOv3 port for RoPE models); --to onnx model.onnx (dynamic batch, checked with onnxruntime); --to
 open_clip a CLIP / SigLIP run's image and text towers; --to safetensors of a distilled student (objective=distill)
 writes its adaptor heads beside the encoder. Every target gets a README.md model card beside the
-weights (ssl_vit/model_card.py).
+weights (ssl_vit/model_card.py) with the Hub's front matter (library_name, --license, tags, pipeline_tag).
 """
 
 import argparse
@@ -45,17 +45,20 @@ def main(argv=None) -> int:
     parser.add_argument("--to", required=True, choices=TARGETS, help="the target library's format")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--hf-arch", choices=HF_ARCHS, default=None, help="--to hf: the transformers model class")
+    parser.add_argument("--license", default="other",
+                        help="the model card's Hub license id (e.g. apache-2.0, cc-by-nc-4.0; default: other): the "
+                             "weights' terms follow the data they were trained on")
     args = parser.parse_args(argv)
     args.source = resolve_run(args.source.removeprefix("checkpoint="))  # as evaluate.py; a group: its newest run
     try:
-        print(export(args.source, args.to, args.out, args.hf_arch))
+        print(export(args.source, args.to, args.out, args.hf_arch, args.license))
     except (ValueError, FileNotFoundError) as err:
         print(f"export: error: {err}", file=sys.stderr)
         return 2
     return 0
 
 
-def export(source: str, to: str, out: str, hf_arch: str | None = None) -> str:
+def export(source: str, to: str, out: str, hf_arch: str | None = None, license: str = "other") -> str:
     """Write the export and its model card (README.md); returns the line telling how to load it."""
     pretrained = load_pretrained(source)
     encoder, preprocess = pretrained.encoder, pretrained.preprocess
@@ -87,7 +90,7 @@ def export(source: str, to: str, out: str, hf_arch: str | None = None) -> str:
         load = f"ssl_vit.artifacts.load_encoder('{path}')  # or checkpoint={path.parent} in ssl-vit's scripts"
         if _copy_adaptors(source, Path(out)):
             load += f"; its adaptors: ssl_vit.objectives.load_trained('{path.parent}')"
-    card = write_model_card(out, source, to, load, encoder, preprocess)
+    card = write_model_card(out, source, to, load, encoder, preprocess, license)
     return f"wrote {path} and its model card {card.name}: {load}"
 
 

@@ -1,5 +1,6 @@
-"""The README.md written beside every export (scripts/export.py): what the encoder is, how it was trained, what it
-scored, and how to load it. Everything in it is read from the run directory (config.yaml, .hydra/overrides.yaml,
+"""The README.md written beside every export (scripts/export.py): the Hub's front matter (library_name, license,
+tags, pipeline_tag, through huggingface_hub's ModelCard), what the encoder is, how it was trained, what it scored,
+and how to load it. Everything in it is read from the run directory (config.yaml, .hydra/overrides.yaml,
 summary.json, eval/*/results.json, the periodic evaluations in metrics.jsonl) or from the encoder file itself; an
 import from another library (timm:, hf:, open_clip:) gets the architecture, preprocessing and loading alone.
 """
@@ -12,11 +13,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 import yaml
+from huggingface_hub import ModelCard, ModelCardData
 
 from ssl_vit.artifacts import run_files
 from ssl_vit.run_dirs import METRICS_FILE, SUMMARY_FILE
 
 CARD_FILE = "README.md"
+LIBRARY_NAMES = {"hf": "transformers", "timm": "timm", "open_clip": "open_clip", "onnx": "onnx",
+                 "safetensors": "ssl-vit"}  # the Hub's library_name of each export target
 ARCHITECTURE_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_dim", "mlp_ratio",
                      "class_token", "global_pool", "num_registers", "dist_token", "qk_norm", "parallel_block",
                      "layer_scale", "pre_norm", "stem")
@@ -29,7 +33,10 @@ def run_of(source: str) -> Path | None:
     return run if encoder_file.is_file() and (run / "config.yaml").is_file() else None
 
 
-def write_model_card(out_dir: str | Path, source: str, target: str, how_to_load: str, encoder, preprocess) -> Path:
+def write_model_card(out_dir: str | Path, source: str, target: str, how_to_load: str, encoder, preprocess,
+                     license: str = "other") -> Path:
+    """The card of an export to `target` (a key of LIBRARY_NAMES); `license` is a Hub license id (the weights' terms
+    follow the data they were trained on, which the run does not know: "other" unless the user says)."""
     run = run_of(source)
     lines = [f"# {_title(run, encoder)}", "", f"Exported by ssl-vit from `{source}` for **{target}**.", "",
              "## Load", "", "```python", how_to_load, "```", "", "## Architecture", "", *_architecture(encoder), ""]
@@ -38,8 +45,18 @@ def write_model_card(out_dir: str | Path, source: str, target: str, how_to_load:
     if run is not None:
         lines += _training(run)
     path = Path(out_dir) / CARD_FILE
-    path.write_text("\n".join(lines).rstrip() + "\n")
+    front = _front_matter(run, target, license)
+    ModelCard(f"---\n{front.to_yaml()}\n---\n\n" + "\n".join(lines).rstrip() + "\n").save(path)
     return path
+
+
+def _front_matter(run: Path | None, target: str, license: str) -> ModelCardData:
+    tags = ["ssl-vit", "vision-transformer", "image-feature-extraction"]
+    if run is not None:
+        tags.append(_config(run)["objective"]["name"].split(":")[-1])
+    return ModelCardData(library_name=LIBRARY_NAMES[target], license=license, tags=tags,
+                         pipeline_tag="zero-shot-image-classification" if target == "open_clip"
+                         else "image-feature-extraction")
 
 
 def _title(run: Path | None, encoder) -> str:

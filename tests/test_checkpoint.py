@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import stat
+from fractions import Fraction
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from ssl_vit.objectives import load_trained, rebuild_untrained
 from ssl_vit.schema import ConfigError
 from ssl_vit.train.build import build_components
 from ssl_vit.train.checkpoint import (
+    TRAIN_STATE_FILE,
     data_position_file,
     list_checkpoints,
     read_data_position,
@@ -111,6 +113,15 @@ def test_a_single_process_checkpoint_consolidates_into_the_runs_files(tmp_path):
         assert torch.equal(rebuilt.state_dict()[name], tensor), name
     with pytest.raises(ValueError, match="is not a checkpoint of this project .* a checkpoint is a directory like"):
         full_state(tmp_path / "run")
+    # a file holding other pickled objects (here the loop's state) is refused in one line unless trusted
+    torch.save({"step": 7, "odd": Fraction(1, 3)}, checkpoint / TRAIN_STATE_FILE)
+    with pytest.raises(ValueError, match=r"custom_checkpoint_0.pkl holds Python objects beyond tensors .* "
+                                         r"consolidate with --trust-pickle"):
+        write_consolidated(objective, state, adam, checkpoint, tmp_path / "refused", preprocess)
+    assert not (tmp_path / "refused" / "training_state.pt").exists()
+    written = write_consolidated(objective, state, adam, checkpoint, tmp_path / "trusted", preprocess,
+                                 trust_pickle=True)
+    assert torch.load(written["training_state"], weights_only=False)["train_state"]["odd"] == Fraction(1, 3)
 
 
 @pytest.mark.distributed

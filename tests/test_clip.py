@@ -224,6 +224,8 @@ def test_the_open_clip_export_reproduces_encode_image_and_encode_text(clip_run, 
     assert preprocess.transforms[0].size == 24
     assert float(model.logit_scale.detach()) == float(ours.scale_and_bias()[0].log().detach())
     card = (tmp_path / "export" / "README.md").read_text()  # the model card (the run's command: in test_first_hour)
+    assert "library_name: open_clip" in card and "pipeline_tag: zero-shot-image-classification" in card
+    card = card.split("\n---\n", 1)[1].lstrip()  # after the Hub's front matter
     assert card.startswith("# vit_tiny pre-trained with clip") and "- steps: 300 of 300, " in card
     assert f"open_clip.create_model_and_transforms('local-dir:{tmp_path / 'export'}')" in card
     imported = load_pretrained(f"open_clip:{tmp_path / 'export'}")  # and back: open_clip's image tower as ours

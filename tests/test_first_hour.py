@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, TINY, check_ok, export_script, pretrain_in_process, read_metrics
 from helpers.inprocess import run_script
+from huggingface_hub import ModelCard
 from hydra import compose, initialize_config_dir
 from PIL import Image
 
@@ -145,8 +146,15 @@ def test_commands_take_an_output_group_and_use_its_newest_run(tmp_path, capsys):
     for target in ("safetensors", "hf", "timm", "onnx"):
         out = tmp_path / "exported" if target == "safetensors" else tmp_path / target
         if target != "safetensors":
-            assert export.main([str(run), "--to", target, "--out", str(out)]) == 0
+            licence = ["--license", "cc-by-nc-4.0"] if target == "onnx" else []
+            assert export.main([str(run), "--to", target, "--out", str(out), *licence]) == 0
         card = (out / "README.md").read_text()
+        hub = ModelCard.load(out / "README.md").data  # the Hub's front matter, read by huggingface_hub
+        assert (hub.library_name, hub.license, hub.pipeline_tag) == (
+            {"hf": "transformers", "safetensors": "ssl-vit"}.get(target, target),
+            "cc-by-nc-4.0" if target == "onnx" else "other", "image-feature-extraction")
+        assert "supervised" in hub.tags and "ssl-vit" in hub.tags
+        card = card.split("\n---\n", 1)[1].lstrip()
         assert card.startswith("# vit_test pre-trained with supervised (32 wide, 2 blocks, ")
         assert "- steps: 2 of 2, 16 images seen (global batch 8); strategy single on 1 process" in card
         assert f"| synthetic | knn | accuracy | {knn:.4f} |" in card and "- img_size: 16" in card

@@ -582,8 +582,8 @@ def test_hf_import_of_directories_transformers_wrote_itself(tmp_path, name):
             param.add_(0.05 * torch.randn_like(param))
     model.save_pretrained(tmp_path)
     ours = from_hf(tmp_path)
-    vision = getattr(model, "vision_model", model)
-    x = images()
+    vision = model.vision_model if hasattr(model, "text_model") else model  # a whole model (hidden states: not
+    x = images()                                                           # from an inner module in transformers 5.4)
     with torch.no_grad():
         out = vision(pixel_values=x, output_hidden_states=True)
         tokens = ours.forward_features(x)

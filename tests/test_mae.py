@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.builders import mae_objective
-from transformers.models.vit_mae.modeling_vit_mae import build_2d_sinusoidal_position_embedding
+from transformers.models.vit_mae import modeling_vit_mae
 
 from ssl_vit.data import SyntheticShapes, ViewBuilder, build_loader
 from ssl_vit.objectives.mae import mae_loss
@@ -30,9 +30,12 @@ def test_sincos_matches_the_mae_reference_and_hf_layout():
     assert torch.equal(ours[0], torch.zeros(64))  # the class slot is zero
     reference = torch.from_numpy(_mae_reference_sincos(64, 7)).float()
     torch.testing.assert_close(ours[1:], reference, atol=1e-6, rtol=0)
-    hf = build_2d_sinusoidal_position_embedding(height=7, width=7, embed_dim=64, cls_token=True)
-    hf_swapped = torch.cat([hf[:, 32:], hf[:, :32]], dim=1)  # HF's fix for the h/w naming in MAE's weights
-    torch.testing.assert_close(ours, hf_swapped.float(), atol=1e-6, rtol=0)
+    if hasattr(modeling_vit_mae, "build_2d_sinusoidal_position_embedding"):  # newer transformers: [h | w]
+        hf = modeling_vit_mae.build_2d_sinusoidal_position_embedding(height=7, width=7, embed_dim=64, cls_token=True)
+        hf = torch.cat([hf[:, 32:], hf[:, :32]], dim=1)  # HF's fix for the h/w naming in MAE's weights
+    else:  # older transformers: its copy of MAE's util/pos_embed.py, MAE's own layout
+        hf = torch.from_numpy(modeling_vit_mae.get_2d_sincos_pos_embed(64, 7, add_cls_token=True))
+    torch.testing.assert_close(ours, hf.float(), atol=1e-6, rtol=0)
 
 
 def test_sincos_on_a_non_square_grid_encodes_columns_then_rows():

@@ -1,8 +1,10 @@
 """The installed face of the project: the `ssl-vit` command, the Python API, optional features without their extra,
 shipped accelerate configs found from any directory, and `import ssl_vit` staying light."""
 
+import json
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -142,3 +144,51 @@ def test_the_built_wheel_installs_and_runs_from_an_empty_directory(tmp_path):
     where = subprocess.run([str(venv / "bin" / "python"), "-c", "import ssl_vit.objectives as o; print(o.__file__)"],
                            cwd=work, capture_output=True, text=True, check=True).stdout
     assert where.startswith(str(site))
+
+
+def _index_reachable() -> bool:
+    try:
+        with urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=10):
+            return True
+    except OSError:
+        return False
+
+
+def _python(version: str) -> str | None:
+    """The interpreter of `version` here (e.g. a pyenv one), or None."""
+    found = subprocess.run([f"python{version}", "-c", "import sys; print(sys.executable)"], capture_output=True,
+                           text=True)
+    return found.stdout.strip() if found.returncode == 0 else None
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_the_wheelhouse_for_the_gpu_node_resolves_beside_its_torch_and_installs_offline(tmp_path):
+    """tools/wheelhouse.py for the GPU node the README's figures come from (Python 3.12, torch 2.11.0, torchvision
+    0.26.0, transformers 5.17.0, timm 1.0.29 pinned as the target has them, and its scientific stack): pip's
+    --dry-run --report resolution of ssl-vit[deepspeed] beside them succeeds and installs none of them; the folder
+    holds what the node lacks (the sdists deepspeed and antlr4 built into wheels), no torch, under 64 MiB; where a
+    Python 3.12 is here, pip installs ssl-vit from the folder alone (--no-index) into a venv that has the node's
+    packages (as stubs)."""
+    if not _index_reachable():
+        pytest.skip("the package index (pypi.org) cannot be reached")
+    root = CONFIG_DIR.parent
+    python312 = _python("3.12")
+    have = ("torch==2.11.0 torchvision==0.26.0 transformers==5.17.0 timm==1.0.29 accelerate==1.15.0 safetensors "
+            "scipy scikit-learn tensorboard matplotlib numpy pillow")  # the node's image (make wheelhouse's HAVE)
+    done = subprocess.run([sys.executable, str(root / "tools" / "wheelhouse.py"), "--out", str(tmp_path / "wh"),
+                           "--python-version", "3.12", "--platform", "manylinux_2_28_x86_64", "--have", have,
+                           "--extras", "deepspeed", *(["--check", python312] if python312 else [])],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    manifest = json.loads((tmp_path / "wh" / "wheelhouse.json").read_text())
+    names = {name.split("-")[0].lower() for name in manifest["files"]}
+    assert {"ssl_vit", "hydra_core", "omegaconf", "antlr4_python3_runtime", "open_clip_torch", "webdataset",
+            "torchdata", "kornia", "deepspeed"} <= names
+    assert not names & {"torch", "torchvision", "torchaudio", "triton", "transformers", "timm", "accelerate"}
+    assert not any(name.startswith("nvidia") for name in names) and manifest["left_out"] == []
+    assert manifest["total_bytes"] < 64 * 2**20
+    assert sorted(path.name for path in (tmp_path / "wh").glob("*.whl")) == sorted(manifest["files"])
+    if python312:
+        installed = {entry.split("==")[0] for entry in manifest["checked_install"]}
+        assert "ssl-vit" in installed and not installed & {"torch", "torchvision", "transformers", "timm"}

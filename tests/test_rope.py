@@ -51,8 +51,8 @@ def test_the_tables_are_dinov3s_and_timms(grid, options):
     reference = {"base" if k == "theta" else k: v for k, v in {"theta": 100.0, **options}.items()}
     for mine, theirs in zip(ours(grid), _dinov3_rope(32, grid, **reference), strict=True):
         np.testing.assert_allclose(mine.numpy(), theirs, atol=2e-6, rtol=0)
-    timm_rope = RotaryEmbeddingDinoV3(32, temperature=options.get("theta", 100.0), min_period=options.get("min_period"),
-                                      max_period=options.get("max_period"),
+    timm_rope = RotaryEmbeddingDinoV3(32, temperature=options.get("theta") or 100.0,  # unused with periods
+                                      min_period=options.get("min_period"), max_period=options.get("max_period"),
                                       normalize_coords=options.get("normalize", "separate")).eval()
     sin, cos = timm_rope.get_embed(list(grid)).chunk(2, dim=-1)
     torch.testing.assert_close(ours(grid), (sin, cos), atol=1e-6, rtol=0)

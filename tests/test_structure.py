@@ -134,6 +134,29 @@ def test_no_loop_of_the_library_runs_without_a_bound():
     no placement could keep enough patches: a step that never ended)."""
     assert _unbounded_loops("while True:\n    tries += 1\n") == [1]
     assert _unbounded_loops("def draws():\n    while True:\n        yield 1\n") == []
-    found = [f"{path.relative_to(ROOT)}:{line}" for package in (*PACKAGES, "scripts")
+    found = [f"{path.relative_to(ROOT)}:{line}" for package in (*PACKAGES, "scripts", "tools")
              for path in sorted((ROOT / package).rglob("*.py")) for line in _unbounded_loops(path.read_text())]
     assert found == []
+
+
+def _torch_loads(source: str) -> list[tuple[int, str]]:
+    """(line, its weights_only argument as source, or "absent") of each torch.load call."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
+            value = next((kw.value for kw in node.keywords if kw.arg == "weights_only"), None)
+            found.append((node.lineno, "absent" if value is None else ast.unparse(value)))
+    return found
+
+
+def test_the_library_loads_pickles_safely_unless_the_user_says_to_trust_the_file():
+    """Every torch.load of ssl_vit/, objectives/, scripts/ and benchmarks/ says weights_only=True, or follows the
+    user's --trust-pickle (`not trust_pickle`, whose default is False); never weights_only=False."""
+    assert _torch_loads("torch.load(f)\ntorch.load(f, weights_only=False)\n") == [(1, "absent"), (2, "False")]
+    found = {f"{path.relative_to(ROOT)}:{line}": arg for package in (*PACKAGES, "scripts", "benchmarks", "tools")
+             for path in sorted((ROOT / package).rglob("*.py")) for line, arg in _torch_loads(path.read_text())}
+    assert len(found) >= 4 and set(found.values()) == {"True", "not trust_pickle"}, found
+    source = (ROOT / "ssl_vit" / "train" / "consolidate.py").read_text()
+    defaults = [ast.unparse(node) for node in ast.walk(ast.parse(source)) if isinstance(node, ast.arg)
+                and node.arg == "trust_pickle"]
+    assert len(defaults) >= 3 and "trust_pickle: bool = False" in source

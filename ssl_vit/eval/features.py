@@ -113,7 +113,7 @@ def cached(cache_dir: str | Path | None, key: str, compute):
         return compute()
     path = Path(cache_dir) / f"{key}.pt"
     if path.exists():
-        saved = torch.load(path)
+        saved = torch.load(path, map_location="cpu", weights_only=True)
         return saved["features"], saved["labels"]
     features, labels = compute()
     path.parent.mkdir(parents=True, exist_ok=True)

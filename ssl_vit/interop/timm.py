@@ -177,8 +177,10 @@ def _rope_kwargs(rope: nn.Module) -> dict:
         ("rope_shift", "shift_coords"), ("rope_jitter", "jitter_coords"), ("rope_rescale", "rescale_coords"))}
     if isinstance(rope, RotaryEmbeddingMixed) and rope.grid_indexing == "xy":
         return dict(rope_kind="mixed", rope_theta=rope.temperature, **augment)
-    if (isinstance(rope, RotaryEmbeddingCat) and rope.grid_indexing == "xy" and rope.grid_type == "index"
-            and not rope.in_pixels and not rope.rotate_half and rope.grid_offset == 0 and rope.ref_feat_shape is None):
+    if (isinstance(rope, RotaryEmbeddingCat) and rope.grid_indexing == "xy"
+            and getattr(rope, "grid_type", "index") == "index"  # timm < 1.0.31: index grids, interleaved pairs only
+            and not rope.in_pixels and not getattr(rope, "rotate_half", False) and rope.grid_offset == 0
+            and rope.ref_feat_shape is None):
         return dict(rope_kind="axial", rope_theta=rope.temperature, **augment)
     settings = ", ".join(f"{key}={getattr(rope, key, None)!r}"
                          for key in ("grid_indexing", "in_pixels", "rotate_half", "ref_feat_shape"))

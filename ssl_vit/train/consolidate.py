@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import pickle
 import tempfile
 from pathlib import Path
 
@@ -47,8 +48,20 @@ def find_checkpoint(spec: str) -> Path:
     return found[-1] if found else path
 
 
-def full_state(path: Path) -> tuple[dict, dict | None]:
-    """(the objective's full fp32 state dict, the whole optimizer state or None) of a checkpoint directory."""
+def load_plain(file: str | Path, trust_pickle: bool = False):
+    """torch.load of a file that should hold only tensors and plain containers (weights_only); one that holds other
+    Python objects is refused in one line, since unpickling them runs their code, unless the user trusts it."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=not trust_pickle)
+    except pickle.UnpicklingError as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{file} holds Python objects beyond tensors and plain containers ({reason[:160]}); reading "
+                         "it would run their code: if you trust the file, consolidate with --trust-pickle") from err
+
+
+def full_state(path: Path, trust_pickle: bool = False) -> tuple[dict, dict | None]:
+    """(the objective's full fp32 state dict, the whole optimizer state or None) of a checkpoint directory;
+    `trust_pickle` lets files with arbitrary pickled objects load (see `load_plain`)."""
     kind = checkpoint_format(path)
     if kind is None:
         raise ValueError(f"{path} is not a checkpoint of this project (no {DEEPSPEED_DIR}/, {FSDP_MODEL_DIR}/ or "
@@ -71,15 +84,14 @@ def full_state(path: Path) -> tuple[dict, dict | None]:
             for name, directory in (("model", FSDP_MODEL_DIR), ("optimizer", FSDP_OPTIMIZER_DIR)):
                 if (path / directory / ".metadata").is_file():
                     dcp_to_torch_save(str(path / directory), f"{tmp}/{name}.pt")
-                    loaded[name] = torch.load(f"{tmp}/{name}.pt", weights_only=False)[name]
+                    loaded[name] = load_plain(f"{tmp}/{name}.pt", trust_pickle)[name]
         return loaded["model"], loaded.get("optimizer")
     optimizer = path / "optimizer.bin"
-    return load_file(str(path / MODEL_FILE)), (torch.load(optimizer, weights_only=False) if optimizer.is_file()
-                                               else None)
+    return load_file(str(path / MODEL_FILE)), (load_plain(optimizer, trust_pickle) if optimizer.is_file() else None)
 
 
 def write_consolidated(objective, state: dict, optimizer: dict | None, checkpoint: Path, out: str | Path,
-                       preprocess=None) -> dict[str, Path]:
+                       preprocess=None, trust_pickle: bool = False) -> dict[str, Path]:
     """Write encoder.safetensors, heads.safetensors and training_state.pt of `checkpoint` (whose full `state` and
     `optimizer` `full_state` read) into `out`, split by the objective the run trained (structure only needed)."""
     ours = objective.state_dict()
@@ -88,7 +100,7 @@ def write_consolidated(objective, state: dict, optimizer: dict | None, checkpoin
         raise ValueError(f"{checkpoint} does not hold this run's model: {missing[:3]} missing")
     state = {name: state[name].to(ours[name].dtype) for name in ours}  # the run's own tensors, in its dtypes
     artifacts = objective.artifacts(state)
-    train_state = torch.load(checkpoint / TRAIN_STATE_FILE, weights_only=False)  # accelerate's save of state_dict()
+    train_state = load_plain(checkpoint / TRAIN_STATE_FILE, trust_pickle)  # accelerate's save of TrainState
     step = train_state.get("step")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -104,4 +116,4 @@ def write_consolidated(objective, state: dict, optimizer: dict | None, checkpoin
     return written
 
 
-__all__ = ["find_checkpoint", "full_state", "write_consolidated"]
+__all__ = ["find_checkpoint", "full_state", "load_plain", "write_consolidated"]

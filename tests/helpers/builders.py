@@ -83,4 +83,5 @@ def write_idx(path, array, gz):
     """An idx file (Fashion-MNIST's format) of uint8 values."""
     header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
     data = header + array.astype(np.uint8).tobytes()
-    (gzip.open if gz else open)(path, "wb").write(data)
+    with (gzip.open if gz else open)(path, "wb") as file:
+        file.write(data)
