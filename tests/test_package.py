@@ -127,6 +127,9 @@ def test_the_built_wheel_installs_and_runs_from_an_empty_directory(tmp_path):
     assert {name.split("/")[0] for name in names} == {"ssl_vit", wheel.name.split("-py3")[0] + ".dist-info"}
     assert "ssl_vit/configs/pretrain.yaml" in names and "ssl_vit/objectives/mae.py" in names
     assert "ssl_vit/configs/deepspeed/zero3.json" in names and "ssl_vit/scripts/export.py" in names
+    shipped = {f"ssl_vit/configs/{path.relative_to(CONFIG_DIR)}" for path in CONFIG_DIR.rglob("*.*")
+               if path.suffix in (".yaml", ".json")}
+    assert len(shipped) > 50 and shipped <= set(names), sorted(shipped - set(names))  # a new group: pyproject
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = next(venv.glob("lib/python3*/site-packages"))
