@@ -88,6 +88,14 @@ def run_files(spec: str | Path) -> tuple[Path, Path]:
     return run / ENCODER_FILE, run / HEADS_FILE
 
 
+def run_directory(spec: str | Path) -> Path | None:
+    """The run directory behind `spec` (a run, an output group, or a run's encoder file), or None for anything else
+    (an import such as timm:..., or a bare encoder file)."""
+    encoder_file, _ = run_files(spec)
+    run = encoder_file.parent
+    return run if encoder_file.is_file() and (run / "config.yaml").is_file() else None
+
+
 def file_fingerprint(path: str | Path) -> dict:
     """Identify a checkpoint file by path, size and modification time (cheap; changes when it is rewritten): the
     identity of imported weights in the feature cache."""

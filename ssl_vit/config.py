@@ -207,7 +207,10 @@ class ProbeConfig:
                                                "or timm:<model name>)")
     data: Any = MISSING
     eval: EvalConfig = MISSING
-    cache_dir: str | None = "outputs/feature_cache"
+    # extracted features, reused by later evaluations; None: <run>/eval/feature_cache for a run of ours,
+    # $SSL_VIT_CACHE/features (default ~/.cache/ssl_vit/features) for an import; never the current directory
+    cache_dir: str | None = None
+    cache_features: bool = True
     seed: int = 0
     threads: int | None = checked(None, ge=1)  # torch CPU threads; None: torch's default (all cores)
     output_dir: str = MISSING

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
-from ssl_vit.artifacts import run_files
+from ssl_vit.artifacts import run_directory
 from ssl_vit.run_dirs import METRICS_FILE, SUMMARY_FILE
 
 CARD_FILE = "README.md"
@@ -26,18 +26,11 @@ ARCHITECTURE_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads"
                      "layer_scale", "pre_norm", "stem")
 
 
-def run_of(source: str) -> Path | None:
-    """The run directory behind an export's source (a run, or its encoder file), or None for an import."""
-    encoder_file, _ = run_files(source)
-    run = encoder_file.parent
-    return run if encoder_file.is_file() and (run / "config.yaml").is_file() else None
-
-
 def write_model_card(out_dir: str | Path, source: str, target: str, how_to_load: str, encoder, preprocess,
                      license: str = "other") -> Path:
     """The card of an export to `target` (a key of LIBRARY_NAMES); `license` is a Hub license id (the weights' terms
     follow the data they were trained on, which the run does not know: "other" unless the user says)."""
-    run = run_of(source)
+    run = run_directory(source)
     lines = [f"# {_title(run, encoder)}", "", f"Exported by ssl-vit from `{source}` for **{target}**.", "",
              "## Load", "", "```python", how_to_load, "```", "", "## Architecture", "", *_architecture(encoder), ""]
     if preprocess is not None:

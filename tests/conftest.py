@@ -6,6 +6,7 @@ Tiers (markers registered in pyproject.toml): `slow` trains for more than a few 
 outside those markers that starts a process fails, naming the marker it needs."""
 
 import io
+import os
 import subprocess
 import tarfile
 from pathlib import Path
@@ -21,6 +22,12 @@ from helpers.processes import ACCELERATE, ACCELERATE_LAUNCH, ROOT, check_ok, lau
 own_share()  # helpers.cores: a pytest-xdist worker on its share of the cores
 TINY = ["model=vit_test", "data.num_samples=32", "data.batch_size=16", "trainer.log_every=1",
         "optim.lr=3e-3", "optim.warmup_steps=3", "trainer.checkpoint_every=10"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_cache(tmp_path_factory):
+    """ssl-vit's user cache (features of evaluated imports) in the session's temporary directory, not ~/.cache."""
+    os.environ["SSL_VIT_CACHE"] = str(tmp_path_factory.mktemp("ssl_vit_cache"))
 
 
 @pytest.fixture(autouse=True)

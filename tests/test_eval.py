@@ -1,5 +1,7 @@
 """Evaluators against scikit-learn / numpy on the same features, and feature extraction."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,8 @@ from ssl_vit.eval.features import cache_key, cached, extract_features, features_
 from ssl_vit.eval.fewshot import fewshot_eval, ridge_fit
 from ssl_vit.eval.knn import knn_eval, knn_predict
 from ssl_vit.eval.linear import fit_logistic, linear_probe, standardise
+from ssl_vit.eval.run import chance_levels, feature_cache_dir, print_table
+from ssl_vit.eval.segmentation import constant_prediction_scores
 from ssl_vit.vit import build_vit
 
 
@@ -116,3 +120,55 @@ def test_feature_cache_computes_once(tmp_path):
     second = cached(tmp_path, key, compute)
     assert len(calls) == 1 and torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     assert cache_key(checkpoint="a", kind="avg") != key
+
+
+def test_the_feature_cache_lives_under_the_evaluated_run_or_the_user_cache_never_the_working_directory(
+        tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "encoder.safetensors").write_bytes(b"x")
+    (run / "config.yaml").write_text("model: {}\n")
+    assert feature_cache_dir(None, str(run)) == run / "eval" / "feature_cache"
+    assert feature_cache_dir(None, str(run / "encoder.safetensors")) == run / "eval" / "feature_cache"
+    monkeypatch.setenv("SSL_VIT_CACHE", str(tmp_path / "cache"))
+    assert feature_cache_dir(None, "timm:vit_tiny_patch16_224") == tmp_path / "cache" / "features"
+    monkeypatch.delenv("SSL_VIT_CACHE")
+    assert feature_cache_dir(None, "timm:vit_tiny_patch16_224") == Path.home() / ".cache" / "ssl_vit" / "features"
+    assert feature_cache_dir("~/mine", str(run)) == Path.home() / "mine"
+
+
+class _Labelled:
+    def __init__(self, targets, classes):
+        self.targets, self.classes = targets, classes
+
+
+def test_each_score_is_printed_beside_what_guessing_gets(capsys):
+    """Chance: the most frequent test class's share (1 / classes without readable labels), k / pairs for
+    retrieval recall@k, the constant most-frequent-class prediction for segmentation."""
+    results = {"linear": {"accuracy": 0.9}, "fewshot": {"accuracy": {"1_shot": 0.5, "5_shot": 0.7}},
+               "retrieval": {"accuracy": {"image_to_text_R@1": 0.2, "text_to_image_R@5": 0.6}, "num_pairs": 20},
+               "segmentation": {"accuracy": 0.4, "miou": 0.4, "pixel_accuracy": 0.8,
+                                "chance": {"miou": 0.25, "pixel_accuracy": 0.5}}}
+    chance = chance_levels(_Labelled([0, 0, 0, 1, 2], ["a", "b", "c"]), results)
+    assert chance == {"linear": 0.6, "fewshot": 0.6, "retrieval": {"image_to_text_R@1": 0.05,
+                      "text_to_image_R@5": 0.25}, "segmentation": {"miou": 0.25, "pixel_accuracy": 0.5}}
+    assert chance_levels(_Labelled(None, ["a", "b", "c", "d"]), {"knn": {"accuracy": 0.5}}) == {"knn": 0.25}
+    report = {"checkpoint": "run", "data": "digits", "num_train": 10, "num_test": 5, "num_classes": 3,
+              "feature_dim": None, "results": results, "chance": chance,
+              "timings": {f"{name}_s": 1.0 for name in results}}
+    print_table(report)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "run on digits (10 train / 5 test, 3 classes)"
+    assert lines[1].split() == ["evaluator", "score", "chance", "time", "s"]
+    assert lines[2].split() == ["linear", "90.00%", "60.00%", "1.00"]
+    assert lines[4].split() == ["fewshot", "5-shot", "70.00%", "60.00%", "1.00"]
+    assert lines[5].split() == ["retrieval", "image-to-text-R@1", "20.00%", "5.00%", "1.00"]
+    assert lines[7].split() == ["segmentation", "mIoU", "40.00%", "25.00%", "1.00"]
+
+
+def test_segmentation_chance_is_the_most_frequent_training_class_predicted_everywhere():
+    train = torch.tensor([[[0, 1], [1, 1]], [[1, 2], [255, 1]]])  # class 1 is the most frequent; 255 ignored
+    test = torch.tensor([[[0, 1], [2, 2]]])
+    chance = constant_prediction_scores(train, test, num_classes=3)
+    # everything predicted 1: pixel accuracy 1/4; IoU of 1 = 1/4, of 0 and 2 = 0 (present in the masks)
+    assert chance == {"miou": pytest.approx(1 / 12), "pixel_accuracy": 0.25}

@@ -123,6 +123,23 @@ def test_a_labelled_objective_refuses_unlabelled_images_naming_the_class_folder_
 
 
 @pytest.mark.slow
+def test_a_log_file_gets_plain_lines_and_what_the_data_set_found_not_progress_bars(tmp_path):
+    """stderr that is not a terminal (a log file, a SLURM job): no carriage-return bar but a line per log step, and
+    the start-up line says what the image folder held."""
+    for label in ("cats", "dogs"):
+        (tmp_path / "images" / label).mkdir(parents=True)
+        for index in range(3):
+            Image.new("RGB", (20, 20), (40 * index, 90, 200)).save(tmp_path / "images" / label / f"{index}.png")
+    steps = [override for override in STEPS2 if override not in ("trainer.progress=false", "data.num_samples=16")]
+    done = _cli(*steps, "data=folder", f"data.root={tmp_path / 'images'}", "data.batch_size=6", "trainer.log_every=1",
+                f"out={tmp_path / 'run'}", cwd=tmp_path)
+    check_ok(done)
+    printed = done.stdout + done.stderr  # the log on stdout, a bar would be on stderr
+    assert "\r" not in printed and "step 1/2: loss " in printed and "step 2/2: loss " in printed
+    assert f"data: image folder '{tmp_path / 'images'}' (6 images, 2 class subfolders)" in printed
+
+
+@pytest.mark.slow
 def test_commands_take_an_output_group_and_use_its_newest_run(tmp_path, capsys):
     """The default layout through the CLI (outputs/<group>/<time>/ under the working directory, with latest);
     evaluate, export, analyze and trainer.resume then take the group."""

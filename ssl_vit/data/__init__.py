@@ -11,7 +11,14 @@ from ssl_vit.data.errors import BadSampleError, DataError, NoUsableSamplesError,
 from ssl_vit.data.folder import FolderDataset
 from ssl_vit.data.loader import StepBatchSampler, build_loader, make_loader
 from ssl_vit.data.real import Digits, FashionMNIST
-from ssl_vit.data.registry import DATASETS, build_dataset, dataset_kind, eval_datasets, loader_workers
+from ssl_vit.data.registry import (
+    DATASETS,
+    build_dataset,
+    dataset_kind,
+    describe_dataset,
+    eval_datasets,
+    loader_workers,
+)
 from ssl_vit.data.shard_stream import ShardStream
 from ssl_vit.data.synthetic import SyntheticShapes
 from ssl_vit.data.views import VIEW_KINDS, ViewBuilder
@@ -19,6 +26,7 @@ from ssl_vit.data.views import VIEW_KINDS, ViewBuilder
 __all__ = [
     "DATASETS", "VIEW_KINDS", "BadSampleError", "CaptionFolder", "DataError", "Digits", "FashionMNIST", "FolderDataset",
     "NoUsableSamplesError", "NoUsableShardsError", "ShardStream", "StepBatchSampler", "SyntheticShapes",
-    "TuxPaintStamps", "ViewBuilder", "build_dataset", "build_loader", "dataset_kind", "decode_rgb", "eval_datasets",
+    "TuxPaintStamps", "ViewBuilder", "build_dataset", "build_loader", "dataset_kind", "decode_rgb", "describe_dataset",
+    "eval_datasets",
     "loader_workers", "make_loader",
 ]

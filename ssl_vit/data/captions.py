@@ -70,7 +70,7 @@ class CaptionFolder(Dataset):
                                     f"({self.unpaired})")
         left_out = {k: v for k, v in self.unpaired.items() if v}
         if left_out:
-            log.info("%s: %d pairs in the %s split; left out: %s", self.describe(), len(self.pairs), split,
+            log.info("%s in the %s split; left out: %s", self.describe(), split,
                      ", ".join(f"{v} {k}" for k, v in left_out.items()))
 
     def __len__(self) -> int:
@@ -92,7 +92,7 @@ class CaptionFolder(Dataset):
         return sample
 
     def describe(self) -> str:
-        return f"caption folder {str(self.root)!r}"
+        return f"caption folder {str(self.root)!r} ({len(self.pairs)} image + caption pairs)"
 
 
 class TuxPaintStamps(CaptionFolder):
@@ -106,7 +106,7 @@ class TuxPaintStamps(CaptionFolder):
         return first_line(path.read_text(errors="replace"))
 
     def describe(self) -> str:
-        return f"Tux Paint stamps {str(self.root)!r}"
+        return f"Tux Paint stamps {str(self.root)!r} ({len(self.pairs)} image + caption pairs)"
 
 
 @dataclass

@@ -47,6 +47,16 @@ def build_dataset(cfg, img_size: int):
     return dataset_kind(cfg.name).build(cfg, img_size)
 
 
+def describe_dataset(dataset) -> str:
+    """What a data set found, for the start-up log: its own description where it has one (folders, shards,
+    captions), else its size and classes."""
+    if hasattr(dataset, "describe"):
+        return dataset.describe()
+    size = f"{len(dataset)} samples" if hasattr(dataset, "__len__") else "a stream of samples"
+    classes = getattr(dataset, "classes", None)
+    return f"{size}, {len(classes)} classes" if classes else size
+
+
 def eval_datasets(cfg, img_size: int, seed: int = 0):
     """(train, test) datasets for evaluating on a data config, limited to stratified subsets of
     data.max_train_samples / data.max_test_samples; ConfigError for a kind that cannot be evaluated."""

@@ -59,6 +59,12 @@ class ShardStream:
         self.resampled, self.shuffle_buffer = resampled, shuffle_buffer
         self.max_consecutive_bad = max_consecutive_bad
 
+    def describe(self) -> str:
+        samples = f", {sum(self.sizes.values())} samples in the {len(self.sizes)} listed in sizes.json" \
+            if self.sizes else ""
+        classes = f", {len(self.classes)} classes" if self.classes else ""
+        return f"{len(self.urls)} WebDataset shard(s){samples}{classes}"
+
     def pipeline(self, views, batch_size: int | None, seed: int = 0, need_label: bool = False,
                  need_text: bool = False, epochs: int | None = None) -> tuple[ShardBatches, DecodeAndCount]:
         """The sample (batch_size None) or batch stream; endless unless `epochs` (resampled=False only) is given."""

@@ -17,10 +17,10 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from ssl_vit.eval.features import extract_features
 from ssl_vit.eval.linear import held_out_split, standardise
+from ssl_vit.progress import progress_bar
 
 
 class AttentiveProbe(nn.Module):
@@ -92,7 +92,7 @@ def attentive_probe(train_tokens, train_y, test_tokens, test_y, lr_values, weigh
     fit_x, val_x = _standardise_tokens(train_tokens[fit_idx], train_tokens[val_idx])
     grid = list(itertools.product(map(float, lr_values), map(float, weight_decays)))
     val_accuracy = {}
-    for lr, weight_decay in tqdm(grid, desc="attentive probe sweep", disable=not progress, leave=False):
+    for lr, weight_decay in progress_bar(grid, desc="attentive probe sweep", enabled=progress, leave=False):
         probe = train_probe(fit_x, train_y[fit_idx], num_classes, num_heads, lr, weight_decay, epochs, batch_size,
                             seed)
         val_accuracy[lr, weight_decay] = probe_accuracy(probe, val_x, train_y[val_idx])

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
-from tqdm.auto import tqdm
 
 from ssl_vit.data.errors import BadSampleError, NoUsableSamplesError, SkipLog
+from ssl_vit.progress import progress_bar
 
 log = logging.getLogger(__name__)
 FEATURE_KINDS = ("cls", "avg", "cls_avg", "last_k", "pooled")
@@ -87,7 +87,7 @@ def extract_features(encoder, dataset, views, kind: str = "cls", last_k: int = 4
     loader = DataLoader(_Views(dataset, views), batch_size=batch_size, shuffle=False, num_workers=num_workers,
                         collate_fn=collate_readable)
     features, labels, dropped = [], [], 0
-    for images, targets, bad in tqdm(loader, desc=desc, disable=not progress, leave=False):
+    for images, targets, bad in progress_bar(loader, desc=desc, enabled=progress, leave=False):
         dropped += bad
         if images is not None:
             images = images.to(device)

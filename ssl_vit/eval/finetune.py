@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
 from ssl_vit.data import ViewBuilder, build_loader
 from ssl_vit.optim import apply_schedule, param_groups, schedule
+from ssl_vit.progress import progress_bar
 
 
 class Classifier(nn.Module):
@@ -60,7 +60,7 @@ def finetune(encoder, train_set, test_set, *, mean, std, interpolation: str = "b
                               crop_pct=crop_pct)
     batches = iter(build_loader(train_set, train_views, batch_size, seed=seed, num_workers=num_workers))
     losses = []
-    for step in tqdm(range(steps), desc="finetune", disable=not progress, leave=False):
+    for step in progress_bar(range(steps), desc="finetune", enabled=progress, leave=False):
         apply_schedule(optimizer, float(lrs[step]), weight_decay)
         batch = next(batches)
         loss = F.cross_entropy(model(batch["image"]), batch["label"])

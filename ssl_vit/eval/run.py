@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from ssl_vit.artifacts import run_directory
 from ssl_vit.data import eval_datasets
+from ssl_vit.data.subset import labels_of
 from ssl_vit.eval.attentive import attentive_eval
 from ssl_vit.eval.features import FEATURE_KINDS, cache_key, cached, extract_features
 from ssl_vit.eval.fewshot import fewshot_eval
@@ -91,12 +95,45 @@ def evaluate(cfg, progress: bool = True) -> dict:
     if "segmentation" in cfg.eval.evaluators and not getattr(test_set, "segmentation_classes", ()):
         raise ConfigError(f"eval=segmentation needs masks; data={cfg.data.name} has none (datasets with masks: "
                           "synthetic, tuxpaint_seg, segfolder)")
+    cache_dir = feature_cache_dir(cfg.cache_dir, cfg.checkpoint) if cfg.cache_features else None
     results, timings, feature_dim = run_evaluators(encoder, train_set, test_set, cfg.eval, preprocess,
-                                                   cfg.cache_dir, identity, cfg.seed, progress, model=model,
+                                                   cache_dir, identity, cfg.seed, progress, model=model,
                                                    data_name=cfg.data.name, embed=embed, dense=dense)
     return {"checkpoint": cfg.checkpoint, "data": cfg.data.name, "features": cfg.eval.features,
             "preprocess": asdict(preprocess), "num_train": len(train_set), "num_test": len(test_set),
+            "num_classes": len(test_set.classes), "chance": chance_levels(test_set, results),
             "feature_dim": feature_dim, "results": results, "timings": timings}
+
+
+def feature_cache_dir(configured: str | None, checkpoint: str) -> Path:
+    """cache_dir when set; else under the evaluated run (<run>/eval/feature_cache), or for an import (timm:, hf:,
+    an encoder file outside a run) under $SSL_VIT_CACHE (default ~/.cache/ssl_vit)/features."""
+    if configured:
+        return Path(configured).expanduser()
+    run = run_directory(checkpoint)
+    if run is not None:
+        return run / "eval" / "feature_cache"
+    return Path(os.environ.get("SSL_VIT_CACHE", "~/.cache/ssl_vit")).expanduser() / "features"
+
+
+def chance_levels(test_set, results: dict) -> dict:
+    """What guessing scores on this test set, per evaluator: the most frequent class's share for classification
+    (1 / classes when the labels cannot be read without decoding), k / pairs for retrieval recall@k, and for
+    segmentation what predicting the most frequent training pixel class everywhere scores."""
+    chance = {}
+    if test_set.classes:
+        labels = labels_of(test_set)
+        top = (np.bincount(labels).max() / len(labels) if labels is not None and len(labels)
+               else 1 / len(test_set.classes))
+    for name, result in results.items():
+        if name == "retrieval":
+            chance[name] = {key: min(1.0, int(key.rsplit("@", 1)[1]) / result["num_pairs"])
+                            for key in result["accuracy"]}
+        elif name == "segmentation":
+            chance[name] = result["chance"]
+        elif test_set.classes:
+            chance[name] = float(top)
+    return chance
 
 
 def check_evaluator_settings(ecfg, encoder) -> None:
@@ -216,18 +253,20 @@ def retrieval_eval(model, test_set, preprocess: Preprocess, ecfg, progress: bool
     return {"accuracy": recalls, "num_pairs": len(embedded["captions"]), "skipped": embedded["skipped"]}
 
 
-def result_rows(report: dict) -> list[tuple[str, float, float]]:
-    """(metric, accuracy, seconds) rows for the table."""
+def result_rows(report: dict) -> list[tuple[str, float, float | None, float]]:
+    """(metric, score, chance level or None, seconds) rows for the table."""
     rows = []
     for name, result in report["results"].items():
-        seconds = report["timings"][f"{name}_s"]
+        seconds, chance = report["timings"][f"{name}_s"], report.get("chance", {}).get(name)
         if name == "segmentation":
-            rows += [("segmentation mIoU", result["miou"], seconds),
-                     ("segmentation pixel acc", result["pixel_accuracy"], seconds)]
+            chance = chance or {}
+            rows += [("segmentation mIoU", result["miou"], chance.get("miou"), seconds),
+                     ("segmentation pixel acc", result["pixel_accuracy"], chance.get("pixel_accuracy"), seconds)]
         elif isinstance(result["accuracy"], dict):
-            rows += [(f"{name} {shot.replace('_', '-')}", value, seconds) for shot, value in result["accuracy"].items()]
+            rows += [(f"{name} {part.replace('_', '-')}", value, chance.get(part) if isinstance(chance, dict)
+                      else chance, seconds) for part, value in result["accuracy"].items()]
         else:
-            rows.append((name, result["accuracy"], seconds))
+            rows.append((name, result["accuracy"], chance, seconds))
     return rows
 
 
@@ -235,13 +274,15 @@ def print_table(report: dict) -> None:
     extraction = report["timings"].get("features_train_s", 0) + report["timings"].get("features_test_s", 0)
     features = (f", {report['features']} features of dim {report['feature_dim']}; extraction {extraction:.1f} s"
                 if report["feature_dim"] else "")
+    classes = f", {report['num_classes']} classes" if report.get("num_classes") else ""
     print(f"{report['checkpoint']} on {report['data']} ({report['num_train']} train / {report['num_test']} test"
-          f"{features})")
+          f"{classes}{features})")
     rows = result_rows(report)
-    width = max([18] + [len(metric) + 2 for metric, _, _ in rows])
-    print(f"{'evaluator':<{width}}{'accuracy':>10}{'time s':>9}")
-    for metric, value, seconds in rows:
-        print(f"{metric:<{width}}{100 * value:>9.2f}%{seconds:>9.2f}")
+    width = max([18] + [len(metric) + 2 for metric, *_ in rows])
+    print(f"{'evaluator':<{width}}{'score':>10}{'chance':>10}{'time s':>9}")
+    for metric, value, chance, seconds in rows:
+        guess = f"{100 * chance:>9.2f}%" if chance is not None else f"{'-':>10}"
+        print(f"{metric:<{width}}{100 * value:>9.2f}%{guess}{seconds:>9.2f}")
 
 
 def write_report(report: dict, out_dir: str | Path) -> Path:

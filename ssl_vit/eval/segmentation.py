@@ -21,13 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from torchvision import tv_tensors
-from tqdm.auto import tqdm
 
 from ssl_vit.data.errors import BadSampleError, NoUsableSamplesError, SkipLog
 from ssl_vit.data.segmentation import IGNORE_INDEX
 from ssl_vit.data.views import eval_transform
 from ssl_vit.eval.features import collate_readable
 from ssl_vit.eval.linear import CHUNK_ELEMENTS, held_out_split, standardise, sweep_l2
+from ssl_vit.progress import progress_bar
 
 log = logging.getLogger(__name__)
 MAX_ITER = 200
@@ -80,7 +80,7 @@ def extract_dense(encoder, dataset, preprocess, blocks: int = 1, batch_size: int
     loader = DataLoader(MaskedViews(dataset, preprocess), batch_size=batch_size, shuffle=False,
                         collate_fn=collate_readable)
     features, masks = [], []
-    for images, targets, _ in tqdm(loader, desc=desc, disable=not progress, leave=False):
+    for images, targets, _ in progress_bar(loader, desc=desc, enabled=progress, leave=False):
         if images is None:
             continue
         images = images.to(device)
@@ -162,6 +162,16 @@ def scores(confusion: torch.Tensor, class_names=None) -> dict:
             "iou": {names[i]: float(true_positive[i] / union[i]) for i in present.nonzero().flatten().tolist()}}
 
 
+def constant_prediction_scores(train_masks, test_masks, num_classes: int) -> dict:
+    """Chance level: the mIoU and pixel accuracy of predicting the training masks' most frequent class everywhere."""
+    train = train_masks[train_masks != IGNORE_INDEX].flatten()
+    majority = int(torch.bincount(train, minlength=num_classes).argmax())
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.long)
+    confusion[:, majority] = torch.bincount(test_masks[test_masks != IGNORE_INDEX].flatten(), minlength=num_classes)
+    result = scores(confusion)
+    return {"miou": result["miou"], "pixel_accuracy": result["pixel_accuracy"]}
+
+
 def linear_segmentation(train_features, train_masks, test_features, test_masks, num_classes: int, l2_values,
                         val_fraction: float = 0.2, seed: int = 0, class_names=None, max_iter: int = MAX_ITER) -> dict:
     """Choose the L2 strength by validation mIoU on a held-out `val_fraction` of the training images, refit on all
@@ -182,6 +192,7 @@ def linear_segmentation(train_features, train_masks, test_features, test_masks, 
     return {"accuracy": result["miou"], **result, "l2": best,
             "val_miou": {str(k): val_miou[k] for k in sorted(val_miou)}, "l2_grid_extended": extended,
             "num_classes": num_classes, "grid": list(train_features.shape[-2:]),
+            "chance": constant_prediction_scores(train_masks, test_masks, num_classes),
             "mask_size": list(train_masks.shape[-2:])}
 
 

@@ -16,10 +16,10 @@ import logging
 
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
-from tqdm.auto import tqdm
 
 from ssl_vit.data.errors import BadSampleError, SkipLog
 from ssl_vit.data.registry import dataset_kind
+from ssl_vit.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def embed_pairs(model, dataset, views, tokenizer, need_text: bool, batch_size: i
     model.eval()
     loader = DataLoader(_Pairs(dataset, views, tokenizer, need_text), batch_size=batch_size, collate_fn=_collate)
     images, texts, captions, labels, skipped = [], [], [], [], 0
-    for batch, dropped in tqdm(loader, desc=desc, disable=not progress, leave=False):
+    for batch, dropped in progress_bar(loader, desc=desc, enabled=progress, leave=False):
         skipped += dropped
         if batch is None:
             continue

@@ -24,11 +24,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from hydra.core.hydra_config import HydraConfig
-from tqdm.auto import tqdm
 
-from ssl_vit.data import loader_workers, make_loader
+from ssl_vit.data import describe_dataset, loader_workers, make_loader
 from ssl_vit.init import rng_devices, without_transformers_zero3
 from ssl_vit.optim import apply_schedule
+from ssl_vit.progress import progress_bar
 from ssl_vit.run_dirs import link_latest
 from ssl_vit.schema import to_container, validate_config
 from ssl_vit.train.build import Run, build_components, build_run, init_source, requirements
@@ -254,8 +254,8 @@ class Trainer:
                                       int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
         if self.is_main:
             log.info("%s, %d encoder parameters, %d process(es) x %d thread(s) + %d loader worker(s), global batch "
-                     "%d; %s%s", describe, count_parameters(self.objective.encoder), world, threads, self.workers,
-                     self.run.global_batch,
+                     "%d; data: %s; %s%s", describe, count_parameters(self.objective.encoder), world, threads,
+                     self.workers, self.run.global_batch, describe_dataset(self.run.dataset),
                      f"resumed from {resume_dir} at step {self.state.step}" if resume_dir else "new run",
                      f" ({dropped} metrics rows past it, {len(removed)} unfinished checkpoint(s) removed)"
                      if dropped or removed else "")
@@ -278,8 +278,8 @@ class Trainer:
 
     def train(self) -> dict:
         """Step to the end (or trainer.stop_at_step); the summary, also on a failure (then re-raised)."""
-        progress = tqdm(total=self.end_step, initial=self.state.step, disable=not (self.is_main and
-                        self.settings.progress), desc="pretrain", dynamic_ncols=True)
+        progress = progress_bar(total=self.end_step, initial=self.state.step, desc="pretrain", dynamic_ncols=True,
+                                enabled=self.is_main and self.settings.progress)
         self.run_start = self.interval_start = time.perf_counter()
         self.interval_step, error = self.state.step, None
         try:
@@ -292,7 +292,7 @@ class Trainer:
                     progress.update(1)
                     if logged:
                         progress.set_postfix(self.log_line)
-                        if self.is_main and not self.settings.progress:  # no bar: the log line says it
+                        if self.is_main and progress.disable:  # no bar (off, or not a terminal): a log line
                             log.info("step %d/%d: %s", self.state.step, self.end_step,
                                      ", ".join(f"{k} {v}" for k, v in self.log_line.items()))
                     if (logged or self.accelerator.num_processes == 1) and (stop := requests.agreed(self.accelerator)):
