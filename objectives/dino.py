@@ -23,22 +23,21 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ssl_vit.collectives import all_reduce
 from ssl_vit.data.multicrop import local_crop_size
 from ssl_vit.data.token_masks import ibot_masks
 from ssl_vit.ema import EMA, teacher_backbone
 from ssl_vit.objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
-from ssl_vit.objectives.distillation import (
-    DINOHead,
-    all_reduce,
+from ssl_vit.objectives.dino_head import DINOHead
+from ssl_vit.objectives.losses.dino import (
     centred_probs,
     cross_view_loss,
-    koleo_loss,
-    masked_tokens,
-    masked_tokens_loss,
     sinkhorn_knopp,
     teacher_temperature_schedule,
     updated_centre,
 )
+from ssl_vit.objectives.losses.ibot import masked_tokens, masked_tokens_loss
+from ssl_vit.objectives.losses.koleo import koleo_loss
 from ssl_vit.objectives.patches import refuse_hybrid
 from ssl_vit.optim import schedule
 from ssl_vit.schema import checked
@@ -237,34 +236,51 @@ class DINO(Objective):
                           generator).to(images.device)
 
     def forward(self, batch):
+        """The teacher's targets, the student's views, then the losses (`_teacher_step`, `_student_step`,
+        `_losses`)."""
         cfg, crops = self.cfg, batch["crops"]
         n_global = cfg.global_crops
         if len(crops) != n_global + cfg.local_crops:
             raise ValueError(f"the batch has {len(crops)} crops, the objective expects {n_global} global + "
                              f"{cfg.local_crops} local ones")
-        temp = self.teacher_temp()
-        prefix = self.backbone.num_prefix_tokens
         global_images = torch.cat(crops[:n_global])
         if "global_masks" in batch:  # drawn in the collate (ssl_vit.data.token_masks)
             masks, indices = batch["global_masks"], batch["global_mask_indices"]
         else:
             masks, indices = self._masks(global_images), None
+        temp = self.teacher_temp()
+        teacher_tokens, teacher_probs = self._teacher_step(global_images, temp)
+        student_global_tokens, pooled = self._student_step(crops, global_images, masks)
+        return self._losses(batch, global_images, masks, indices, temp, teacher_tokens, teacher_probs,
+                            student_global_tokens, pooled)
 
-        with torch.no_grad():
-            teacher_tokens = self._tokens(self.teacher, global_images)
-            teacher_logits = self.teacher.head(self.teacher.backbone.pool(teacher_tokens))
-            teacher_probs = self._targets(teacher_logits, "centre", temp)
+    @torch.no_grad()
+    def _teacher_step(self, global_images: torch.Tensor, temp: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's tokens of the global crops and its (centred or Sinkhorn-Knopp) image targets."""
+        teacher_tokens = self._tokens(self.teacher, global_images)
+        teacher_logits = self.teacher.head(self.teacher.backbone.pool(teacher_tokens))
+        return teacher_tokens, self._targets(teacher_logits, "centre", temp)
 
-        # Student: the (masked) global crops in one forward, then one forward per local resolution.
+    def _student_step(self, crops: list[torch.Tensor], global_images: torch.Tensor, masks: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The student's tokens of the (masked) global crops in one forward, then one forward per local
+        resolution; returns (global tokens, every crop's pooled embedding, crop-major)."""
         student_global_tokens = self._tokens(self, global_images, masks)
-        pooled, start = [self.backbone.pool(student_global_tokens)], n_global
+        pooled, start = [self.backbone.pool(student_global_tokens)], self.cfg.global_crops
         while start < len(crops):
             end = start + 1
             while end < len(crops) and crops[end].shape[-2:] == crops[start].shape[-2:]:
                 end += 1
             pooled.append(self.backbone.pool(self._tokens(self, torch.cat(crops[start:end]))))
             start = end
-        pooled = torch.cat(pooled)
+        return student_global_tokens, torch.cat(pooled)
+
+    def _losses(self, batch: dict, global_images: torch.Tensor, masks, indices, temp: float,
+                teacher_tokens: torch.Tensor, teacher_probs: torch.Tensor, student_global_tokens: torch.Tensor,
+                pooled: torch.Tensor) -> dict:
+        """DINO's cross-view loss, KoLeo, iBOT's masked-patch loss and an objective's anchors (DINOv3's Gram), each
+        weighted into `loss`, with the collapse monitors."""
+        cfg, n_global, prefix = self.cfg, self.cfg.global_crops, self.backbone.num_prefix_tokens
         student_logits = self.head(pooled)
         local_weight = self.local_loss_weight()
         dino = cross_view_loss(student_logits, teacher_probs, cfg.student_temp, n_global, local_weight)

@@ -5,7 +5,7 @@ Gram anchoring keeps the patch features' similarity structure from degrading ove
 frozen earlier snapshot of the EMA teacher's backbone) sees the global crops again, at `gram_size_factor` times
 their resolution and without photometric distortion, its patch features are resized (bicubic) to the student's
 grid, and the loss is the mean squared difference of the per-image Gram matrices of the L2-normalised patch
-features of the student's (masked) global crops and the Gram teacher's (`ssl_vit.objectives.distillation.gram_loss`, as
+features of the student's (masked) global crops and the Gram teacher's (`ssl_vit.objectives.losses.gram.gram_loss`, as
 facebookresearch/dinov3's `GramLoss` with `img_level`, `apply_norm`).
 
 The schedule, per 0-based step k, as dinov3's train loop and `linear_warmup_cosine_decay` arrays give it:
@@ -34,7 +34,7 @@ from ssl_vit.data.multicrop import local_crop_size
 from ssl_vit.ema import copy_parameters, teacher_backbone
 from ssl_vit.objectives.base import DataInfo, Requirements
 from ssl_vit.objectives.dino import DINO, DINOv2Config
-from ssl_vit.objectives.distillation import gram_loss
+from ssl_vit.objectives.losses.gram import gram_loss
 from ssl_vit.objectives.patches import resize_patch_features
 from ssl_vit.schema import checked
 

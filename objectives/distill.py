@@ -39,10 +39,10 @@ import torch.nn.functional as F
 from omegaconf import MISSING, OmegaConf
 from torch import nn
 
+from ssl_vit.collectives import all_reduce
 from ssl_vit.init import whole_modules
 from ssl_vit.objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
 from ssl_vit.objectives.clip import check_choice
-from ssl_vit.objectives.distillation import all_reduce
 from ssl_vit.objectives.feature_teacher import (
     TEACHER_FORMS,
     FeatureTeacher,

@@ -1,7 +1,7 @@
 """DINO and DINOv2 as objectives: the teacher (a separate copy, the EMA's closed form, once per optimizer step, fp32
 when the teacher is bf16), the schedules, the student's forward per resolution, the frozen last layer, collapse
 warnings and multi-crop batches from every dataset kind. Strategies: tests/test_strategies.py; the losses'
-formulas: tests/test_distillation.py."""
+formulas: tests/test_dino_losses.py."""
 
 import argparse
 import logging

@@ -22,7 +22,8 @@ from ssl_vit.data.multicrop import PARAMETERS, MultiCropViews
 from ssl_vit.data.photometric import finish_crops
 from ssl_vit.objectives import DataInfo, build_objective, load_trained
 from ssl_vit.objectives.dinov3 import DINOv3Config, gram_plan
-from ssl_vit.objectives.distillation import cross_view_loss, gram_loss, sinkhorn_knopp
+from ssl_vit.objectives.losses.dino import cross_view_loss, sinkhorn_knopp
+from ssl_vit.objectives.losses.gram import gram_loss
 from ssl_vit.objectives.patches import resize_patch_features
 from ssl_vit.train import build_components
 from ssl_vit.vit import build_vit

@@ -7,6 +7,7 @@ average patch token per block for models without a class token), and `pooled` (t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -14,39 +15,20 @@ import os
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader
 
-from ssl_vit.data.errors import BadSampleError, NoUsableSamplesError, SkipLog
+from ssl_vit.data.errors import NoUsableSamplesError
+from ssl_vit.eval.readable import ReadableSamples, collate_readable
 from ssl_vit.progress import progress_bar
 
 log = logging.getLogger(__name__)
 FEATURE_KINDS = ("cls", "avg", "cls_avg", "last_k", "pooled")
 
 
-class _Views(Dataset):
-    """(image, label) per index; None for a sample that cannot be read (the first few are logged by name)."""
-
-    def __init__(self, dataset, views):
-        self.dataset, self.views = dataset, views
-        self.skip_log = SkipLog(log, "sample")
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, index):
-        try:
-            out = self.views(self.dataset[index])
-        except BadSampleError as err:
-            self.skip_log(f"{err} (left out of the features)")
-            return None
-        return out["image"], out["label"]
-
-
-def collate_readable(items):
-    """A batch of the readable items: (images, labels, number dropped); images and labels are None if none is."""
-    readable = [item for item in items if item is not None]
-    images, labels = default_collate(readable) if readable else (None, None)
-    return images, labels, len(items) - len(readable)
+def labelled_view(views, sample: dict, index: int) -> tuple:
+    """(image, label) of a sample, through the encoder's eval views."""
+    out = views(sample)
+    return out["image"], out["label"]
 
 
 def features_from_tokens(encoder, images: torch.Tensor, kind: str, last_k: int = 4) -> torch.Tensor:
@@ -84,12 +66,14 @@ def extract_features(encoder, dataset, views, kind: str = "cls", last_k: int = 4
     if device is not None:
         encoder.to(device)
     device = next(encoder.parameters()).device
-    loader = DataLoader(_Views(dataset, views), batch_size=batch_size, shuffle=False, num_workers=num_workers,
+    readable = ReadableSamples(dataset, functools.partial(labelled_view, views), "the features")
+    loader = DataLoader(readable, batch_size=batch_size, shuffle=False, num_workers=num_workers,
                         collate_fn=collate_readable)
     features, labels, dropped = [], [], 0
-    for images, targets, bad in progress_bar(loader, desc=desc, enabled=progress, leave=False):
+    for batch, bad in progress_bar(loader, desc=desc, enabled=progress, leave=False):
         dropped += bad
-        if images is not None:
+        if batch is not None:
+            images, targets = batch
             images = images.to(device)
             embedded = embed(images) if embed is not None else features_from_tokens(encoder, images, kind, last_k)
             features.append(embedded.float().cpu())

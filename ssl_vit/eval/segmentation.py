@@ -19,41 +19,31 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from torchvision import tv_tensors
 
-from ssl_vit.data.errors import BadSampleError, NoUsableSamplesError, SkipLog
+from ssl_vit.data.errors import NoUsableSamplesError
 from ssl_vit.data.segmentation import IGNORE_INDEX
 from ssl_vit.data.views import eval_transform
-from ssl_vit.eval.features import collate_readable
 from ssl_vit.eval.linear import CHUNK_ELEMENTS, held_out_split, standardise, sweep_l2
+from ssl_vit.eval.readable import ReadableSamples, collate_readable
 from ssl_vit.progress import progress_bar
 
 log = logging.getLogger(__name__)
 MAX_ITER = 200
 
 
-class MaskedViews(Dataset):
-    """(image normalised as `preprocess` says, mask) per index, the encoder's eval transform applied to both (the
-    mask nearest-neighbour); None for an unreadable sample."""
+class MaskedView:
+    """(image normalised as `preprocess` says, mask) of a sample, the encoder's eval transform applied to both (the
+    mask nearest-neighbour)."""
 
-    def __init__(self, dataset, preprocess):
-        self.dataset = dataset
+    def __init__(self, preprocess):
         self.spatial = eval_transform(preprocess.img_size, preprocess.interpolation, preprocess.crop_pct,
                                       preprocess.resize_mode)
         self.mean = torch.tensor(preprocess.mean).view(-1, 1, 1)
         self.std = torch.tensor(preprocess.std).view(-1, 1, 1)
-        self.skip_log = SkipLog(log, "sample")
 
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, index):
-        try:
-            sample = self.dataset[index]
-        except BadSampleError as err:
-            self.skip_log(f"{err} (left out of the segmentation evaluation)")
-            return None
+    def __call__(self, sample: dict, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if "mask" not in sample:
             raise ValueError("eval=segmentation needs samples with masks (data=synthetic, tuxpaint_seg or segfolder)")
         image, mask = self.spatial(tv_tensors.Image(sample["image"]), tv_tensors.Mask(sample["mask"]))
@@ -77,12 +67,13 @@ def extract_dense(encoder, dataset, preprocess, blocks: int = 1, batch_size: int
     was_training = encoder.training
     encoder.eval()
     device = next(encoder.parameters()).device
-    loader = DataLoader(MaskedViews(dataset, preprocess), batch_size=batch_size, shuffle=False,
-                        collate_fn=collate_readable)
+    loader = DataLoader(ReadableSamples(dataset, MaskedView(preprocess), "the segmentation evaluation"),
+                        batch_size=batch_size, shuffle=False, collate_fn=collate_readable)
     features, masks = [], []
-    for images, targets, _ in progress_bar(loader, desc=desc, enabled=progress, leave=False):
-        if images is None:
+    for batch, _ in progress_bar(loader, desc=desc, enabled=progress, leave=False):
+        if batch is None:
             continue
+        images, targets = batch
         images = images.to(device)
         dense = dense_fn(images) if dense_fn is not None else patch_tokens(encoder, images, blocks)
         features.append(dense.float().cpu())

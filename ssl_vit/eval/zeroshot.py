@@ -12,13 +12,15 @@ image's caption.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, default_collate
 
-from ssl_vit.data.errors import BadSampleError, SkipLog
+from ssl_vit.data.errors import MissingTextError
 from ssl_vit.data.registry import dataset_kind
+from ssl_vit.eval.readable import ReadableSamples, collate_readable
 from ssl_vit.progress import progress_bar
 
 log = logging.getLogger(__name__)
@@ -53,38 +55,20 @@ def zeroshot_classifier(model, tokenizer, classnames, templates, device="cpu") -
     return weights
 
 
-class _Pairs(Dataset):
-    """(image, token ids, caption, label or -1) per index; None for an unreadable sample or one without text
-    when text is needed."""
-
-    def __init__(self, dataset, views, tokenizer, need_text: bool):
-        self.dataset, self.views, self.tokenizer, self.need_text = dataset, views, tokenizer, need_text
-        self.skip_log = SkipLog(log, "sample")
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, index):
-        try:
-            sample = self.dataset[index]
-            image = self.views(sample)["image"]
-        except BadSampleError as err:
-            self.skip_log(f"{err} (left out)")
-            return None
-        text = sample.get("text") or ""
-        if self.need_text and not text:
-            self.skip_log(f"sample {index} has no caption (left out)")
-            return None
-        tokens = self.tokenizer(text) if self.need_text else torch.zeros(0, dtype=torch.long)
-        return image, tokens, text, int(sample.get("label", -1))
+def image_text_pair(views, tokenizer, need_text: bool, sample: dict, index: int) -> tuple:
+    """(image, token ids, caption, label or -1) of a sample; a sample without a caption is refused when text is
+    needed."""
+    image = views(sample)["image"]
+    text = sample.get("text") or ""
+    if need_text and not text:
+        raise MissingTextError(f"sample {index} has no caption")
+    tokens = tokenizer(text) if need_text else torch.zeros(0, dtype=torch.long)
+    return image, tokens, text, int(sample.get("label", -1))
 
 
-def _collate(items):
-    readable = [item for item in items if item is not None]
-    if not readable:
-        return None, len(items)
+def _collate_pairs(readable: list) -> tuple:
     images, tokens, _, labels = default_collate([(i, t, 0, y) for i, t, _, y in readable])
-    return (images, tokens, [item[2] for item in readable], labels), len(items) - len(readable)
+    return images, tokens, [item[2] for item in readable], labels
 
 
 @torch.no_grad()
@@ -94,7 +78,10 @@ def embed_pairs(model, dataset, views, tokenizer, need_text: bool, batch_size: i
     that cannot be read (or lack a caption when text is needed) are left out and counted in `skipped`."""
     was_training = model.training
     model.eval()
-    loader = DataLoader(_Pairs(dataset, views, tokenizer, need_text), batch_size=batch_size, collate_fn=_collate)
+    pairs = ReadableSamples(dataset, functools.partial(image_text_pair, views, tokenizer, need_text),
+                            "the embeddings")
+    loader = DataLoader(pairs, batch_size=batch_size,
+                        collate_fn=functools.partial(collate_readable, collate=_collate_pairs))
     images, texts, captions, labels, skipped = [], [], [], [], 0
     for batch, dropped in progress_bar(loader, desc=desc, enabled=progress, leave=False):
         skipped += dropped

@@ -10,18 +10,10 @@ import torch
 from helpers.ranks import on_ranks
 
 from ssl_vit.data.token_masks import GlobalCropMasks, block_mask, ibot_masks
-from ssl_vit.objectives.distillation import (
-    DINOHead,
-    WeightNormLinear,
-    dino_loss,
-    koleo_loss,
-    masked_patch_loss,
-    masked_tokens,
-    masked_tokens_loss,
-    sinkhorn_knopp,
-    teacher_temperature_schedule,
-    updated_centre,
-)
+from ssl_vit.objectives.dino_head import DINOHead, WeightNormLinear
+from ssl_vit.objectives.losses.dino import dino_loss, sinkhorn_knopp, teacher_temperature_schedule, updated_centre
+from ssl_vit.objectives.losses.ibot import masked_patch_loss, masked_tokens, masked_tokens_loss
+from ssl_vit.objectives.losses.koleo import koleo_loss
 
 
 def reference_loss(student_crops, teacher_globals, centre, ts, tt):
