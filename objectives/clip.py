@@ -55,7 +55,7 @@ SIGLIP_DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
 class CLIPConfig(ObjectiveConfig):
     name: str = "clip"
     embed_dim: int = checked(512, ge=1)  # the joint image-text embedding
-    text_tower: str = "open_clip"  # open_clip | hf
+    text_tower: str = checked("open_clip", choices=TEXT_TOWERS)
     context_length: int = checked(77, ge=2)  # tokens per caption (open_clip's BPE: start + 75 + end)
     # open_clip's TextTransformer (text_tower=open_clip)
     text_width: int = checked(512, ge=1)
@@ -66,12 +66,13 @@ class CLIPConfig(ObjectiveConfig):
     # ({model_type: bert, hidden_size: 64, ...}) that uses open_clip's tokenizer (vocabulary 49,408, pad id 0)
     hf_model: str | None = None
     hf_config: Any = None  # a mapping (Any: a command-line dict replaces the default as a whole)
-    hf_pooler: str = "mean_pooler"  # mean_pooler | cls_pooler | max_pooler
-    hf_proj: str = "linear"  # linear | mlp
+    hf_pooler: str = checked("mean_pooler", choices=HF_POOLERS)
+    hf_proj: str = checked("linear", choices=HF_PROJECTIONS)
     init_logit_scale: float = math.log(1 / 0.07)
     max_logit_scale: float = math.log(100)
     init_logit_bias: float | None = None  # SigLIP: -10
-    siglip_dist_impl: str = "bidir"  # how SigLIP exchanges text features across ranks (open_clip's dist_impl)
+    # how SigLIP exchanges text features across ranks (open_clip's dist_impl)
+    siglip_dist_impl: str = checked("bidir", choices=SIGLIP_DIST_IMPLS)
     # LiT: a frozen image tower from an encoder file or run directory; the projection and the text side train
     lock_image: bool = False
     image_encoder: str | None = None
@@ -121,15 +122,9 @@ class Projection(nn.Linear):
         nn.init.normal_(self.weight, std=self.in_features ** -0.5)
 
 
-def check_choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"objective.{name}={value!r} is not one of {list(choices)}")
-
-
 def build_text_tower(cfg) -> nn.Module:
     """open_clip's TextTransformer (attention from its own Linear-free `Attention`, which ZeRO-3 can partition:
     `block_type="custom"`) or open_clip's HFTextEncoder around a transformers model."""
-    check_choice("text_tower", cfg.text_tower, TEXT_TOWERS)
     if cfg.text_tower == "open_clip":
         from open_clip.transformer import TextTransformer  # heavy: image-text models only
 
@@ -151,8 +146,6 @@ def build_text_tower(cfg) -> nn.Module:
     from open_clip.hf_model import HFTextEncoder  # heavy: image-text models only
     from transformers import AutoConfig  # (the same)
 
-    check_choice("hf_pooler", cfg.hf_pooler, HF_POOLERS)
-    check_choice("hf_proj", cfg.hf_proj, HF_PROJECTIONS)
     if bool(cfg.hf_model) == bool(cfg.hf_config):
         raise ValueError("text_tower=hf needs exactly one of objective.hf_model (a local transformers directory) and "
                          "objective.hf_config (e.g. {model_type: bert, hidden_size: 64, num_hidden_layers: 2, "
@@ -211,7 +204,6 @@ class CLIP(Objective):
         self.logit_scale = nn.Parameter(torch.full([1], float(cfg.init_logit_scale)))
         self.logit_bias = (nn.Parameter(torch.full([1], float(cfg.init_logit_bias)))
                            if cfg.init_logit_bias is not None else None)
-        check_choice("siglip_dist_impl", cfg.siglip_dist_impl, SIGLIP_DIST_IMPLS)
         if cfg.lock_image:
             self._lock_image(cfg)
         elif cfg.image_encoder:

@@ -69,7 +69,7 @@ class DINOConfig(ObjectiveConfig):
     teacher_temp: float = checked(0.04, gt=0)
     warmup_teacher_temp: float = checked(0.04, gt=0)
     warmup_teacher_temp_fraction: float = checked(0.3, ge=0, le=1)
-    centering: str = "centre"  # centre (EMA of the batch mean) | sinkhorn_knopp (DINOv2)
+    centering: str = checked("centre", choices=CENTERINGS)  # centre: an EMA of the batch mean; DINOv2: sinkhorn
     centre_momentum: float = checked(0.9, ge=0, lt=1)
     sinkhorn_iterations: int = checked(3, ge=1)
     teacher_momentum: float = checked(0.996, ge=0, le=1)  # cosine to teacher_momentum_end over the run
@@ -90,7 +90,7 @@ class DINOConfig(ObjectiveConfig):
 @dataclass
 class DINOv2Config(DINOConfig):
     name: str = "dinov2"
-    centering: str = "sinkhorn_knopp"
+    centering: str = checked("sinkhorn_knopp", choices=CENTERINGS)
     teacher_temp: float = checked(0.07, gt=0)
     koleo_weight: float = checked(0.1, ge=0)
     ibot_weight: float = checked(1.0, ge=0)
@@ -125,8 +125,6 @@ class DINO(Objective):
 
     def __init__(self, backbone, cfg: DINOConfig, data: DataInfo):
         super().__init__(backbone, cfg, data)
-        if cfg.centering not in CENTERINGS:
-            raise ValueError(f"centering={cfg.centering!r} is invalid; valid choices: {list(CENTERINGS)}")
         if cfg.global_crops + cfg.local_crops < 2:
             raise ValueError(f"global_crops={cfg.global_crops} + local_crops={cfg.local_crops}: DINO compares views, "
                              "it needs at least 2 crops")

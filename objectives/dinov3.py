@@ -53,11 +53,12 @@ class DINOv3Config(DINOv2Config):
     gram_update_every: int = checked(10000, ge=0)  # 0: the Gram teacher stays as it was at gram_start
     gram_max_updates: int = checked(3, ge=0)
     gram_size_factor: float = checked(2.0, ge=1)  # the Gram teacher's crops: this times the global crops' size
-    gram_resize: str = "bicubic"  # its features to the student's grid (F.interpolate mode, no antialiasing)
+    # its features to the student's grid (F.interpolate mode, no antialiasing)
+    gram_resize: str = checked("bicubic", choices=GRAM_RESIZES)
     gram_remove_negative: bool = False
     local_loss_weight: float = checked(0.5, ge=0)  # the local crops' DINO weight once Gram anchoring is on
     # the high-resolution adaptation stage
-    stage: str = "pretrain"  # pretrain | hires
+    stage: str = checked("pretrain", choices=STAGES)
     hires_scale: float = checked(2.0, ge=1)  # global (and local) crops at this times the model's size
     hires_gram_size_factor: float = checked(1.5, ge=1)
     hires_gram_weight: float = checked(1.5, ge=0)
@@ -95,8 +96,6 @@ class GramPlan:
 
 
 def gram_plan(cfg: DINOv3Config) -> GramPlan:
-    if cfg.stage not in STAGES:
-        raise ValueError(f"stage={cfg.stage!r} is invalid; valid choices: {list(STAGES)}")
     if cfg.stage == "hires":  # the starting weights anchor the whole stage, at constant weights
         return GramPlan(cfg.hires_gram_weight, 0, 0, 0, 0, cfg.hires_gram_size_factor, cfg.hires_local_loss_weight)
     return GramPlan(cfg.gram_weight, cfg.gram_start, cfg.gram_warmup_steps, cfg.gram_update_every,
@@ -112,8 +111,6 @@ class DINOv3(DINO):
     saved_heads = (*DINO.saved_heads, "gram_teacher.")
 
     def __init__(self, backbone, cfg: DINOv3Config, data: DataInfo):
-        if cfg.gram_resize not in GRAM_RESIZES:
-            raise ValueError(f"gram_resize={cfg.gram_resize!r} is invalid; valid choices: {list(GRAM_RESIZES)}")
         super().__init__(backbone, cfg, data)
         self.plan = gram_plan(cfg)
         patch = self.backbone.patch_embed.stride[0]

@@ -42,7 +42,6 @@ from torch import nn
 from ssl_vit.collectives import all_reduce
 from ssl_vit.init import whole_modules
 from ssl_vit.objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
-from ssl_vit.objectives.clip import check_choice
 from ssl_vit.objectives.feature_teacher import (
     TEACHER_FORMS,
     FeatureTeacher,
@@ -82,9 +81,9 @@ class DistillConfig(ObjectiveConfig):
     adaptor_hidden_dim: int = checked(1024, ge=1)
     patch_cosine_weight: float = checked(0.9, ge=0)
     patch_smooth_l1_weight: float = checked(0.1, ge=0)
-    standardize: str = "running"  # running | none
+    standardize: str = checked("running", choices=STANDARDIZE)
     stats_momentum: float = checked(0.99, ge=0, lt=1)
-    teacher_precision: str = "auto"  # auto (bf16 on a GPU that has it, else fp32) | bf16 | fp32
+    teacher_precision: str = checked("auto", choices=TEACHER_PRECISIONS)  # auto: bf16 on a GPU that has it
     text_teacher: str | None = None  # the image-text teacher zero-shot goes through; default the first one
     load_teachers: bool = True  # false: the student and its adaptors only (evaluation, reloading)
 
@@ -160,8 +159,6 @@ class Distill(Objective):
 
     def __init__(self, backbone, cfg: DistillConfig, data: DataInfo):
         super().__init__(backbone, cfg, data)
-        check_choice("teacher_precision", cfg.teacher_precision, TEACHER_PRECISIONS)
-        check_choice("standardize", cfg.standardize, STANDARDIZE)
         if not cfg.teachers:
             raise ValueError("objective=distill needs at least one teacher: objective.teachers=[{source: <run dir | "
                              "timm:... | hf:... | open_clip:...>, name: <name>}, ...]")

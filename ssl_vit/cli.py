@@ -19,14 +19,16 @@ import os
 import re
 import shutil
 import sys
+from enum import Enum
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import ConfigCompositionException, OverrideParseException
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from ssl_vit.config import (
     EvalConfig,
@@ -43,7 +45,7 @@ from ssl_vit.data.errors import DataError
 from ssl_vit.objectives import OBJECTIVES
 from ssl_vit.paths import CONFIG_DIR
 from ssl_vit.run_dirs import default_run_dir, evaluation_dir
-from ssl_vit.schema import ConfigError, closest_names
+from ssl_vit.schema import ConfigError, closest_names, not_one_of
 from ssl_vit.train.build import requirements
 from ssl_vit.train.guard import TrainingDiverged
 from ssl_vit.train.outputs import OutputError, check_writable, describe_write_failure
@@ -237,36 +239,52 @@ def _schema_named(name: str):
 
 
 def explain_hydra_error(err: Exception, config_name: str, overrides: list[str]) -> str:
-    text = str(err)
-    unknown_key = re.search(r"Could not override '([^']+)'", text)
-    inner = re.search(r"Key '([^']+)' not in '([^']+)'", str(err.__cause__ or ""))
-    if unknown_key and inner and inner.group(1) != unknown_key.group(1).rpartition(".")[2]:
-        # a key of an item of a list of schemas (objective.teachers=[{...}])
-        key, item_schema = unknown_key.group(1), inner.group(2)
-        valid = [f.name for f in dataclasses.fields(_schema_named(item_schema))] if _schema_named(item_schema) \
-            else []
-        return f"unknown key {inner.group(1)!r} in an item of {key} ({item_schema})" + closest_names(
-            inner.group(1), valid, prefix="")
-    if unknown_key and "To append to your config" in text:  # a value of a key no schema has
-        key = unknown_key.group(1)
-        parent, _, name = key.rpartition(".")
-        valid = _keys_of(config_name, parent, [o for o in overrides if not o.startswith(key + "=")])
-        return f"unknown key {key}" + closest_names(name, valid, prefix=f"{parent}." if parent else "")
-    missing = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
-    if missing:
-        group, option = missing.groups()
-        choices = re.findall(r"^\t(\S+)$", text, flags=re.MULTILINE)
-        return f"{group}={option} is not an option of {group}" + closest_names(option, choices, prefix=f"{group}=")
+    """One line for Hydra's and OmegaConf's composition errors, read from their exception types and attributes:
+    an option a config group lacks (MissingConfigException), a key no schema has (ConfigKeyError /
+    ConfigAttributeError with the schema as object_type), a value its type refuses (ValidationError: an enum's
+    choices, a number), an override the grammar cannot parse."""
+    cause = err.__cause__
+    if isinstance(err, MissingConfigException) and "/" in (err.missing_cfg_file or ""):
+        group, option = err.missing_cfg_file.rsplit("/", 1)
+        return f"{group}={option} is not an option of {group}" + closest_names(option, list(err.options or []),
+                                                                               prefix=f"{group}=")
     if isinstance(err, OverrideParseException) and "{" in " ".join(overrides):
         braced = next(o for o in overrides if "{" in o)
         key, _, value = braced.partition("=")
         return (f"{braced}: Hydra's override grammar reads {{...}} as a dictionary; a brace pattern needs double "
                 f"quotes inside the shell's single quotes: '{key}=\"{value}\"'")
-    cause = err.__cause__
-    full_key = re.search(r"full_key: (\S+)", str(cause)) if cause is not None else None
-    if full_key:  # a value its schema's type refuses (an enum's choices, a number)
-        return f"{full_key.group(1)}: {str(cause).strip().splitlines()[0]}"
-    return text.strip().splitlines()[0] + " (see https://hydra.cc/docs/advanced/override_grammar/basic)"
+    if isinstance(cause, ConfigKeyError | ConfigAttributeError) and cause.key is not None:
+        return _unknown_key(cause, config_name, overrides)
+    if isinstance(cause, ValidationError) and cause.full_key:
+        enum_type = _enum_of(cause)
+        if enum_type is not None:
+            return not_one_of(cause.full_key, cause.value, [member.name for member in enum_type])
+        return f"{cause.full_key}={cause.value} is invalid: {cause.msg.strip().splitlines()[0]}"
+    return str(err).strip().splitlines()[0] + " (see https://hydra.cc/docs/advanced/override_grammar/basic)"
+
+
+def _enum_of(cause: ValidationError):
+    """The Enum a refused value was meant for: its node's (a field), or its list's element type (a list item)."""
+    if getattr(cause.child_node, "enum_type", None) is not None:
+        return cause.child_node.enum_type
+    element = getattr(getattr(cause.parent_node, "_metadata", None), "element_type", None)
+    return element if isinstance(element, type) and issubclass(element, Enum) else None
+
+
+def _unknown_key(cause, config_name: str, overrides: list[str]) -> str:
+    """A key its schema lacks: at a config path, or inside an item of a list of schemas (objective.teachers=[{}])."""
+    schema, key = cause.object_type, str(cause.key)
+    valid = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else []
+    listed = next((o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o
+                   and o.split("=", 1)[1].lstrip().startswith("[") and f"{key}:" in o.split("=", 1)[1]), None)
+    if listed is not None and "." not in (cause.full_key or ""):
+        return (f"unknown key {key!r} in an item of {listed} ({getattr(schema, '__name__', 'its schema')})"
+                + closest_names(key, valid, prefix=""))
+    full_key = cause.full_key or key
+    parent = full_key.rpartition(".")[0]
+    if not valid:  # a node without a schema: the keys it has once the other overrides are composed
+        valid = _keys_of(config_name, parent, [o for o in overrides if not o.lstrip("+~").startswith(full_key + "=")])
+    return f"unknown key {full_key}" + closest_names(key, valid, prefix=f"{parent}." if parent else "")
 
 
 def _compose_job(config_name: str, overrides: list[str]):

@@ -16,8 +16,16 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from ssl_vit.init import WEIGHT_INITS
+from ssl_vit.rope import ROPE_KINDS, ROPE_NORMALIZATIONS
 from ssl_vit.schema import checked
-from ssl_vit.vit import PRESETS
+from ssl_vit.stem import STEMS
+from ssl_vit.vit import ACTIVATIONS, CHECKPOINTING, GLOBAL_POOLS, POS_EMBED_INTERP_MODES, POS_EMBEDS, PRESETS
+
+# Choices of the engine's own string options, stated once (the schemas below check them: ssl_vit.schema.checked)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+EVALUATORS = ("linear", "knn", "fewshot", "finetune", "zeroshot", "retrieval", "segmentation", "attentive")
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fsdp2")  # plan_memory's
 
 
 class Precision(str, Enum):
@@ -47,8 +55,8 @@ class ModelConfig:
     grad_checkpointing: bool = False  # activation checkpointing per transformer block
     # What a checkpointed block keeps: "full" its input only (recompute all), "selective" also its matmul and
     # attention outputs (recompute the element-wise ops; ssl_vit.vit.CHECKPOINTING)
-    checkpoint_policy: str = "full"
-    global_pool: str | None = None
+    checkpoint_policy: str = checked("full", choices=CHECKPOINTING)
+    global_pool: str | None = checked(None, choices=GLOBAL_POOLS)
     class_token: bool | None = None
     dist_token: bool | None = None  # DeiT's distillation token (objective=deit turns it on)
     num_registers: int | None = None
@@ -58,16 +66,16 @@ class ModelConfig:
     # coordinates over each side (rope_normalize separate | min | max) and moved while training by rope_shift,
     # rope_jitter, rope_rescale (DINOv3's shift / jitter / rescale; None: off). rope_kind: dinov3 (that) | axial |
     # mixed (RoPE-ViT's variants as timm has them: patch-index coordinates; mixed learns its frequencies)
-    pos_embed: str | None = None
-    rope_kind: str | None = None
+    pos_embed: str | None = checked(None, choices=POS_EMBEDS)
+    rope_kind: str | None = checked(None, choices=ROPE_KINDS)
     rope_theta: float | None = checked(None, gt=0)
     rope_min_period: float | None = checked(None, gt=0)
     rope_max_period: float | None = checked(None, gt=0)
-    rope_normalize: str | None = None
+    rope_normalize: str | None = checked(None, choices=ROPE_NORMALIZATIONS)
     rope_shift: float | None = checked(None, ge=0)
     rope_jitter: float | None = checked(None, ge=1)
     rope_rescale: float | None = checked(None, ge=1)
-    pos_embed_interp: str | None = None  # "bicubic" | "bilinear", for resampling to another grid
+    pos_embed_interp: str | None = checked(None, choices=POS_EMBED_INTERP_MODES)  # resampling to another grid
     pos_embed_antialias: bool | None = None  # timm antialiases (default); DINOv2 / HF transformers do not
     qkv_bias: bool | None = None
     qk_norm: bool | None = None
@@ -84,12 +92,12 @@ class ModelConfig:
     num_heads: int | None = None
     mlp_ratio: float | None = None
     mlp_dim: int | None = None
-    weight_init: str | None = None  # timm | jax | torch (ssl_vit.init); None: the preset's
-    act_layer: str | None = None  # gelu | gelu_tanh | quick_gelu (ssl_vit.vit.ACTIVATIONS); None: gelu
+    weight_init: str | None = checked(None, choices=WEIGHT_INITS)  # ssl_vit.init; None: the preset's
+    act_layer: str | None = checked(None, choices=ACTIVATIONS)  # None: gelu
     # Hybrid (ssl_vit.stem): stem=resnet takes tokens from a ResNet-v2 feature map, 1x1 patches unless patch_size
     # says otherwise; stem_layers = blocks per stage (R50 hybrid: [3, 4, 9], stride 16), stem_channels = stage
     # widths (None: ResNet's 256, 512, ...), stem_width = the 7x7 stem conv's width.
-    stem: str | None = None  # patch | resnet
+    stem: str | None = checked(None, choices=STEMS)
     stem_layers: list[int] | None = checked(None, ge=1)
     stem_channels: list[int] | None = checked(None, ge=1)
     stem_width: int | None = checked(None, ge=1)
@@ -136,7 +144,7 @@ class TrainerConfig:
     tf32: bool = True  # fp32 matmuls in TF32 on CUDA (false: full fp32, e.g. for parity checks)
     # torch.compile each transformer block (ssl_vit.train.strategy.compile_blocks): single process, DDP, FSDP2
     compile: bool = False
-    compile_mode: str | None = None  # torch.compile's mode (COMPILE_MODES); None: its default
+    compile_mode: str | None = checked(None, choices=COMPILE_MODES)  # torch.compile's mode; None: its default
     compile_dynamic: bool | None = None  # None: torch decides (a second input shape recompiles with dynamic sizes)
     compile_cache_dir: str | None = None  # inductor's cache (TORCHINDUCTOR_CACHE_DIR); None: <run>/compile_cache
     log_every: int = checked(10, ge=1)
@@ -173,8 +181,10 @@ class TrainerConfig:
 class EvalConfig:
     """Which evaluators run on the frozen features, and their settings."""
 
-    evaluators: list[str] = field(default_factory=lambda: ["linear", "knn", "fewshot"])
-    features: str = "cls_avg"  # cls | avg | cls_avg | last_k | pooled (ssl_vit.eval.features)
+    evaluators: list[str] = checked(factory=lambda: ["linear", "knn", "fewshot"], choices=EVALUATORS)
+    # ssl_vit.eval.features.FEATURE_KINDS, or the name of a distilled student's adaptor (not a fixed set: checked
+    # by the evaluation against the run it reads)
+    features: str = "cls_avg"
     last_k: int = checked(4, ge=1)
     batch_size: int = checked(256, ge=1)
     l2_values: list[float] = checked(factory=lambda: [1e-5, 1e-4, 1e-3, 1e-2, 1e-1], gt=0)
@@ -221,7 +231,7 @@ class PlanConfig:
     """scripts/plan_memory.py: memory per GPU of a run (ssl_vit.train.memory)."""
 
     model: ModelConfig = MISSING
-    strategy: str = "zero3"  # ddp | zero1 | zero2 | zero3 | zero2_offload | zero3_offload | fsdp2
+    strategy: str = checked("zero3", choices=STRATEGIES)
     gpus: int = checked(8, ge=1)
     gpus_per_node: int = checked(8, ge=1)
     batch_per_gpu: int = checked(1, ge=1)

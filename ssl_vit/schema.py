@@ -18,12 +18,15 @@ class ConfigError(ValueError):
 
 
 def checked(default: Any = MISSING, *, factory=None, ge=None, gt=None, le=None, lt=None, length=None,
-            example: str | None = None):
-    """A dataclass field with range rules that `validate_config` enforces: bounds apply to a number or to every
-    item of a list, `length` to a list; None always passes (optional fields). `example` completes the message when a
-    mandatory value is missing."""
+            choices=None, example: str | None = None):
+    """A dataclass field with rules that `validate_config` enforces: bounds apply to a number or to every item of a
+    list, `length` to a list, `choices` (the library's own tuple of valid names: stated once) to a string or every
+    item of a list; None always passes (optional fields). `example` completes the message when a mandatory value is
+    missing."""
     rules = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, length=length, example=example).items()
              if v is not None}
+    if choices is not None:
+        rules["choices"] = tuple(choices)
     if factory is not None:
         return field(default_factory=factory, metadata=rules)
     return field(default=default, metadata=rules)
@@ -31,6 +34,14 @@ def checked(default: Any = MISSING, *, factory=None, ge=None, gt=None, le=None, 
 
 _BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
            "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
+
+
+def not_one_of(key: str, value, choices) -> str:
+    """The one message of a value outside its choices: the key, the value, the valid choices, the closest."""
+    valid = [str(choice) for choice in choices]
+    close = difflib.get_close_matches(str(value), valid, n=2, cutoff=0.6)
+    return (f"{key}={value} is not one of {', '.join(valid)}"
+            + (f"; did you mean {' or '.join(f'{key}={c}' for c in close)}?" if close else ""))
 
 
 def _rule_violation(value, rules: dict) -> str | None:
@@ -96,10 +107,19 @@ def _check_node(node: DictConfig, prefix: str) -> None:
                     _check_node(item, f"{prefix}{key}[{index}].")
         if rules.get(key):
             value = node[key]
+            _check_choices(f"{prefix}{key}", value, rules[key].get("choices"))
             problem = _rule_violation(value, rules[key])
             if problem:
                 shown = list(value) if isinstance(value, ListConfig) else value
                 raise ConfigError(f"{prefix}{key}={shown} is invalid: {problem}")
+
+
+def _check_choices(key: str, value, choices) -> None:
+    if choices is None or value is None:
+        return
+    for item in (value if isinstance(value, list | tuple | ListConfig) else [value]):
+        if item not in choices:
+            raise ConfigError(not_one_of(key, item, choices))
 
 
 def to_container(cfg) -> dict:

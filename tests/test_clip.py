@@ -370,7 +370,7 @@ def test_every_clip_config_composes_and_bad_values_name_the_choices(option):
     cfg = _config(f"objective={option}", "model=vit_test", "output_dir=x")
     assert cfg.objective.name == option.removesuffix("_tiny")
     assert math.exp(cfg.objective.init_logit_scale) == pytest.approx(1 / 0.07 if "clip" in option else 10)
-    with pytest.raises(ConfigError, match=r"objective.text_tower='gpt' is not one of \['open_clip', 'hf'\]"):
+    with pytest.raises(ConfigError, match=r"^objective.text_tower=gpt is not one of open_clip, hf$"):
         build_components(_config(f"objective={option}", "objective.text_tower=gpt", "model=vit_test",
                                  "output_dir=x"))
     with pytest.raises(ConfigError, match="needs captions but data=digits has none"):

@@ -13,9 +13,11 @@ import pytest
 from accelerate.utils import DistributedType
 from conftest import assert_weights_close, check_ok, read_metrics
 from helpers.pool import EVAL, OBJECTIVES, RUNS, strategy_run
+from omegaconf import OmegaConf
 
 from ssl_vit.artifacts import load_encoder
-from ssl_vit.schema import ConfigError
+from ssl_vit.config import TrainerConfig
+from ssl_vit.schema import ConfigError, validate_config
 from ssl_vit.train.strategy import check_compile
 
 COMPILED = {("dinov3", "ddp_cpu2"): [], ("dinov3", "fsdp2_cpu2"): [],
@@ -62,8 +64,9 @@ def test_compile_is_refused_under_deepspeed_and_a_bad_mode_is_named():
     zero2 = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=2,
                             state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2)))
     with pytest.raises(ConfigError, match=r"not supported under zero2 .*\['single', 'ddp', 'fsdp2'\]"):
-        check_compile(zero2, None)
-    ddp = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2)
-    with pytest.raises(ConfigError, match=r"compile_mode='fastest' is not one of \['default', 'reduce-overhead'"):
-        check_compile(ddp, "fastest")
-    check_compile(ddp, "max-autotune")
+        check_compile(zero2)
+    check_compile(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2))
+    cfg = OmegaConf.structured(TrainerConfig(compile_mode="fastest"))
+    with pytest.raises(ConfigError, match=r"^trainer.compile_mode=fastest is not one of default, reduce-overhead, "
+                                          r"max-autotune, max-autotune-no-cudagraphs$"):
+        validate_config(cfg, "trainer.")

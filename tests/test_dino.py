@@ -500,7 +500,7 @@ def test_every_dino_config_composes_and_a_bad_value_names_the_choices(option):
                                              "output_dir=x"])
     validate_config(cfg)
     assert cfg.objective.name == option.removesuffix("_tiny") and cfg.optim.weight_decay_end == 0.4
-    with pytest.raises(ConfigError, match=r"centering='mean' is invalid; valid choices: \['centre', 'sinkhorn_kn"):
+    with pytest.raises(ConfigError, match=r"^objective.centering=mean is not one of centre, sinkhorn_knopp$"):
         build_components(bad)
 
 
@@ -513,7 +513,7 @@ def test_the_photometric_augmentation_goes_where_data_multicrop_photometric_says
         bad = compose("pretrain", overrides=[*base, "data.multicrop_photometric=gpu"])
     assert not build_components(auto, device_type="cpu")[2].multicrop.on_device
     assert build_components(auto, device_type="cuda")[2].multicrop.on_device
-    with pytest.raises(ConfigError, match=r"multicrop_photometric='gpu' is not one of \['auto', 'workers', 'device'"):
+    with pytest.raises(ConfigError, match=r"^data.multicrop_photometric=gpu is not one of auto, workers, device$"):
         build_components(bad)
 
 

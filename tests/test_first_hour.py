@@ -203,8 +203,8 @@ def test_typos_get_the_closest_names_in_one_line_and_exit_2(tmp_path, monkeypatc
          "as a dictionary; a brace pattern needs double quotes inside the shell's single quotes: "
          "'data.urls=\"data/shapes/shard-{000000..000019}.tar\"'"),
         (["trainer.preempt_signals=[SIGTERM,SIGUSR3]"],  # a value the schema's type refuses: its choices
-         "ssl-vit: error: trainer.preempt_signals[1]: Invalid value 'SIGUSR3', expected one of [SIGTERM, SIGUSR1, "
-         "SIGUSR2, SIGHUP, SIGQUIT]"),
+         "ssl-vit: error: trainer.preempt_signals[1]=SIGUSR3 is not one of SIGTERM, SIGUSR1, SIGUSR2, SIGHUP, "
+         "SIGQUIT; did you mean trainer.preempt_signals[1]=SIGUSR2 or trainer.preempt_signals[1]=SIGUSR1?"),
         (["data=wds", *(f"data.urls=data/shapes/shard-{i:06d}.tar" for i in range(3))],  # the shell expanded it
          "ssl-vit: error: data.urls is given 3 times (data/shapes/shard-000000.tar ... data/shapes/shard-000002.tar): "
          "the shell expanded a brace pattern"),

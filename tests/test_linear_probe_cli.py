@@ -53,7 +53,8 @@ def test_cli_bad_checkpoint_and_evaluator_are_clear_errors(tmp_path, tiny_checkp
         ([f"checkpoint={tmp_path / 'missing.safetensors'}"], "is not an encoder file"),
         ([], "ssl-vit: error: checkpoint is not set; give it on the command line, e.g. checkpoint="),
         ([f"checkpoint={garbage}"], f"checkpoint: '{garbage}' is not a readable ssl_vit encoder file"),
-        ([f"checkpoint={tiny_checkpoint}", "eval.evaluators=[svm]"], "unknown evaluator(s) ['svm']; valid choices"),
+        ([f"checkpoint={tiny_checkpoint}", "eval.evaluators=[svm]"],
+         "eval.evaluators=svm is not one of linear, knn, fewshot, finetune, zeroshot, retrieval, segmentation"),
         ([f"checkpoint={tiny_checkpoint}", "data.max_test_samples=0"], "data.max_test_samples=0 is invalid"),
     ]
     # two through the scripts (the old name and the new), the others through evaluate() directly

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from ssl_vit.config import EvalConfig, ModelConfig, OptimConfig, PretrainConfig, TrainerConfig
+from ssl_vit.config import EvalConfig, ModelConfig, OptimConfig, PlanConfig, PretrainConfig, TrainerConfig
 from ssl_vit.data import DATASETS
 from ssl_vit.data.config import AugRegConfig
 from ssl_vit.objectives import OBJECTIVES, ObjectiveConfig
@@ -160,3 +160,28 @@ def test_the_library_loads_pickles_safely_unless_the_user_says_to_trust_the_file
     defaults = [ast.unparse(node) for node in ast.walk(ast.parse(source)) if isinstance(node, ast.arg)
                 and node.arg == "trust_pickle"]
     assert len(defaults) >= 3 and "trust_pickle: bool = False" in source
+
+
+def _schemas() -> list[type]:
+    return [ModelConfig, OptimConfig, TrainerConfig, EvalConfig, PretrainConfig, PlanConfig, AugRegConfig,
+            *(kind.config for kind in DATASETS.values()), *(cls.config_class for cls in OBJECTIVES.values())]
+
+
+def test_every_string_choice_is_stated_once_in_its_schema():
+    """A string option with a fixed set of values carries `checked(choices=<the library's tuple>)` (validated with
+    one message: value, valid choices, closest); none lists its choices only in a comment ("a | b")."""
+    import inspect
+
+    found = []
+    for schema in _schemas():
+        lines, _ = inspect.getsourcelines(schema)
+        for f in fields(schema):
+            if "str" not in str(f.type) or "choices" in f.metadata:
+                continue
+            line = next((text for text in lines if text.strip().startswith(f"{f.name}:")), "")
+            comment = line.partition("#")[2]
+            if " | " in comment:
+                found.append(f"{schema.__name__}.{f.name}: {comment.strip()}")
+    checked_fields = [f"{s.__name__}.{f.name}" for s in _schemas() for f in fields(s) if "choices" in f.metadata]
+    assert len(checked_fields) >= 25 and "DINOConfig.centering" in checked_fields
+    assert found == []

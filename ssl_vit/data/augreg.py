@@ -21,8 +21,6 @@ from torchvision.transforms.v2.functional import to_pil_image
 
 from ssl_vit.data.config import AugRegConfig
 
-INTERPOLATIONS = ("bicubic", "bilinear", "nearest")  # timm's create_transform names
-
 
 @contextmanager
 def seeded_python_and_numpy(seed: int):
@@ -42,8 +40,6 @@ class AugRegTransform:
     under a seed drawn from torch's generator (which the loader seeds per sample)."""
 
     def __init__(self, img_size: int, mean, std, crop_scale, cfg: AugRegConfig):
-        if cfg.interpolation not in INTERPOLATIONS:
-            raise ValueError(f"data.augreg.interpolation={cfg.interpolation!r} is not one of {list(INTERPOLATIONS)}")
         if cfg.rand_augment and not cfg.rand_augment.startswith("rand-m"):
             raise ValueError(f"data.augreg.rand_augment={cfg.rand_augment!r} is not a timm RandAugment policy: "
                              "'rand-m<magnitude>[-n<ops>][-mstd<std>][-inc1]' (DeiT: rand-m9-mstd0.5-inc1), or '' "

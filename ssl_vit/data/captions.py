@@ -115,7 +115,7 @@ class CaptionDataConfig(DataConfig):
 
     name: str = "captions"
     root: str = checked(MISSING, example="data.root=/path/to/pairs (images with same-named .txt captions)")
-    split: str = "train"  # train | test | all
+    split: str = checked("train", choices=SPLITS)
     test_fraction: float = checked(0.1, ge=0, lt=1)
 
 

@@ -9,9 +9,11 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from ssl_vit.schema import ConfigError, checked
+from ssl_vit.schema import checked
 
 AUGMENTS = ("none", "crop_flip", "augreg")
+PHOTOMETRIC_ON = ("workers", "device")  # where multi-crop's photometric augmentation runs (ssl_vit.data.multicrop)
+AUGREG_INTERPOLATIONS = ("bicubic", "bilinear", "nearest")  # timm's create_transform names
 # Zero-shot prompts for a dataset that names none of its own (CLIP's generic ones).
 DEFAULT_TEMPLATES = ("a photo of a {}.", "a drawing of a {}.", "a picture of the {}.", "a {}.")
 
@@ -29,7 +31,7 @@ class AugRegConfig:
     switch_prob: float = checked(0.5, ge=0, le=1)  # with both on: CutMix instead of Mixup for a mixed batch
     label_smoothing: float = checked(0.1, ge=0, lt=1)  # in Mixup's soft targets (Mixup off: objective.label_smoothing)
     repeats: int = checked(3, ge=1)  # repeated augmentation (map-style data): each image this often per epoch
-    interpolation: str = "bicubic"
+    interpolation: str = checked("bicubic", choices=AUGREG_INTERPOLATIONS)
 
 
 @dataclass
@@ -41,14 +43,14 @@ class DataConfig:
     # most 16: multi-crop and decoding need them), on CPU the dataset kind's choice (the training threads use the
     # cores: 0 for in-memory data, 2 for files to decode).
     num_workers: int | None = checked(None, ge=0)
-    # none | crop_flip (random resized crop + horizontal flip; true / false still mean crop_flip / none) | augreg
-    # (DeiT / AugReg: timm's RandAugment, random erasing, Mixup / CutMix, repeated augmentation; data.augreg.*)
-    augment: str = "none"
+    # none | crop_flip (random resized crop + horizontal flip) | augreg (DeiT / AugReg: timm's RandAugment, random
+    # erasing, Mixup / CutMix, repeated augmentation; data.augreg.*)
+    augment: str = checked("none", choices=AUGMENTS)
     augreg: AugRegConfig = field(default_factory=AugRegConfig)
     # Where multi-crop objectives' (DINO's) per-crop photometric augmentation runs: workers (torchvision, per crop,
     # in the loader's workers) | device (batched on the training device, from parameters the workers draw; the
     # crops travel as uint8) | auto (device on a GPU, workers on CPU)
-    multicrop_photometric: str = "auto"
+    multicrop_photometric: str = checked("auto", choices=("auto", *PHOTOMETRIC_ON))
     crop_scale: list[float] = checked(factory=lambda: [0.35, 1.0], gt=0, le=1, length=2)
     # Normalisation per colour channel. None: the encoder's own when evaluating one that records it, else the
     # dataset's statistics (ImageNet's for natural images).
@@ -59,12 +61,8 @@ class DataConfig:
 
 
 def augment_kind(data_cfg) -> str:
-    """data.augment as one of AUGMENTS (true / false, as before the recipe existed: crop_flip / none)."""
-    value = str(data_cfg.get("augment", "none")).lower()
-    value = {"true": "crop_flip", "false": "none"}.get(value, value)
-    if value not in AUGMENTS:
-        raise ConfigError(f"data.augment={data_cfg.get('augment')!r} is not one of {list(AUGMENTS)}")
-    return value
+    """data.augment, one of AUGMENTS (its schema checks it)."""
+    return str(data_cfg.get("augment", "none"))
 
 
 @dataclass(frozen=True)

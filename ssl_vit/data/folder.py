@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from ssl_vit.data.config import DataConfig, DatasetKind
+from ssl_vit.data.config import AUGMENTS, DataConfig, DatasetKind
 from ssl_vit.data.decode import decode_rgb
 from ssl_vit.schema import ConfigError, checked
 
@@ -72,7 +72,7 @@ class FolderDataConfig(DataConfig):
     root: str = checked(MISSING, example="data.root=/path/to/images (any layout; class subfolders for labels)")
     # None: class subfolders as labels where the objective reads labels, else every image under root, any layout
     test_root: str | None = None  # held-out images in the same layout, for evaluation
-    augment: str = "crop_flip"
+    augment: str = checked("crop_flip", choices=AUGMENTS)
     labels: bool | None = None
 
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from torchvision.transforms import v2
 
-PHOTOMETRIC_ON = ("workers", "device")
+from ssl_vit.data.config import PHOTOMETRIC_ON
+
 FLIP_P, JITTER_P, GREY_P = 0.5, 0.8, 0.2
 JITTER = dict(brightness=0.4, contrast=0.4, saturation=0.2, hue=0.1)  # torchvision ColorJitter's ranges
 SIGMA = (0.1, 2.0)

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ssl_vit.data.config import DataConfig, DatasetKind
+from ssl_vit.schema import checked
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
@@ -104,13 +105,13 @@ class Digits(Dataset):
 class FashionMNISTDataConfig(DataConfig):
     name: str = "fashion_mnist"
     root: str = FASHION_MNIST_DIR
-    split: str = "train"
+    split: str = checked("train", choices=SPLITS)
 
 
 @dataclass
 class DigitsDataConfig(DataConfig):
     name: str = "digits"
-    split: str = "train"
+    split: str = checked("train", choices=(*SPLITS, "all"))
 
 
 FASHION_MNIST = DatasetKind(

@@ -17,15 +17,14 @@ from ssl_vit.config import model_kwargs, peak_lr, warmup_steps
 from ssl_vit.data import DATASETS, DataError, ViewBuilder, build_dataset, dataset_kind
 from ssl_vit.data.augreg import mixes
 from ssl_vit.data.config import augment_kind
-from ssl_vit.data.multicrop import PHOTOMETRIC_ON
 from ssl_vit.data.subset import limit_samples
 from ssl_vit.init import without_transformers_zero3, writable
 from ssl_vit.interop.sources import SOURCES, Pretrained, load_pretrained
 from ssl_vit.objectives import DataInfo, Objective, Requirements, build_objective, objective_class
 from ssl_vit.optim import build_optimizer, schedule, weight_decay_schedule
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
-from ssl_vit.schema import ConfigError
-from ssl_vit.vit import CHECKPOINTING, PRESETS, VisionTransformer, build_vit, resample_pos_embed
+from ssl_vit.schema import ConfigError, validate_config
+from ssl_vit.vit import PRESETS, VisionTransformer, build_vit, resample_pos_embed
 
 log = logging.getLogger("ssl_vit")
 
@@ -246,14 +245,12 @@ def build_components(cfg, source: Pretrained | None = None, device_type: str = "
     """(objective with its backbone, dataset, view builder, preprocessing) of a config; ConfigError on a bad value.
     `source`: the `init_source(cfg)` already loaded (pretrain loads it outside zero.Init); `device_type`: where it
     trains ("cuda", "cpu": what data.multicrop_photometric=auto chooses by)."""
+    validate_config(cfg)
     if cfg.model.name not in PRESETS:
         raise ConfigError(f"unknown model {cfg.model.name!r}; valid choices: {sorted(PRESETS)}")
     _, needs = requirements(cfg.objective)
     source = source if source is not None else init_source(cfg)
     backbone, img_size, recorded = build_backbone(cfg, needs, source)
-    if cfg.model.checkpoint_policy not in CHECKPOINTING:
-        raise ConfigError(f"model.checkpoint_policy={cfg.model.checkpoint_policy!r} is not one of "
-                          f"{list(CHECKPOINTING)}")
     backbone.set_grad_checkpointing(cfg.model.checkpoint_policy if cfg.model.grad_checkpointing else False)
     dataset = build_data(cfg, needs, img_size)
     preprocess = resolve_preprocess(cfg.data, img_size, recorded)
@@ -289,9 +286,7 @@ def photometric_on(data_cfg, device_type: str) -> str:
     value = str(data_cfg.get("multicrop_photometric", "auto"))
     if value == "auto":
         return "device" if device_type == "cuda" else "workers"
-    if value not in PHOTOMETRIC_ON:
-        raise ConfigError(f"data.multicrop_photometric={value!r} is not one of {['auto', *PHOTOMETRIC_ON]}")
-    return value
+    return value  # one of PHOTOMETRIC_ON (its schema checks it)
 
 
 def build_run(cfg, objective: Objective, dataset, views: ViewBuilder, preprocess: Preprocess, world: int,

@@ -55,12 +55,12 @@ from dataclasses import asdict, dataclass
 import torch
 from timm.layers import GroupNormAct
 
+from ssl_vit.config import STRATEGIES
 from ssl_vit.extras import require
-from ssl_vit.schema import ConfigError
+from ssl_vit.schema import ConfigError, not_one_of
 from ssl_vit.vit import ParallelBlock, build_vit
 
 GIB = 1024**3
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fsdp2")
 PRECISIONS = ("bf16", "fp32")
 DEEPSPEED_BUCKET = 50_000_000  # reduce_bucket_size in configs/deepspeed/*.json
 ZERO3_MAX_LIVE = 1_000_000_000  # stage3_max_live_parameters in configs/deepspeed/zero3*.json
@@ -167,8 +167,9 @@ class MemoryPlan:
 
 
 def check_choice(name: str, value, choices) -> None:
+    """For Python callers of `plan` (the CLI's values: PlanConfig's schema)."""
     if value not in choices:
-        raise ConfigError(f"{name}={value!r} is invalid; valid choices: {list(choices)}")
+        raise ConfigError(not_one_of(name, value, choices))
 
 
 def activation_terms(shape: ModelShape, batch: int, precision: str, grad_checkpointing: bool | str

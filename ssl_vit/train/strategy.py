@@ -174,9 +174,8 @@ def configure_deepspeed(accelerator, settings: StrategySettings) -> None:
     accelerator.gradient_accumulation_steps = settings.grad_accum_steps
 
 
-# torch.compile's modes, and the strategies per-block compilation works under (DeepSpeed's ZeRO-3 gathers and
+# The strategies per-block compilation works under (DeepSpeed's ZeRO-3 gathers and
 # releases parameters in hooks around every module's forward, and its engine has its own compile path).
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_STRATEGIES = ("single", "ddp", "fsdp2")
 # The user's own inductor / triton caches, as the process started (inductor writes its default into the
 # environment when it first compiles, which must not read as a user's choice for the next run in this process).
@@ -187,15 +186,13 @@ _USER_CACHES = {name: os.environ.get(name) for name in ("TORCHINDUCTOR_CACHE_DIR
 RECOMPILE_LIMIT = 64
 
 
-def check_compile(accelerator, mode: str | None) -> None:
-    """ConfigError unless the strategy (when an accelerator is given) and the mode take per-block compilation."""
+def check_compile(accelerator) -> None:
+    """ConfigError unless the strategy takes per-block compilation (the mode: trainer.compile_mode's schema)."""
     name = strategy_name(accelerator) if accelerator is not None else "single"
     if name not in COMPILE_STRATEGIES:
         raise ConfigError(f"trainer.compile=true is not supported under {name} (DeepSpeed); it works under "
                           f"{list(COMPILE_STRATEGIES)}: launch with configs/accelerate/ddp_*.yaml or fsdp2_*.yaml, "
                           "or set trainer.compile=false")
-    if mode is not None and mode not in COMPILE_MODES:
-        raise ConfigError(f"trainer.compile_mode={mode!r} is not one of {list(COMPILE_MODES)} (or null: the default)")
 
 
 def compile_blocks(model: torch.nn.Module, accelerator=None, mode: str | None = None, dynamic: bool | None = None,
@@ -209,7 +206,7 @@ def compile_blocks(model: torch.nn.Module, accelerator=None, mode: str | None = 
     run's), so that a resumed run loads its kernels instead of compiling them again; None leaves the environment's.
     `accelerator`: the strategy to check (None: a model outside training, e.g. a benchmark);
     `backend`: torch.compile's (inductor; "aot_eager" traces the same graphs without generating kernels)."""
-    check_compile(accelerator, mode)
+    check_compile(accelerator)
     if cache_dir is not None:  # read when inductor next needs its cache
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
         os.environ["TRITON_CACHE_DIR"] = _USER_CACHES["TRITON_CACHE_DIR"] or str(Path(cache_dir) / "triton")

@@ -80,7 +80,7 @@ def pretrain(cfg) -> dict:
     out_dir = Path(cfg.output_dir)
     accelerator = make_accelerator(StrategySettings.from_config(cfg, ema_teacher=needs.ema_teacher), out_dir)
     if cfg.trainer.compile:  # before building: a refused strategy says so at once
-        check_compile(accelerator, cfg.trainer.compile_mode)
+        check_compile(accelerator)
     if accelerator.is_main_process:
         check_writable(out_dir)
     claim_run_dir(out_dir, cfg.trainer.resume, cfg.trainer.overwrite, accelerator.is_main_process)
