@@ -17,7 +17,7 @@ ARGS ?=
 # pytest-xdist workers for make test and make test-fast (-n; tests/helpers/cores.py); WORKERS=0: in pytest's own process
 WORKERS ?= 2
 
-.PHONY: setup run test test-fast coverage lock floors wheelhouse python
+.PHONY: setup run test test-fast coverage lock floors wheelhouse python docs
 setup: $(VENV)/.installed $(VENV)/.data-installed $(VENV)/.ops-built
 
 python:
@@ -61,6 +61,10 @@ coverage: setup
 	$(VENV)/bin/python -m coverage combine -q
 	$(VENV)/bin/python -m coverage report --skip-covered --sort=cover
 	$(VENV)/bin/python -m coverage json -q -o coverage.json
+
+# The docs site (docs/, mkdocs.yml) into site/, failing on any warning (a broken link or anchor, a page not in nav)
+docs: setup
+	$(VENV)/bin/mkdocs build --strict
 
 # constraints.txt anew: pyproject.toml's floors resolved to today's releases in a fresh venv, frozen (commit it)
 lock:

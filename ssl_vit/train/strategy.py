@@ -2,7 +2,7 @@
 FSDP2). A strategy is chosen by the accelerate config file the user launches with (configs/accelerate/); the loop
 and the objectives call the verbs here and never branch on the strategy themselves.
 
-Facts this module encodes (measured on this stack, see DESIGN.md "Scale"):
+Facts this module encodes (measured on this stack; docs/architecture.md and docs/scaling.md):
 - On CPU, accelerate's workers only join one process group with ACCELERATE_USE_CPU=1, and DeepSpeed needs the gloo
   backend passed explicitly: both are set here, so a config file alone picks the strategy.
 - accelerate 1.15 only enables FSDP for GPU-like process groups; on CPU its FSDP2 code (fully_shard per block, DCP
