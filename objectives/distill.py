@@ -31,6 +31,7 @@ forward only). Their dimensions are recorded in the config, so the student and i
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 
@@ -158,6 +159,9 @@ class Distill(Objective):
     saved_heads = ("summary_adaptors.", "patch_adaptors.", "summary_stats.", "patch_stats.")
 
     def __init__(self, backbone, cfg: DistillConfig, data: DataInfo):
+        # The teachers' resolved facts (default names, feature widths, image-text) go into the objective's own copy
+        # of its config, which its artifacts record; the caller's config stays as it was given.
+        cfg = OmegaConf.to_object(cfg) if OmegaConf.is_config(cfg) else copy.deepcopy(cfg)
         super().__init__(backbone, cfg, data)
         if not cfg.teachers:
             raise ValueError("objective=distill needs at least one teacher: objective.teachers=[{source: <run dir | "

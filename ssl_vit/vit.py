@@ -56,7 +56,7 @@ def make_activation(name: str) -> nn.Module:
     return QuickGELU() if name == "quick_gelu" else nn.GELU(approximate="tanh" if name == "gelu_tanh" else "none")
 
 # Presets are plain keyword arguments; anything not given takes the VisionTransformer default.
-PRESETS: dict[str, dict] = {
+_SHAPES: dict[str, dict] = {
     # Tiny sizes for tests and CPU smoke runs (4x4 patches on small images).
     "vit_test": dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2),
     "vit_test_22b": dict(
@@ -92,8 +92,7 @@ PRESETS: dict[str, dict] = {
 #   jax     35.8 [34.3, 38.3]     35.5 [32.4, 40.1]     1.53 [1.48, 1.55]
 #   torch   26.4 [20.9, 34.2]     29.2 [25.6, 36.0]     1.78 [1.57, 1.93]
 # so jax is the default of the tiny presets too. VisionTransformer(...) built directly keeps timm's init.
-for _preset in PRESETS.values():
-    _preset.setdefault("weight_init", "jax")
+PRESETS: dict[str, dict] = {name: {"weight_init": "jax", **shape} for name, shape in _SHAPES.items()}
 
 
 def _check_pos_embed_interp(mode: str) -> None:

@@ -62,6 +62,7 @@ def _student(teachers, **overrides):
     cfg = OmegaConf.structured(DistillConfig(**{"adaptor_hidden_dim": 24, **overrides}, teachers=[
         TeacherConfig(source=str(teachers["clip"]), name="clip"),
         TeacherConfig(source=str(teachers["dino"]), name="dino", patch_weight=0.5)]))
+    OmegaConf.set_readonly(cfg, True)  # the teachers' resolved facts go into the objective's own copy
     return Distill(build_vit("vit_test", img_size=64, patch_size=16), cfg, DataInfo(0, 64))
 
 

@@ -185,3 +185,49 @@ def test_every_string_choice_is_stated_once_in_its_schema():
     checked_fields = [f"{s.__name__}.{f.name}" for s in _schemas() for f in fields(s) if "choices" in f.metadata]
     assert len(checked_fields) >= 25 and "DINOConfig.centering" in checked_fields
     assert found == []
+
+
+STRATEGY_FACTS = ("DistributedType", "distributed_type", "deepspeed_plugin", "zero_stage", "fsdp_plugin",
+                  "fully_shard", "DTensor", "ds_tensor", "ds_status", "GatheredParameters")
+
+
+def test_the_engine_asks_strategy_facts_of_the_strategy_module_only():
+    """Which strategy runs (ZeRO-3? FSDP2?) and how to gather are read in ssl_vit/train/strategy.py alone; the rest
+    of the engine calls its verbs (is_sharded, full_state_dict, prepare_model, ...). Below the engine, objectives
+    use the shared shard helpers (ssl_vit.partition, ssl_vit.ema) without naming the engine."""
+    found = {}
+    for path in sorted((ROOT / "ssl_vit" / "train").glob("*.py")):
+        if path.name != "strategy.py":
+            names, _ = _code_words(path)
+            found[path.name] = sorted(names & set(STRATEGY_FACTS))
+    assert "trainer.py" in found and {name: words for name, words in found.items() if words} == {}
+    strategy = ROOT / "ssl_vit" / "train" / "strategy.py"
+    assert {"DistributedType", "zero_stage"} <= _code_words(strategy)[0]
+    assert "def prepare_model(" in strategy.read_text()
+
+
+@pytest.mark.parametrize("overrides", [["objective=supervised", "data=folder", "data.root=/nonexistent"],
+                                       ["objective=dino_tiny"], ["objective=mae"], ["objective=clip_tiny"]])
+def test_building_a_run_reads_its_config_and_never_writes_it(overrides, tmp_path):
+    """The build step takes a read-only config (pretrain sets it read-only once built): resolved values (the
+    folder's labels, a distilled student's teachers) are passed on, not written back."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from ssl_vit.cli import register_configs
+    from ssl_vit.train.build import build_components
+
+    register_configs()
+    root = tmp_path / "images"
+    for label in ("a", "b"):
+        (root / label).mkdir(parents=True)
+        from PIL import Image
+
+        Image.new("RGB", (8, 8)).save(root / label / "0.png")
+    overrides = [o.replace("/nonexistent", str(root)) for o in overrides]
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("pretrain", overrides=["model=vit_test", "data.num_samples=8", "output_dir=x", *overrides]
+                      if "data=folder" not in overrides else ["model=vit_test", "output_dir=x", *overrides])
+    OmegaConf.set_readonly(cfg, True)
+    objective, dataset, *_ = build_components(cfg)
+    assert OmegaConf.is_readonly(cfg) and len(dataset) > 0 and objective.backbone is not None

@@ -62,12 +62,12 @@ def evaluate(cfg, progress: bool = True) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    cfg.checkpoint = resolve_run(cfg.checkpoint)  # an output group: its newest run
-    encoder, encoder_identity, recorded = load_any_encoder(cfg.checkpoint)
+    checkpoint = resolve_run(cfg.checkpoint)  # an output group: its newest run
+    encoder, encoder_identity, recorded = load_any_encoder(checkpoint)
     model, embed, dense = None, None, None
     text = any(name in TEXT_EVALUATORS for name in cfg.eval.evaluators)
     if text or cfg.eval.features not in FEATURE_KINDS:
-        model = load_run_model(cfg.checkpoint, cfg.eval, text)
+        model = load_run_model(checkpoint, cfg.eval, text)
         encoder = model.encoder
         embed, dense = adaptor_features(model, cfg.eval.features)
     native = encoder.patch_embed.img_size[0]
@@ -92,11 +92,11 @@ def evaluate(cfg, progress: bool = True) -> dict:
     if "segmentation" in cfg.eval.evaluators and not getattr(test_set, "segmentation_classes", ()):
         raise ConfigError(f"eval=segmentation needs masks; data={cfg.data.name} has none (datasets with masks: "
                           "synthetic, tuxpaint_seg, segfolder)")
-    cache_dir = feature_cache_dir(cfg.cache_dir, cfg.checkpoint) if cfg.cache_features else None
+    cache_dir = feature_cache_dir(cfg.cache_dir, checkpoint) if cfg.cache_features else None
     results, timings, feature_dim = run_evaluators(encoder, train_set, test_set, cfg.eval, preprocess,
                                                    cache_dir, identity, cfg.seed, progress, model=model,
                                                    data_name=cfg.data.name, embed=embed, dense=dense)
-    return {"checkpoint": cfg.checkpoint, "data": cfg.data.name, "features": cfg.eval.features,
+    return {"checkpoint": checkpoint, "data": cfg.data.name, "features": cfg.eval.features,
             "preprocess": asdict(preprocess), "num_train": len(train_set), "num_test": len(test_set),
             "num_classes": len(test_set.classes), "chance": chance_levels(test_set, results),
             "feature_dim": feature_dim, "results": results, "timings": timings}

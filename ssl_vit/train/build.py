@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from ssl_vit.config import model_kwargs, peak_lr, warmup_steps
 from ssl_vit.data import DATASETS, DataError, ViewBuilder, build_dataset, dataset_kind
@@ -227,10 +228,11 @@ def build_data(cfg, needs: Requirements, img_size: int):
         captioned = [name for name, other in DATASETS.items() if other.captioned]
         raise ConfigError(f"objective={cfg.objective.name} needs captions but data={cfg.data.name} has none; use "
                           f"data= one of {captioned} (shards: with a 'txt' per sample)")
-    if "labels" in cfg.data and cfg.data.labels is None:  # labels only where the objective reads them
-        cfg.data.labels = "label" in needs.views
+    data_cfg = cfg.data
+    if "labels" in data_cfg and data_cfg.labels is None:  # labels only where the objective reads them: resolved
+        data_cfg = OmegaConf.merge(data_cfg, {"labels": "label" in needs.views})  # in a copy, the config as given
     try:
-        dataset = limit_samples(build_dataset(cfg.data, img_size), cfg.data.max_train_samples, cfg.seed)
+        dataset = limit_samples(build_dataset(data_cfg, img_size), cfg.data.max_train_samples, cfg.seed)
     except (ValueError, FileNotFoundError, DataError) as err:
         raise ConfigError(f"data={cfg.data.name}: {err}") from err
     if "label" in needs.views and not dataset.classes:
@@ -251,7 +253,6 @@ def build_components(cfg, source: Pretrained | None = None, device_type: str = "
     _, needs = requirements(cfg.objective)
     source = source if source is not None else init_source(cfg)
     backbone, img_size, recorded = build_backbone(cfg, needs, source)
-    backbone.set_grad_checkpointing(cfg.model.checkpoint_policy if cfg.model.grad_checkpointing else False)
     dataset = build_data(cfg, needs, img_size)
     preprocess = resolve_preprocess(cfg.data, img_size, recorded)
     info = DataInfo(len(dataset.classes), img_size, preprocess.mean, preprocess.std)

@@ -234,6 +234,36 @@ def compile_seconds() -> float:
                ("_compile.compile_inner", "backward._backward_impl"))
 
 
+@dataclass(frozen=True)
+class Preparation:
+    """How the model is made ready to train (model.grad_checkpointing / checkpoint_policy, trainer.compile*)."""
+
+    checkpointing: bool | str = False  # False, or ssl_vit.vit.CHECKPOINTING's "full" / "selective"
+    compile: bool = False
+    compile_mode: str | None = None
+    compile_dynamic: bool | None = None
+    compile_cache_dir: Path | None = None
+
+    @classmethod
+    def from_config(cls, cfg, out_dir) -> Preparation:
+        trainer = cfg.trainer
+        return cls(cfg.model.checkpoint_policy if cfg.model.grad_checkpointing else False, trainer.compile,
+                   trainer.compile_mode, trainer.compile_dynamic,
+                   compile_cache_dir(trainer.compile_cache_dir, out_dir) if trainer.compile else None)
+
+
+def prepare_model(accelerator, objective, optimizer, preparation: Preparation):
+    """The objective and its optimizer made ready to train, in the anchors' order (DINOv3's
+    `ac_compile_parallelize`, torchtitan's `parallelize_*`): activation checkpointing in the trained backbone's
+    blocks, then each transformer block compiled, then `accelerator.prepare` (FSDP2 shards the blocks, DDP wraps
+    the model, DeepSpeed builds its engine). Returns (model, optimizer, the number of compiled blocks)."""
+    objective.backbone.set_grad_checkpointing(preparation.checkpointing)
+    compiled = compile_blocks(objective, accelerator, preparation.compile_mode, preparation.compile_dynamic,
+                              preparation.compile_cache_dir) if preparation.compile else 0
+    model, optimizer = accelerator.prepare(objective, optimizer)
+    return model, optimizer, compiled
+
+
 def fused_optimizer(accelerator) -> bool:
     """Fused AdamW where it is the fastest and ours steps: on CUDA, outside DeepSpeed (whose engine steps its own
     flat partitions, with CPU offload on the host)."""

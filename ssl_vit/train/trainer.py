@@ -19,11 +19,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
 
 from ssl_vit.data import describe_dataset, loader_workers, make_loader
 from ssl_vit.init import rng_devices, without_transformers_zero3
@@ -47,11 +49,10 @@ from ssl_vit.train.guard import DivergenceAdvice, UpdateGuard
 from ssl_vit.train.outputs import OutputError, RunOutputs, SampleKeys, check_writable
 from ssl_vit.train.stop_requests import EXIT_FAILED, StopRequests, resume_command, stop_status
 from ssl_vit.train.strategy import (
+    Preparation,
     StrategySettings,
     check_compile,
     check_dtypes,
-    compile_blocks,
-    compile_cache_dir,
     compile_seconds,
     construction_context,
     full_state_dict,
@@ -62,6 +63,7 @@ from ssl_vit.train.strategy import (
     optimizer_step,
     parameter_dtype,
     parameter_norm,
+    prepare_model,
     replica_digest,
     skips_on_device,
     strategy_name,
@@ -94,9 +96,23 @@ def pretrain(cfg) -> dict:
         components = build_components(cfg, source, accelerator.device.type)
     run = build_run(cfg, *components, world=accelerator.num_processes, fused=fused_optimizer(accelerator))
     evaluation = PeriodicEvaluation.from_config(cfg, needs, run.preprocess) if cfg.trainer.eval_every > 0 else None
-    trainer = Trainer(run, accelerator, cfg.trainer, out_dir, DivergenceAdvice.from_config(cfg), evaluation)
-    trainer.start(config=to_container(cfg), seed=cfg.seed, data=cfg.data, describe=describe_run(cfg), threads=threads)
-    return trainer.train()
+    OmegaConf.set_readonly(cfg, True)  # built: from here on the run reads its config, never writes it
+    begin = Beginning(to_container(cfg), cfg.seed, cfg.data, describe_run(cfg), threads,
+                      Preparation.from_config(cfg, out_dir))
+    return Trainer(run, accelerator, cfg.trainer, out_dir, DivergenceAdvice.from_config(cfg), begin, evaluation).train()
+
+
+@dataclass(frozen=True)
+class Beginning:
+    """What the Trainer begins a run with besides the built `Run`: the config to record, the seed, the data config
+    (batch size, loader workers), the start-up line's head, the CPU threads, how the model is prepared."""
+
+    config: dict
+    seed: int
+    data: Any
+    describe: str
+    threads: int
+    preparation: Preparation
 
 
 def describe_run(cfg) -> str:
@@ -203,20 +219,19 @@ class MicroSteps:
 
 
 class Trainer:
-    """Trains a `Run` under an accelerator: `start` (resume or begin, open the outputs, the data stream), `train`
-    (the step loop), and inside it `step`, `log`, `save`, `evaluate`; `finish` writes the summary."""
+    """Trains a `Run` under an accelerator. Whole once constructed: the model prepared (`prepare_model`), the run
+    resumed or begun, the outputs open, the data stream at the step; then `train` (the step loop), and inside it
+    `step`, `log`, `save`, `evaluate`; `finish` writes the summary."""
 
     def __init__(self, run: Run, accelerator: Accelerator, settings, out_dir: Path, advice: DivergenceAdvice,
-                 evaluation: PeriodicEvaluation | None = None):
+                 begin: Beginning, evaluation: PeriodicEvaluation | None = None):
         """settings: the trainer config (trainer.*); advice: what to say if the run diverges; evaluation: the
         periodic evaluation (trainer.eval_every), or None."""
         self.run, self.accelerator, self.settings, self.out_dir = run, accelerator, settings, out_dir
         self.evaluation, self.advice = evaluation, advice
         self.compile_start = compile_seconds() if settings.compile else 0.0
-        self.compiled_blocks = compile_blocks(
-            run.objective, accelerator, settings.compile_mode, settings.compile_dynamic,
-            compile_cache_dir(settings.compile_cache_dir, out_dir)) if settings.compile else 0
-        self.model, self.optimizer = accelerator.prepare(run.objective, run.optimizer)
+        self.model, self.optimizer, self.compiled_blocks = prepare_model(accelerator, run.objective, run.optimizer,
+                                                                         begin.preparation)
         if accelerator.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(accelerator.device)  # this run's peak in summary.json
         self.objective = accelerator.unwrap_model(self.model)
@@ -228,14 +243,18 @@ class Trainer:
         self.meter = Meter()
         self.stopped_by: str | None = None
         self.saved_step: int | None = None
+        self._begin(begin)
+        self.run_start = self.interval_start = time.perf_counter()  # train() starts the clocks again
+        self.interval_step = self.state.step
 
     @property
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
 
-    def start(self, config: dict, seed: int, data, describe: str, threads: int) -> None:
+    def _begin(self, begin: Beginning) -> None:
         """Resume from trainer.resume (or start), open the outputs, and start the data stream at the step."""
         accelerator, settings = self.accelerator, self.settings
+        config, seed, data, describe, threads = begin.config, begin.seed, begin.data, begin.describe, begin.threads
         resume_dir = resolve_resume(settings.resume, self.out_dir)
         if resume_dir is not None:
             fused = [group.get("fused") for group in self.optimizer.param_groups]
