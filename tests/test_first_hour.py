@@ -99,17 +99,19 @@ def _images(root: Path, count: int, flat: bool) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", ["mae", "dino_tiny"])
-def test_unlabelled_images_in_any_layout_train_the_objectives_that_need_no_labels(tmp_path, objective):
+def test_unlabelled_images_in_any_layout_train_the_objectives_that_need_no_labels(tmp_path, objective, caplog):
     root = _images(tmp_path / "images", 12, flat=False)
     heads = ["objective.out_dim=64", "objective.hidden_dim=32", "objective.bottleneck_dim=16",
              "objective.local_crops=2"] if objective == "dino_tiny" else ["objective.decoder_depth=1"]
     cfg = _compose(f"objective={objective}", *heads, "model=vit_test", "data=folder", f"data.root={root}",
                    "data.img_size=16", "data.batch_size=4", "data.num_workers=0", "trainer.max_steps=2",
                    "trainer.progress=false", "trainer.trackers=[]", f"output_dir={tmp_path / 'run'}")
-    summary = pretrain(cfg)
+    with caplog.at_level("INFO", logger="ssl_vit"):
+        summary = pretrain(cfg)
     assert summary["finished"] and summary["skipped_samples"] == 0
-    saved = (tmp_path / "run" / "config.yaml").read_text()
-    assert "labels: false" in saved  # resolved and recorded: every image under root, any layout
+    # resolved for this objective (every image under root, any layout) and said; the config recorded as given
+    assert f"data: image folder '{root}' (12 images, unlabelled, any layout)" in caplog.text
+    assert "labels: null" in (tmp_path / "run" / "config.yaml").read_text()
 
 
 def test_a_labelled_objective_refuses_unlabelled_images_naming_the_class_folder_layout(tmp_path):

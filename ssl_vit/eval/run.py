@@ -159,15 +159,8 @@ def run_evaluators(encoder, train_set, test_set, ecfg, preprocess: Preprocess, c
                           "distill run with an image-text teacher)")
     results, timings, feature_dim = {}, {}, None
     if any(name in FEATURE_EVALUATORS for name in ecfg.evaluators):
-        views = preprocess.view_builder()
-        features = {}
-        for split, dataset in (("train", train_set), ("test", test_set)):
-            key = cache_key(**(identity or {}), split=split, kind=ecfg.features, last_k=ecfg.last_k)
-            start = time.perf_counter()
-            features[split] = cached(cache_dir if identity else None, key, lambda d=dataset, s=split: extract_features(
-                model if embed is not None else encoder, d, views, ecfg.features, ecfg.last_k, ecfg.batch_size,
-                progress=progress, desc=f"{s} features", embed=embed))
-            timings[f"features_{split}_s"] = time.perf_counter() - start
+        features = frozen_features(model if embed is not None else encoder, {"train": train_set, "test": test_set},
+                                   ecfg, preprocess, cache_dir, identity, progress, embed, timings)
         (train_x, train_y), (test_x, test_y) = features["train"], features["test"]
         feature_dim = train_x.shape[1]
     runners = {
@@ -195,6 +188,21 @@ def run_evaluators(encoder, train_set, test_set, ecfg, preprocess: Preprocess, c
         results[name] = runners[name]()
         timings[f"{name}_s"] = time.perf_counter() - start
     return results, timings, feature_dim
+
+
+def frozen_features(module, splits: dict, ecfg, preprocess: Preprocess, cache_dir, identity, progress: bool, embed,
+                    timings: dict) -> dict:
+    """{split: (features, labels)} of each data set, extracted once (cached when `cache_dir` and `identity` are
+    given); each split's seconds go into `timings`."""
+    views, features = preprocess.view_builder(), {}
+    for split, dataset in splits.items():
+        key = cache_key(**(identity or {}), split=split, kind=ecfg.features, last_k=ecfg.last_k)
+        start = time.perf_counter()
+        features[split] = cached(cache_dir if identity else None, key, lambda d=dataset, s=split: extract_features(
+            module, d, views, ecfg.features, ecfg.last_k, ecfg.batch_size, progress=progress, desc=f"{s} features",
+            embed=embed))
+        timings[f"features_{split}_s"] = time.perf_counter() - start
+    return features
 
 
 def load_run_model(checkpoint: str, ecfg, image_text: bool):
