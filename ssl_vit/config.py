@@ -8,6 +8,7 @@ key, the bad value and the expected type. Model presets need no files: every nam
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field, fields
@@ -18,7 +19,7 @@ from omegaconf import MISSING
 
 from ssl_vit.init import WEIGHT_INITS
 from ssl_vit.rope import ROPE_KINDS, ROPE_NORMALIZATIONS
-from ssl_vit.schema import checked
+from ssl_vit.schema import ConfigError, checked
 from ssl_vit.stem import STEMS
 from ssl_vit.vit import ACTIVATIONS, CHECKPOINTING, GLOBAL_POOLS, POS_EMBED_INTERP_MODES, POS_EMBEDS, PRESETS
 
@@ -26,6 +27,7 @@ from ssl_vit.vit import ACTIVATIONS, CHECKPOINTING, GLOBAL_POOLS, POS_EMBED_INTE
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 EVALUATORS = ("linear", "knn", "fewshot", "finetune", "zeroshot", "retrieval", "segmentation", "attentive")
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fsdp2")  # plan_memory's
+LR_SCALINGS = ("none", "linear", "sqrt")  # optim.lr_scaling: how the lr follows the global batch
 
 
 class Precision(str, Enum):
@@ -119,9 +121,12 @@ MODEL_OVERRIDE_FIELDS = tuple(f.name for f in fields(ModelConfig) if f.name not 
 class OptimConfig:
     name: str = "adamw"
     lr: float = checked(1e-3, gt=0)
-    # None: lr is the peak learning rate; a batch size: lr is per that many images and scales linearly with the
-    # global batch (DeiT: 5e-4 per 512, i.e. lr x global_batch / lr_base_batch)
-    lr_base_batch: int | None = checked(None, ge=1)
+    # How the peak lr follows the global batch (processes x data.batch_size x grad_accum_steps): none (lr is the
+    # peak), linear (lr x global / lr_base_batch: DINO, MAE, MoCo v3 per 256, DeiT per 512) or sqrt
+    # (lr x sqrt(global / lr_base_batch): DINOv2 / DINOv3 against 1024). Each objective's recipe sets its
+    # reference's rule; the start-up line prints the lr before and after.
+    lr_scaling: str = checked("none", choices=LR_SCALINGS)
+    lr_base_batch: int | None = checked(None, ge=1)  # the global batch optim.lr is for (linear, sqrt; none: unused)
     min_lr: float = checked(1e-5, ge=0)
     warmup_steps: int = checked(30, ge=0)
     warmup_fraction: float | None = checked(None, ge=0, lt=1)  # a value: warmup = this share of trainer.max_steps
@@ -273,10 +278,15 @@ def launch_time(fmt: str = "%Y-%m-%d_%H-%M-%S") -> str:
 
 
 def peak_lr(optim_cfg, global_batch: int) -> float:
-    """optim.lr, or scaled linearly by the global batch when optim.lr_base_batch is set."""
-    if optim_cfg.get("lr_base_batch"):
-        return optim_cfg.lr * global_batch / optim_cfg.lr_base_batch
-    return optim_cfg.lr
+    """The peak learning rate for `global_batch` images a step: optim.lr scaled as optim.lr_scaling says."""
+    rule, base = optim_cfg.get("lr_scaling", "none"), optim_cfg.get("lr_base_batch")
+    if rule == "none":
+        return optim_cfg.lr
+    if not base:
+        raise ConfigError(f"optim.lr_scaling={rule} needs optim.lr_base_batch, the global batch optim.lr is given "
+                          "for (DINO, MAE, MoCo v3: 256; DINOv2 / DINOv3: 1024)")
+    ratio = global_batch / base
+    return optim_cfg.lr * (ratio if rule == "linear" else math.sqrt(ratio))
 
 
 def warmup_steps(optim_cfg, max_steps: int) -> int:

@@ -21,7 +21,7 @@ from helpers.processes import ACCELERATE, ACCELERATE_LAUNCH, ROOT, check_ok, lau
 
 own_share()  # helpers.cores: a pytest-xdist worker on its share of the cores
 TINY = ["model=vit_test", "data.num_samples=32", "data.batch_size=16", "trainer.log_every=1",
-        "optim.lr=3e-3", "optim.warmup_steps=3", "trainer.checkpoint_every=10"]
+        "optim.lr=3e-3", "optim.lr_scaling=none", "optim.warmup_steps=3", "trainer.checkpoint_every=10"]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -41,24 +41,27 @@ def _cli(*args, cwd=ROOT):
     return run_script(ROOT / "scripts" / "pretrain.py", *args, cwd=cwd)
 
 
-RECIPES = {  # objective -> (optim option, lr, weight decay start / end, clipping, beta2)
-    "supervised": ("adamw", 2e-3, 0.05, None, 1.0, 0.999),
-    "mae": ("adamw", 2e-3, 0.05, None, 1.0, 0.999),
-    "dino_tiny": ("dino", 5e-4, 0.04, 0.4, 3.0, 0.999),
-    "dinov2_tiny": ("dino", 5e-4, 0.04, 0.4, 3.0, 0.999),
-    "clip_tiny": ("clip", 5e-4, 0.2, None, None, 0.98),
-    "siglip_tiny": ("clip", 5e-4, 0.2, None, None, 0.98),
-    "deit": ("augreg", 5e-4, 0.05, None, None, 0.999),
+RECIPES = {  # objective -> (optim option, lr, (scaling rule, base batch), weight decay start / end, clipping, beta2)
+    "supervised": ("adamw", 2e-3, ("none", None), 0.05, None, 1.0, 0.999),
+    "mae": ("mae", 8e-3, ("linear", 256), 0.05, None, 1.0, 0.999),  # MAE: blr x batch / 256
+    "dino_tiny": ("dino", 2e-3, ("linear", 256), 0.04, 0.4, 3.0, 0.999),  # DINO: lr x batch / 256
+    "dinov2_tiny": ("dinov2", 2e-3, ("sqrt", 1024), 0.04, 0.4, 3.0, 0.999),  # DINOv2: sqrt_wrt_1024
+    "dinov3_tiny": ("dinov2", 2e-3, ("sqrt", 1024), 0.04, 0.4, 3.0, 0.999),
+    "mocov3_tiny": ("mocov3", 6e-4, ("linear", 256), 0.1, None, None, 0.999),  # MoCo v3: lr x batch / 256
+    "ijepa_tiny": ("ijepa", 1e-3, ("none", None), 0.04, 0.4, None, 0.999),
+    "clip_tiny": ("clip", 5e-4, ("none", None), 0.2, None, None, 0.98),
+    "siglip_tiny": ("clip", 5e-4, ("none", None), 0.2, None, None, 0.98),
+    "deit": ("augreg", 5e-4, ("linear", 512), 0.05, None, None, 0.999),  # DeiT: 5e-4 per 512
 }
 
 
 @pytest.mark.parametrize("objective", RECIPES)
 def test_each_objective_brings_its_optimiser_recipe_and_the_command_line_still_wins(objective):
-    option, lr, wd, wd_end, clip, beta2 = RECIPES[objective]
+    option, lr, scaling, wd, wd_end, clip, beta2 = RECIPES[objective]
     cfg = _compose(f"objective={objective}", choices=True)
     assert cfg.hydra.runtime.choices.optim == option
-    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.weight_decay_end, cfg.optim.grad_clip,
-            cfg.optim.beta2) == (lr, wd, wd_end, clip, beta2)
+    assert (cfg.optim.lr, (cfg.optim.lr_scaling, cfg.optim.lr_base_batch), cfg.optim.weight_decay,
+            cfg.optim.weight_decay_end, cfg.optim.grad_clip, cfg.optim.beta2) == (lr, scaling, wd, wd_end, clip, beta2)
     chosen = _compose(f"objective={objective}", "optim=adamw", "optim.lr=1e-3", choices=True)
     assert chosen.hydra.runtime.choices.optim == "adamw" and chosen.optim.lr == 1e-3
     assert chosen.optim.weight_decay == 0.05 and chosen.optim.grad_clip == 1.0

@@ -3,12 +3,16 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers.builders import pretrain_config
 from omegaconf import OmegaConf
 
-from ssl_vit.config import OptimConfig
+from ssl_vit.config import OptimConfig, peak_lr
 from ssl_vit.objectives.base import DataInfo
 from ssl_vit.objectives.supervised import Supervised, SupervisedConfig
 from ssl_vit.optim import apply_schedule, param_groups, schedule, weight_decay_schedule
+from ssl_vit.schema import ConfigError
+from ssl_vit.train.build import build_components, build_run
+from ssl_vit.train.trainer import describe_run
 from ssl_vit.vit import build_vit
 
 
@@ -85,3 +89,31 @@ def test_weight_decay_schedule_is_constant_or_a_cosine_to_its_end():
     dino = OmegaConf.structured(OptimConfig(weight_decay=0.04, weight_decay_end=0.4))
     values = weight_decay_schedule(dino, 11)
     np.testing.assert_allclose(values, [0.4 - 0.18 * (1 + math.cos(math.pi * k / 11)) for k in range(11)])
+
+
+@pytest.mark.parametrize("objective, reference", [
+    ("dino_tiny", lambda lr, batch: lr * batch / 256),  # main_dino.py: lr * batch_size_per_gpu * world / 256
+    ("mocov3_tiny", lambda lr, batch: lr * batch / 256),  # main_moco.py: lr * batch_size / 256
+    ("mae", lambda lr, batch: lr * batch / 256),  # main_pretrain.py: blr * eff_batch_size / 256
+    ("dinov2_tiny", lambda lr, batch: lr * math.sqrt(batch / 1024)),  # dinov2 sqrt_wrt_1024
+    ("ijepa_tiny", lambda lr, batch: lr),  # I-JEPA gives the lr itself
+])
+def test_the_peak_lr_follows_the_global_batch_as_each_reference_scales_it(objective, reference, tmp_path):
+    """One place scales it, for the global batch: processes x data.batch_size x grad_accum_steps."""
+    for world, batch, accumulation in ((1, 64, 1), (2, 32, 1), (2, 8, 4), (1, 16, 2)):
+        cfg = pretrain_config(tmp_path, f"objective={objective}", f"data.batch_size={batch}", "data.num_samples=16",
+                              f"trainer.grad_accum_steps={accumulation}", "trainer.max_steps=20",
+                              *(["data.img_size=32"] if objective == "ijepa_tiny" else []))
+        run = build_run(cfg, *build_components(cfg), world=world)
+        global_batch = world * batch * accumulation
+        assert run.global_batch == global_batch
+        assert max(run.learning_rates) == pytest.approx(reference(cfg.optim.lr, global_batch), rel=1e-6)
+
+
+def test_the_start_up_line_says_the_lr_as_given_and_as_scaled_and_a_rule_needs_its_base(tmp_path):
+    cfg = pretrain_config(tmp_path, "objective=dinov2_tiny", "data.batch_size=16")
+    assert "lr 0.002 per 1024 images (sqrt) -> 0.0003536 at global batch 32" in describe_run(cfg, 32)
+    assert "(lr 0.001, weight decay" in describe_run(pretrain_config(tmp_path, "objective=ijepa_tiny"), 32)
+    with pytest.raises(ConfigError, match=r"optim.lr_scaling=linear needs optim.lr_base_batch"):
+        peak_lr(OmegaConf.structured(OptimConfig(lr_scaling="linear")), 64)
+    assert peak_lr(OmegaConf.structured(OptimConfig(lr=1e-3, lr_base_batch=256)), 64) == 1e-3  # none: as given

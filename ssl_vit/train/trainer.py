@@ -27,6 +27,7 @@ from accelerate.utils import gather_object, set_seed
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
+from ssl_vit.config import peak_lr
 from ssl_vit.data import describe_dataset, loader_workers, make_loader
 from ssl_vit.init import rng_devices, without_transformers_zero3
 from ssl_vit.optim import apply_schedule
@@ -97,7 +98,7 @@ def pretrain(cfg) -> dict:
     run = build_run(cfg, *components, world=accelerator.num_processes, fused=fused_optimizer(accelerator))
     evaluation = PeriodicEvaluation.from_config(cfg, needs, run.preprocess) if cfg.trainer.eval_every > 0 else None
     OmegaConf.set_readonly(cfg, True)  # built: from here on the run reads its config, never writes it
-    begin = Beginning(to_container(cfg), cfg.seed, cfg.data, describe_run(cfg), threads,
+    begin = Beginning(to_container(cfg), cfg.seed, cfg.data, describe_run(cfg, run.global_batch), threads,
                       Preparation.from_config(cfg, out_dir))
     return Trainer(run, accelerator, cfg.trainer, out_dir, DivergenceAdvice.from_config(cfg), begin, evaluation).train()
 
@@ -115,17 +116,20 @@ class Beginning:
     preparation: Preparation
 
 
-def describe_run(cfg) -> str:
+def describe_run(cfg, global_batch: int) -> str:
     """The start-up line's head: the options asked for (objective=dino_tiny, not its method's name dino), the
-    optimiser's recipe and the run directory."""
+    optimiser's recipe (the lr as given and as scaled to the global batch) and the run directory."""
     choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
     optim = cfg.optim
     decay = f"{optim.weight_decay:g}"
     if optim.weight_decay_end is not None:
         decay += f" -> {optim.weight_decay_end:g}"
-    per_batch = f" per {optim.lr_base_batch} images" if optim.lr_base_batch else ""
+    lr = f"{optim.lr:g}"
+    if optim.lr_scaling != "none":
+        lr += (f" per {optim.lr_base_batch} images ({optim.lr_scaling}) -> {peak_lr(optim, global_batch):.4g} at "
+               f"global batch {global_batch}")
     return (f"objective={choices.get('objective', cfg.objective.name)} optim={choices.get('optim', optim.name)} "
-            f"(lr {optim.lr:g}{per_batch}, weight decay {decay}, gradient clipping {optim.grad_clip or 'off'}) "
+            f"(lr {lr}, weight decay {decay}, gradient clipping {optim.grad_clip or 'off'}) "
             f"model={cfg.model.name} data={cfg.data.name} -> {cfg.output_dir}")
 
 

@@ -17,6 +17,7 @@ from helpers.ranks import pretrain_ranks
 STRATEGIES = ["ddp_cpu2", "zero1_cpu2", "zero2_cpu2", "zero3_cpu2", "fsdp2_cpu2"]
 SHARDED = {"zero3_cpu2", "fsdp2_cpu2"}  # parameters split across ranks
 STEPS = ["data.batch_size=8", "data.num_samples=64", "trainer.max_steps=5", "trainer.log_every=1", "optim.lr=1e-3",
+         "optim.lr_scaling=none",
          "optim.warmup_steps=2"]
 EVAL = ["trainer.eval_every=5", "trainer.eval_evaluators=[knn]", "trainer.eval_max_samples=64",
         "trainer.checkpoint_every=3"]  # checkpoints at steps 3 and 5: the resume tests start from step 3
