@@ -49,7 +49,7 @@ VIT_RUNS = {
 }
 # The recipe runs keep the plain runs' peak lr and warmup: DeiT's 5e-4 per 512 images is 6e-5 at batch 64, set for
 # 300 epochs, not a few hundred steps; what differs is the augmentation and regularisation.
-SAME_LR = [f"optim.lr={PLAIN['lr']}", "optim.lr_base_batch=null", f"optim.warmup_fraction={PLAIN['warmup_fraction']}"]
+SAME_LR = [f"optim.lr={PLAIN['lr']}", "optim.lr_scaling=none", f"optim.warmup_fraction={PLAIN['warmup_fraction']}"]
 for _name in ("vit_augreg", "deit"):
     VIT_RUNS[_name] += SAME_LR
 

@@ -73,7 +73,8 @@ def test_a_run_directory_holds_one_run_and_overwrite_clears_it(tmp_path):
     first = check_ok(_cli(*STEPS2, "objective=dino_tiny", "objective.out_dim=64", "objective.hidden_dim=32",
                           "objective.bottleneck_dim=16", "objective.local_crops=2", f"out={run}"))
     # the start-up line names what was asked for (dino_tiny, not its method dino), the recipe and the directory
-    assert f"objective=dino_tiny optim=dino (lr 0.0005, weight decay 0.04 -> 0.4, gradient clipping 3.0) " \
+    assert f"objective=dino_tiny optim=dino (lr 0.002 per 256 images (linear) -> 6.25e-05 at global batch 8, " \
+           f"weight decay 0.04 -> 0.4, gradient clipping 3.0) " \
            f"model=vit_test data=synthetic -> {run}" in first.stderr + first.stdout
     before = (run / "metrics.jsonl").read_text()
 

@@ -123,7 +123,8 @@ def test_the_config_trains_saves_and_reloads_and_bad_views_are_named(tmp_path):
                                "data.batch_size=8", "data.num_samples=32", "trainer.max_steps=3", "trainer.log_every=1",
                                f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "optim=mocov3 (lr 0.00015, weight decay 0.1" in proc.stdout + proc.stderr
+    assert "optim=mocov3 (lr 0.0006 per 256 images (linear) -> 1.875e-05 at global batch 8, weight decay 0.1" \
+        in proc.stdout + proc.stderr
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     logged = [m for m in metrics if "loss" in m]
     assert len(logged) == 3 and all({"contrastive_accuracy", "query_std"} <= set(m) for m in logged)
