@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
     parser.add_argument("--heads", nargs="+", default=["mlp", "linear"])
-    parser.add_argument("--inits", nargs="+", default=list(WEIGHT_INITS))
+    parser.add_argument("--inits", nargs="+", default=list(WEIGHT_INITS[:3]), choices=WEIGHT_INITS)
     parser.add_argument("--out", default="benchmarks/results/head_init.json")
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))

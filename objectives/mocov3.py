@@ -136,7 +136,8 @@ class MomentumEncoder(nn.Module):
 
 class MoCoV3(Objective):
     config_class = MoCoV3Config
-    needs = Requirements(views=("crops",), ema_teacher=True, model_defaults={"pos_embed": "sincos"})
+    needs = Requirements(views=("crops",), ema_teacher=True,
+                         model_defaults={"pos_embed": "sincos", "weight_init": "mocov3"})
     saved_heads = ("projector.", "predictor.", "momentum.")
 
     def __init__(self, backbone, cfg: MoCoV3Config, data: DataInfo):

@@ -134,6 +134,8 @@ class OptimConfig:
     weight_decay: float = checked(0.05, ge=0)
     # None: constant weight decay; a value: cosine from weight_decay to it over the run (DINO: 0.04 -> 0.4)
     weight_decay_end: float | None = checked(None, ge=0)
+    # True: every parameter decays, biases, norms, position embeddings and tokens too (MoCo v3's main_moco.py)
+    decay_all: bool = False
     beta1: float = checked(0.9, ge=0, lt=1)
     beta2: float = checked(0.999, ge=0, lt=1)
     eps: float = checked(1e-8, gt=0)

@@ -13,6 +13,9 @@ Schemes (`model.weight_init`):
   each as its own matrix), MLP biases normal(1e-6), other biases zero, lecun-normal patch projection, normal(0.02)
   position embeddings, zero class token.
 - `torch`: PyTorch's defaults for Linear and the patch projection (kaiming-uniform), timm's for the embeddings.
+- `mocov3`: MoCo v3's `vits.py`: xavier-uniform Linear weights (q, k, v each as its own matrix), zero biases, the
+  patch projection xavier-uniform over (D, C x P x P), normal(1e-6) class token (position embeddings: its fixed
+  sin-cos, which objective=mocov3 builds).
 - `xavier` (internal: MAE's decoder and heads): xavier-uniform over the whole matrix, zero bias.
 Classification heads start at zero in every scheme (the paper's fine-tuning head, section 3.2).
 """
@@ -26,7 +29,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-WEIGHT_INITS = ("timm", "jax", "torch")
+WEIGHT_INITS = ("timm", "jax", "torch", "mocov3")
 _SCHEMES = (*WEIGHT_INITS, "xavier")
 ROLES = ("dense", "mlp", "fused", "zero")
 
@@ -57,7 +60,7 @@ def init_linear(layer: nn.Linear, scheme: str, role: str = "dense", splits: Sequ
         return
     if scheme == "timm":
         nn.init.trunc_normal_(layer.weight, std=0.02)
-    elif scheme == "jax":
+    elif scheme in ("jax", "mocov3"):
         _xavier_rows(layer.weight, splits if role == "fused" else None)
     else:  # xavier
         nn.init.xavier_uniform_(layer.weight)
@@ -76,7 +79,7 @@ def init_patch_projection(conv: nn.Conv2d, scheme: str) -> None:
         nn.init.trunc_normal_(conv.weight, std=std, a=-2 * std, b=2 * std)  # torch's bounds are absolute
         if conv.bias is not None:
             nn.init.zeros_(conv.bias)
-    elif scheme == "xavier":  # MAE: the projection as a (D, P*P*C) matrix
+    elif scheme in ("xavier", "mocov3"):  # MAE, MoCo v3: the projection as a (D, P*P*C) matrix
         nn.init.xavier_uniform_(conv.weight.view(conv.weight.shape[0], -1))
         if conv.bias is not None:
             nn.init.zeros_(conv.bias)

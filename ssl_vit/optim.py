@@ -19,12 +19,13 @@ def _layer_id(name: str, num_layers: int) -> int:
 
 
 def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None = None,
-                 num_layers: int | None = None) -> list[dict]:
+                 num_layers: int | None = None, decay_all: bool = False) -> list[dict]:
     """Groups keyed by (decay or not, layer, frozen steps). Each group carries `lr_scale`, `wd_scale` and
     `frozen_until` (lr 0 before that step: the model's `frozen_parameters()`, e.g. DINO's
     last layer) for the schedules.
 
     With `layer_decay`, block i gets lr_scale = layer_decay ** (num_layers + 1 - layer_id) (BEiT / MAE fine-tuning).
+    `decay_all`: every parameter decays (MoCo v3 hands `model.parameters()` to AdamW as one group).
     """
     # Biases and norm scales (all 1-D parameters), and what modules list in no_weight_decay() (position
     # embeddings, learned tokens) get no weight decay.
@@ -35,7 +36,7 @@ def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | Non
         if not param.requires_grad:
             continue
         # a ZeRO-3 parameter partitioned under zero.Init holds an empty 1-D tensor: its shape is ds_shape
-        decay = len(getattr(param, "ds_shape", param.shape)) > 1 and name.rsplit(".", 1)[-1] not in skip
+        decay = decay_all or (len(getattr(param, "ds_shape", param.shape)) > 1 and name.rsplit(".", 1)[-1] not in skip)
         layer = _layer_id(name, num_layers) if layer_decay is not None else 0
         lr_scale = layer_decay ** (num_layers + 1 - layer) if layer_decay is not None else 1.0
         frozen_until = max((steps for prefix, steps in frozen.items() if name.startswith(prefix)), default=0)
@@ -52,7 +53,7 @@ def build_optimizer(model: nn.Module, cfg, num_layers: int | None = None, fused:
     """AdamW over `param_groups`; `fused`: one fused kernel per step (for CUDA, where it is the fastest)."""
     if cfg.name != "adamw":
         raise ValueError(f"unknown optimizer {cfg.name!r}; valid choices: ['adamw']")
-    groups = param_groups(model, cfg.weight_decay, cfg.layer_decay, num_layers)
+    groups = param_groups(model, cfg.weight_decay, cfg.layer_decay, num_layers, getattr(cfg, "decay_all", False))
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                   weight_decay=cfg.weight_decay, fused=fused or None)
     if any(group["frozen_until"] for group in groups):

@@ -5,8 +5,10 @@ import math
 
 import pytest
 import torch
+from helpers.builders import pretrain_config
 
 from ssl_vit.init import materialize
+from ssl_vit.train.build import build_components, build_run
 from ssl_vit.vit import build_vit
 
 D, HIDDEN = 384, 1536  # vit_s16
@@ -65,7 +67,7 @@ def test_presets_default_to_the_paper_init_and_a_bad_scheme_names_the_choices():
     assert _std(tiny.blocks[0].attn.qkv.weight[:64]) == pytest.approx(math.sqrt(1 / 64), rel=0.1)
     timm = build_vit("vit_tiny", weight_init="timm")
     assert _std(timm.blocks[0].attn.qkv.weight) == pytest.approx(0.02, rel=0.1)
-    with pytest.raises(ValueError, match=r"weight_init 'lecun' is not one of \['timm', 'jax', 'torch'\]"):
+    with pytest.raises(ValueError, match=r"weight_init 'lecun' is not one of \['timm', 'jax', 'torch', 'mocov3'\]"):
         build_vit("vit_tiny", weight_init="lecun")
 
 
@@ -94,3 +96,30 @@ def test_the_supervised_head_starts_as_its_scheme_starts_a_classifier(head_init)
         assert _is_classifier_start(mlp[2], scheme, D) and _is_classifier_start(linear.head, scheme, D)
         expected_hidden = {"timm": 0.02, "jax": math.sqrt(2 / (D + D)), "torch": 1 / math.sqrt(3 * D)}[scheme]
         assert _std(mlp[0].weight) == pytest.approx(expected_hidden, rel=0.05)
+
+
+def test_the_mocov3_scheme_is_vits_py_and_objective_mocov3_builds_with_it(tmp_path):
+    """moco-v3's vits.py: xavier-uniform Linear weights with q, k, v each its own matrix (bound sqrt(6 / (D +
+    D))), zero biases, the patch projection uniform within sqrt(6 / (3 P^2 + D)), the class
+    token normal(1e-6); objective=mocov3 builds its backbone so, and its recipe decays every parameter as
+    main_moco.py does (model.parameters() in one AdamW group)."""
+    torch.manual_seed(0)
+    model = build_vit("vit_tiny", weight_init="mocov3")
+    dim, patch = model.embed_dim, model.patch_embed.proj.weight.shape[-1]
+    qkv = model.blocks[0].attn.qkv.weight
+    for block in qkv.chunk(3):
+        bound = math.sqrt(6 / (dim + dim))
+        assert block.abs().max() <= bound and block.abs().max() > 0.95 * bound
+    fc1 = model.blocks[0].mlp.fc1.weight
+    assert fc1.abs().max() <= math.sqrt(6 / (fc1.shape[0] + fc1.shape[1]))
+    assert all(float(b.abs().max()) == 0 for name, b in model.named_parameters() if name.endswith(".bias")
+               and "norm" not in name)
+    projection = model.patch_embed.proj.weight
+    bound = math.sqrt(6 / (3 * patch * patch + dim))
+    assert projection.abs().max() <= bound and projection.abs().max() > 0.95 * bound
+    assert 0 < float(model.cls_token.abs().max()) < 1e-5
+
+    cfg = pretrain_config(tmp_path, "objective=mocov3_tiny", "data.num_samples=16")
+    run = build_run(cfg, *build_components(cfg), world=1)
+    assert run.objective.backbone.config["weight_init"] == "mocov3"
+    assert {group["weight_decay"] for group in run.optimizer.param_groups} == {0.1}
