@@ -229,15 +229,6 @@ def repeated_key_check(overrides: list[str]) -> None:
                  f"pattern; quote it for the shell and for Hydra: '{key}=\"...{{000000..000019}}.tar\"'", EXIT_CONFIG)
 
 
-def _schema_named(name: str):
-    """The schema dataclass of that name among the objectives' config modules (items of list fields)."""
-    for objective in OBJECTIVES.values():
-        found = getattr(sys.modules[objective.__module__], name, None)
-        if dataclasses.is_dataclass(found):
-            return found
-    return None
-
-
 def explain_hydra_error(err: Exception, config_name: str, overrides: list[str]) -> str:
     """One line for Hydra's and OmegaConf's composition errors, read from their exception types and attributes:
     an option a config group lacks (MissingConfigException), a key no schema has (ConfigKeyError /

@@ -60,11 +60,6 @@ class DataConfig:
     max_test_samples: int | None = checked(None, ge=1)  # a stratified subset of the test set (evaluation)
 
 
-def augment_kind(data_cfg) -> str:
-    """data.augment, one of AUGMENTS (its schema checks it)."""
-    return str(data_cfg.get("augment", "none"))
-
-
 @dataclass(frozen=True)
 class DatasetKind:
     """Everything the project knows about one kind of dataset (`data=<name>`), in one place.

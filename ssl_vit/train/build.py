@@ -17,7 +17,6 @@ from omegaconf import OmegaConf
 from ssl_vit.config import model_kwargs, peak_lr, warmup_steps
 from ssl_vit.data import DATASETS, DataError, ViewBuilder, build_dataset, dataset_kind
 from ssl_vit.data.augreg import mixes
-from ssl_vit.data.config import augment_kind
 from ssl_vit.data.subset import limit_samples
 from ssl_vit.init import without_transformers_zero3, writable
 from ssl_vit.interop.sources import SOURCES, Pretrained, load_pretrained
@@ -264,7 +263,7 @@ def build_components(cfg, source: Pretrained | None = None, device_type: str = "
         raise ConfigError(f"objective={cfg.objective.name}: {err}") from err
     if cfg.model.get("init_heads"):
         load_source_heads(objective, source, cfg.model.init_from)
-    augment = augment_kind(cfg.data)
+    augment = cfg.data.augment  # one of AUGMENTS (its schema checks it)
     if augment == "augreg" and mixes(cfg.data.augreg) and cfg.data.batch_size % 2:
         raise ConfigError(f"data.batch_size={cfg.data.batch_size}: Mixup / CutMix (data.augment=augreg) pair each "
                           "image with another, so the batch per process must be even")
@@ -303,7 +302,7 @@ def build_run(cfg, objective: Objective, dataset, views: ViewBuilder, preprocess
     steps = cfg.trainer.max_steps
     learning_rates = schedule(peak, min(cfg.optim.min_lr, peak), steps, warmup_steps(cfg.optim, steps),
                               cfg.optim.schedule)
-    repeats = cfg.data.augreg.repeats if augment_kind(cfg.data) == "augreg" else 1
+    repeats = cfg.data.augreg.repeats if cfg.data.augment == "augreg" else 1
     return Run(objective, dataset, views, preprocess, optimizer, learning_rates,
                weight_decay_schedule(cfg.optim, steps), global_batch, cfg.optim.grad_clip, repeats)
 
