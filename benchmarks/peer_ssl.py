@@ -3,7 +3,7 @@ end to end (the data loader included) and the k-NN accuracy each encoder reaches
 
     pip install -e '.[bench]'                          # lightly (never a dependency of the product)
     python benchmarks/peer_ssl.py                      # vit_tiny, Fashion-MNIST at 32 px, 150 steps of 64 images
-    python benchmarks/peer_ssl.py --methods mae --steps 400
+    python benchmarks/peer_ssl.py --methods mae --steps 400 --seeds 0,1,2   # mean and spread over seeds
 
 Both sides: the same backbone geometry and initial weights (ours, loaded into timm's VisionTransformer for lightly),
 2 x 32 px global + 6 x 12 px local crops with DINO's augmentation, a 3-layer head of 1,024 prototypes (hidden 512,
@@ -53,13 +53,14 @@ METHODS = {"dino": ["objective=dino_tiny", "optim=dino"],
                    "objective.decoder_heads=4"]}
 
 
-def compose_config(out_dir: Path, args, method: str, photometric: str = "workers"):
+def compose_config(out_dir: Path, args, method: str, photometric: str = "workers", seed: int = 0):
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
         return compose("pretrain", overrides=[
-            *METHODS[method], "model=vit_tiny", "data=fashion_mnist", "data.img_size=32",
+            *METHODS[method], f"seed={seed}", "model=vit_tiny", "data=fashion_mnist", "data.img_size=32",
             f"data.batch_size={args.batch}", "data.num_workers=1", f"trainer.max_steps={args.steps}",
             f"trainer.log_every={max(1, args.steps // 5)}", f"trainer.checkpoint_every={args.steps}",
-            "trainer.trackers=[]", f"data.multicrop_photometric={photometric}", f"output_dir={out_dir}"])
+            "trainer.trackers=[]", "trainer.overwrite=true",
+            f"data.multicrop_photometric={photometric}", f"output_dir={out_dir}"])
 
 
 class LightlyViews(torch.utils.data.Dataset):
@@ -203,10 +204,11 @@ def knn_accuracy(embed, preprocess: Preprocess, train, test) -> float:
     return knn_eval(*features(train), *features(test))["accuracy"]
 
 
-def compare(method: str, args, work: Path, preprocess: Preprocess, train, test) -> dict:
-    """One method: the untrained init, ours (per photometric placement for DINO), lightly's; k-NN for each."""
+def compare(method: str, args, work: Path, preprocess: Preprocess, train, test, seed: int) -> dict:
+    """One method, one seed (the initial weights, masks and data order): the untrained init, ours (per photometric
+    placement for DINO), lightly's; k-NN for each."""
     mean, std = preprocess.mean, preprocess.std
-    cfg = compose_config(work / method, args, method)
+    cfg = compose_config(work / method, args, method, seed=seed)
     set_seed(cfg.seed)  # the initial weights pretrain starts from
     objective, dataset, views, built = build_components(cfg)
     initial = {"config": objective.backbone.config, "state": copy.deepcopy(objective.backbone.state_dict())}
@@ -217,7 +219,7 @@ def compare(method: str, args, work: Path, preprocess: Preprocess, train, test) 
     for placement in placements:
         AcceleratorState._reset_state(reset_partial_state=True)
         name = f"ssl-vit ({placement})" if method == "dino" else "ssl-vit"
-        summary = pretrain(compose_config(work / f"{method}_{placement}", args, method, placement))
+        summary = pretrain(compose_config(work / f"{method}_{placement}", args, method, placement, seed))
         encoder = load_encoder(work / f"{method}_{placement}" / "encoder.safetensors").eval()
         results[name] = {"wall_s": summary["wall_s"], "images_per_s": summary["images_per_s"],
                          "knn": knn_accuracy(lambda x, e=encoder: e.forward_features(x)[:, 0], preprocess, train,
@@ -227,20 +229,36 @@ def compare(method: str, args, work: Path, preprocess: Preprocess, train, test) 
     trained.eval()
     results["lightly"] = {"wall_s": wall, "images_per_s": args.steps * args.batch / wall,
                           "knn": knn_accuracy(lambda x: trained.forward_features(x)[:, 0], preprocess, train, test)}
+    return results
+
+
+def spread(values: list[float]) -> dict:
+    mean = sum(values) / len(values)
+    sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+    return {"mean": mean, "sd": sd, "values": values}
+
+
+def summarise(method: str, args, per_seed: dict[int, dict]) -> dict:
+    """The record of one method over its seeds (each row's k-NN and images/s as mean, sd and values), printed."""
     from lightly import __version__ as lightly_version  # the optional `bench` extra
 
+    names = list(next(iter(per_seed.values())))
+    rows = {name: {key: spread([runs[name][key] for runs in per_seed.values()])
+                   for key in per_seed[next(iter(per_seed))][name]} for name in names}
     record = {"benchmark": "peer_ssl", "method": method, "machine": platform.processor() or platform.machine(),
               "threads": torch.get_num_threads(), "steps": args.steps, "batch": args.batch,
-              "lightly": lightly_version, "results": results,
-              "speed_vs_lightly": {name: row["images_per_s"] / results["lightly"]["images_per_s"]
-                                   for name, row in results.items() if name.startswith("ssl-vit")}}
+              "seeds": list(per_seed), "lightly": lightly_version, "results": rows, "per_seed": per_seed,
+              "speed_vs_lightly": {name: row["images_per_s"]["mean"] / rows["lightly"]["images_per_s"]["mean"]
+                                   for name, row in rows.items() if name.startswith("ssl-vit")}}
     print(f"\n{method.upper()}, vit_tiny on Fashion-MNIST 32 px, {args.steps} steps x {args.batch} images, 1 loader "
-          "worker each" + (" (ours: the photometric augmentation in the loader's workers, or batched on the device)"
-                           if method == "dino" else ""))
-    print(f"{'':<20}{'img/s':>8}{'wall s':>9}{'k-NN':>8}")
-    for name, row in results.items():
-        speed = f"{row['images_per_s']:>8.1f}{row['wall_s']:>9.0f}" if "wall_s" in row else f"{'-':>8}{'-':>9}"
-        print(f"{name:<20}{speed}{row['knn']:>8.1%}")
+          f"worker each, seeds {list(per_seed)} (mean +- sd)" +
+          (" (ours: the photometric augmentation in the loader's workers, or batched on the device)"
+           if method == "dino" else ""))
+    print(f"{'':<20}{'img/s':>14}{'k-NN':>18}")
+    for name, row in rows.items():
+        speed = (f"{row['images_per_s']['mean']:>7.1f} +- {row['images_per_s']['sd']:<4.1f}"
+                 if "images_per_s" in row else f"{'-':>14}")
+        print(f"{name:<20}{speed}{row['knn']['mean']:>10.1%} +- {row['knn']['sd']:.1%}")
     for name, ratio in record["speed_vs_lightly"].items():
         print(f"{name} / lightly images/s: {ratio:.2f}x", flush=True)
     return record
@@ -253,6 +271,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--photometric", default="workers,device",
                         help="DINO, ours, one run each: data.multicrop_photometric (workers, device)")
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds (initial weights, masks, data order)")
     parser.add_argument("--knn-train", type=int, default=10000)
     parser.add_argument("--knn-test", type=int, default=2000)
     parser.add_argument("--work-dir", default="/tmp/peer_ssl")
@@ -268,7 +287,9 @@ def main(argv=None) -> dict:
     test = limit_samples(FashionMNIST(split="test"), args.knn_test, 0)
     records = {}
     for method in methods:
-        records[method] = compare(method, args, Path(args.work_dir), preprocess, train, test)
+        per_seed = {seed: compare(method, args, Path(args.work_dir) / f"seed{seed}", preprocess, train, test, seed)
+                    for seed in (int(s) for s in args.seeds.split(","))}
+        records[method] = summarise(method, args, per_seed)
         out = Path(args.out_dir) / f"peer_ssl_cpu_{method}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(records[method], indent=2) + "\n")

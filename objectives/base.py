@@ -88,7 +88,8 @@ class Requirements:
       on every rank). image_text: it embeds images and texts (`encode_image`, `encode_text`, `text_tokenizer`), so
       zero-shot and retrieval evaluate it. fixed_backbone: its own backbone, replacing `model=`. init_from: why
       `model.init_from` cannot start it (None: it can). model_defaults: backbone options the method uses where the
-      model config leaves them unset (CLIP: pre_norm)."""
+      model config leaves them unset (CLIP: pre_norm). preset_defaults: {preset: options} the method's reference
+      gives one `model=` preset, on top of model_defaults (MoCo v3's ViT-S: 12 heads)."""
 
     views: tuple[str, ...] = ("image",)
     ema_teacher: bool = False
@@ -96,6 +97,11 @@ class Requirements:
     fixed_backbone: FixedBackbone | None = None
     init_from: str | None = None
     model_defaults: dict = field(default_factory=dict)
+    preset_defaults: dict = field(default_factory=dict)
+
+    def defaults_for(self, preset: str) -> dict:
+        """The backbone options the method sets for `model=preset` where the model config leaves them unset."""
+        return {**self.model_defaults, **self.preset_defaults.get(preset, {})}
 
 
 @dataclass

@@ -107,7 +107,8 @@ class DINOv3(DINO):
     # DINOv3's backbone, where the model config leaves it unset: RoPE (base 100, coordinates rescaled by up to 2x
     # while training) and 4 registers (its storage tokens)
     needs = Requirements(views=("crops",), ema_teacher=True,
-                         model_defaults={"pos_embed": "rope", "rope_rescale": 2.0, "num_registers": 4})
+                         model_defaults={"pos_embed": "rope", "rope_rescale": 2.0, "num_registers": 4,
+                                         "weight_init": "dinov3"})
     saved_heads = (*DINO.saved_heads, "gram_teacher.")
 
     def __init__(self, backbone, cfg: DINOv3Config, data: DataInfo):

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ssl_vit.ema import EMA, teacher_backbone
-from ssl_vit.init import Linear, writable
+from ssl_vit.init import Linear
 from ssl_vit.objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
 from ssl_vit.objectives.patches import refuse_hybrid
 from ssl_vit.schema import checked
@@ -146,12 +146,12 @@ class Predictor(nn.Module):
 
     def __init__(self, embed_dim: int, dim: int, depth: int, heads: int, grid):
         super().__init__()
-        self.embed = Linear(embed_dim, dim, scheme="timm")
+        self.embed = Linear(embed_dim, dim, scheme="ijepa")
         self.mask_token = nn.Parameter(torch.empty(1, 1, dim))
         self.blocks = nn.ModuleList([Block(dim, heads, 4 * dim, norm_layer=lambda d: nn.LayerNorm(d, eps=1e-6),
-                                           weight_init="timm") for _ in range(depth)])
+                                           weight_init="ijepa") for _ in range(depth)])
         self.norm = nn.LayerNorm(dim, eps=1e-6)
-        self.proj = Linear(dim, embed_dim, scheme="timm")
+        self.proj = Linear(dim, embed_dim, scheme="ijepa")
         self.grid = tuple(grid)
         self.register_buffer("pos_embed", torch.empty(1, grid[0] * grid[1], dim), persistent=False)
         self.reset_parameters()
@@ -159,11 +159,8 @@ class Predictor(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         nn.init.trunc_normal_(self.mask_token, std=0.02)
+        # (no depth rescaling: the reference's init_model redraws every Linear after its fix_init_weight)
         self.pos_embed.copy_(sincos_pos_embed_2d(self.grid, self.pos_embed.shape[-1]))
-        for depth, block in enumerate(self.blocks, start=1):  # the reference's fix_init_weight
-            with writable(block.attn.proj.weight, block.mlp.fc2.weight):  # ZeRO-3 partitioned them already
-                block.attn.proj.weight.div_(math.sqrt(2.0 * depth))
-                block.mlp.fc2.weight.div_(math.sqrt(2.0 * depth))
 
     def forward(self, context_tokens: torch.Tensor, context: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         batch = context_tokens.shape[0]
@@ -179,7 +176,8 @@ class Predictor(nn.Module):
 class IJEPA(Objective):
     config_class = IJEPAConfig
     needs = Requirements(views=("image",), ema_teacher=True,
-                         model_defaults={"pos_embed": "sincos", "class_token": False, "global_pool": "avg"})
+                         model_defaults={"pos_embed": "sincos", "class_token": False, "global_pool": "avg",
+                                         "weight_init": "ijepa"})
     saved_heads = ("backbone.", "predictor.")  # the context encoder and the predictor, to continue training
 
     def __init__(self, backbone, cfg: IJEPAConfig, data: DataInfo):

@@ -137,7 +137,8 @@ class MomentumEncoder(nn.Module):
 class MoCoV3(Objective):
     config_class = MoCoV3Config
     needs = Requirements(views=("crops",), ema_teacher=True,
-                         model_defaults={"pos_embed": "sincos", "weight_init": "mocov3"})
+                         model_defaults={"pos_embed": "sincos", "weight_init": "mocov3"},
+                         preset_defaults={"vit_s16": {"num_heads": 12}})  # vits.py's vit_small (DeiT / timm: 6)
     saved_heads = ("projector.", "predictor.", "momentum.")
 
     def __init__(self, backbone, cfg: MoCoV3Config, data: DataInfo):

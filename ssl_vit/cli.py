@@ -168,7 +168,7 @@ def show_job_config(config_name: str, overrides: list[str], resolve: bool) -> bo
             _, needs = requirements(cfg.objective)
             built = {name: param.default for name, param in inspect.signature(VisionTransformer).parameters.items()
                      if param.default is not inspect.Parameter.empty}
-            effective = {**built, **PRESETS[cfg.model.name], **needs.model_defaults}
+            effective = {**built, **PRESETS[cfg.model.name], **needs.defaults_for(cfg.model.name)}
             for key in list(cfg.model):
                 if cfg.model[key] is None and effective.get(key) is not None:
                     cfg.model[key] = effective[key]

@@ -130,6 +130,13 @@ class OptimConfig:
     min_lr: float = checked(1e-5, ge=0)
     warmup_steps: int = checked(30, ge=0)
     warmup_fraction: float | None = checked(None, ge=0, lt=1)  # a value: warmup = this share of trainer.max_steps
+    warmup_start: float = checked(0.0, ge=0)  # the lr at the warm-up's first step (I-JEPA: 2e-4; not scaled)
+    # true: the warm-up's last step is at the peak (DINO's inclusive linspace); false: step k of W is at
+    # lr x k / W and the peak comes at step W (MoCo v3's and MAE's adjust_learning_rate, I-JEPA's scheduler)
+    warmup_inclusive: bool = True
+    # 1: step k takes the lr and weight decay the schedules give step k + 1 (I-JEPA steps its schedulers before
+    # each iteration, so its last step reaches min_lr); 0: step k's own
+    schedule_lead: int = checked(0, ge=0, le=1)
     schedule: Schedule = Schedule.cosine
     weight_decay: float = checked(0.05, ge=0)
     # None: constant weight decay; a value: cosine from weight_decay to it over the run (DINO: 0.04 -> 0.4)

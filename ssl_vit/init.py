@@ -16,6 +16,12 @@ Schemes (`model.weight_init`):
 - `mocov3`: MoCo v3's `vits.py`: xavier-uniform Linear weights (q, k, v each as its own matrix), zero biases, the
   patch projection xavier-uniform over (D, C x P x P), normal(1e-6) class token (position embeddings: its fixed
   sin-cos, which objective=mocov3 builds).
+- `ijepa`: I-JEPA's `init_model` (src/helper.py): trunc-normal(0.02) Linear weights with no depth rescaling (its
+  re-initialisation undoes the model's `fix_init_weight`), zero biases, the patch projection trunc-normal(0.02)
+  with a zero bias (the model's own `_init_weights`), trunc-normal(0.02) tokens and learned positions.
+- `dinov3`: DINOv3's `init_weights_vit` (dinov3/models/vision_transformer.py): trunc-normal(0.02) Linear weights,
+  zero biases, the patch projection and its bias uniform(+-1/sqrt(fan_in)) (its PatchEmbed.reset_parameters),
+  normal(0.02) class and register (storage) tokens.
 - `xavier` (internal: MAE's decoder and heads): xavier-uniform over the whole matrix, zero bias.
 Classification heads start at zero in every scheme (the paper's fine-tuning head, section 3.2).
 """
@@ -29,7 +35,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-WEIGHT_INITS = ("timm", "jax", "torch", "mocov3")
+WEIGHT_INITS = ("timm", "jax", "torch", "mocov3", "ijepa", "dinov3")
 _SCHEMES = (*WEIGHT_INITS, "xavier")
 ROLES = ("dense", "mlp", "fused", "zero")
 
@@ -58,7 +64,7 @@ def init_linear(layer: nn.Linear, scheme: str, role: str = "dense", splits: Sequ
     if scheme == "torch":
         nn.Linear.reset_parameters(layer)
         return
-    if scheme == "timm":
+    if scheme in ("timm", "ijepa", "dinov3"):
         nn.init.trunc_normal_(layer.weight, std=0.02)
     elif scheme in ("jax", "mocov3"):
         _xavier_rows(layer.weight, splits if role == "fused" else None)
@@ -83,6 +89,15 @@ def init_patch_projection(conv: nn.Conv2d, scheme: str) -> None:
         nn.init.xavier_uniform_(conv.weight.view(conv.weight.shape[0], -1))
         if conv.bias is not None:
             nn.init.zeros_(conv.bias)
+    elif scheme == "ijepa":
+        nn.init.trunc_normal_(conv.weight, std=0.02)
+        if conv.bias is not None:
+            nn.init.zeros_(conv.bias)
+    elif scheme == "dinov3":
+        bound = 1.0 / math.sqrt(conv.weight[0].numel())
+        nn.init.uniform_(conv.weight, -bound, bound)
+        if conv.bias is not None:
+            nn.init.uniform_(conv.bias, -bound, bound)
     else:  # timm keeps PyTorch's default for the patch projection
         nn.Conv2d.reset_parameters(conv)
 
@@ -98,6 +113,10 @@ def init_embeddings(pos_embed: torch.Tensor | None, tokens: Sequence[torch.Tenso
         if token is not None:
             if scheme == "jax":
                 nn.init.zeros_(token)
+            elif scheme == "ijepa":
+                nn.init.trunc_normal_(token, std=0.02)
+            elif scheme == "dinov3":
+                nn.init.normal_(token, std=0.02)
             else:
                 nn.init.normal_(token, std=1e-6)
 

@@ -87,25 +87,33 @@ def hold_frozen_groups(optimizer: torch.optim.Optimizer) -> None:
 
 
 def schedule(base: float, final: float, total_steps: int, warmup_steps: int = 0, kind: str = "cosine",
-             warmup_start: float = 0.0) -> np.ndarray:
+             warmup_start: float = 0.0, warmup_inclusive: bool = True, lead: int = 0) -> np.ndarray:
     """Value at every step, as DINO's `utils.cosine_scheduler` builds it: a linear warm-up from `warmup_start` that
     reaches `base` at its last step (an inclusive linspace), then a decay with progress k / n over its n steps (the
-    cosine, or a straight line, heads for `final` and stops one step short of it)."""
+    cosine, or a straight line, heads for `final` and stops one step short of it).
+
+    warmup_inclusive=False: warm-up step k of W is at start + (base - start) k / W and the peak comes at step W
+    (MoCo v3's and MAE's `adjust_learning_rate`, I-JEPA's WarmupCosineSchedule). lead=1: step k takes the value of
+    step k + 1 (I-JEPA steps its schedulers before each iteration), so the last step reaches `final`."""
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+    if kind not in ("cosine", "linear", "constant"):
+        raise ValueError(f"unknown schedule {kind!r}; valid choices: ['cosine', 'linear', 'constant']")
     warmup_steps = min(warmup_steps, total_steps)
-    warmup = np.linspace(warmup_start, base, warmup_steps)
-    decay_steps = total_steps - warmup_steps
-    progress = np.arange(decay_steps) / max(decay_steps, 1)
+    position = np.arange(total_steps) + lead
+    if warmup_inclusive:
+        warmup = np.linspace(warmup_start, base, warmup_steps)
+    else:
+        warmup = warmup_start + (base - warmup_start) * np.arange(warmup_steps) / max(warmup_steps, 1)
+    warmup = np.append(warmup, base)  # indexable at every position; np.where takes the decay from step W on
+    progress = (position - warmup_steps) / max(total_steps - warmup_steps, 1)
     if kind == "cosine":
         decay = final + 0.5 * (base - final) * (1 + np.cos(math.pi * progress))
     elif kind == "linear":
         decay = base + (final - base) * progress
-    elif kind == "constant":
-        decay = np.full(decay_steps, base)
     else:
-        raise ValueError(f"unknown schedule {kind!r}; valid choices: ['cosine', 'linear', 'constant']")
-    return np.concatenate([warmup, decay])
+        decay = np.full(total_steps, float(base))
+    return np.where(position < warmup_steps, warmup[np.minimum(position, warmup_steps)], decay)
 
 
 def weight_decay_schedule(cfg, total_steps: int) -> np.ndarray:
@@ -113,7 +121,8 @@ def weight_decay_schedule(cfg, total_steps: int) -> np.ndarray:
     towards that value over the run, no warmup (DINO's schedule)."""
     if cfg.weight_decay_end is None:
         return np.full(total_steps, cfg.weight_decay)
-    return schedule(cfg.weight_decay, cfg.weight_decay_end, total_steps, 0, "cosine")
+    lead = getattr(cfg, "schedule_lead", 0)
+    return schedule(cfg.weight_decay, cfg.weight_decay_end, total_steps, 0, "cosine", lead=lead)
 
 
 def apply_schedule(optimizer: torch.optim.Optimizer, lr: float, weight_decay: float, step: int = 0) -> None:

@@ -253,3 +253,31 @@ def test_the_config_trains_saves_and_reloads_and_an_impossible_min_keep_is_named
         "ssl-vit: error: objective=ijepa: objective.min_keep=1: a target block can be drawn 1 x 1 patches (scale "
         "[0.15, 0.2], aspect [0.75, 1.5] of a 4 x 4 grid), which can never keep more; lower objective.min_keep or "
         "raise data.img_size"]
+
+
+def test_objective_ijepa_trains_on_its_references_crop_only_view(tmp_path):
+    """make_transforms as I-JEPA's configs set it: RandomResizedCrop(scale (0.3, 1)), no flip, no colour
+    distortion; merged over the data kind's default (a folder's crop_flip), while data.augment=... still wins."""
+    from helpers.builders import pretrain_config
+    from torchvision.transforms import v2
+
+    from ssl_vit.train.build import build_components
+
+    cfg = pretrain_config(tmp_path, "objective=ijepa_tiny", "data.img_size=32", "data.num_samples=4")
+    assert cfg.data.augment == "crop" and list(cfg.data.crop_scale) == [0.3, 1.0]
+    folder = pretrain_config(tmp_path, "objective=ijepa", "data=folder", "data.root=/nowhere")
+    assert folder.data.augment == "crop"
+    assert pretrain_config(tmp_path, "objective=dino", "data=folder", "data.root=/x").data.augment == "crop_flip"
+    assert pretrain_config(tmp_path, "objective=ijepa", "data.augment=crop_flip").data.augment == "crop_flip"
+
+    _, dataset, views, preprocess = build_components(cfg)
+    image = torch.randint(0, 256, (3, 40, 48), dtype=torch.uint8)
+    reference = v2.RandomResizedCrop(32, scale=(0.3, 1.0), interpolation=v2.InterpolationMode.BILINEAR,
+                                     antialias=True)
+    mean, std = torch.tensor(preprocess.mean).view(3, 1, 1), torch.tensor(preprocess.std).view(3, 1, 1)
+    for seed in range(8):  # a flip would show in half of them
+        torch.manual_seed(seed)
+        ours = views({"image": image})["image"]
+        torch.manual_seed(seed)
+        expected = (reference(image).float() / 255 - mean) / std
+        torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)

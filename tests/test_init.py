@@ -67,7 +67,8 @@ def test_presets_default_to_the_paper_init_and_a_bad_scheme_names_the_choices():
     assert _std(tiny.blocks[0].attn.qkv.weight[:64]) == pytest.approx(math.sqrt(1 / 64), rel=0.1)
     timm = build_vit("vit_tiny", weight_init="timm")
     assert _std(timm.blocks[0].attn.qkv.weight) == pytest.approx(0.02, rel=0.1)
-    with pytest.raises(ValueError, match=r"weight_init 'lecun' is not one of \['timm', 'jax', 'torch', 'mocov3'\]"):
+    with pytest.raises(ValueError, match=r"weight_init 'lecun' is not one of \['timm', 'jax', 'torch', 'mocov3', "
+                       r"'ijepa', 'dinov3'\]"):
         build_vit("vit_tiny", weight_init="lecun")
 
 
@@ -123,3 +124,36 @@ def test_the_mocov3_scheme_is_vits_py_and_objective_mocov3_builds_with_it(tmp_pa
     run = build_run(cfg, *build_components(cfg), world=1)
     assert run.objective.backbone.config["weight_init"] == "mocov3"
     assert {group["weight_decay"] for group in run.optimizer.param_groups} == {0.1}
+
+
+def test_the_ijepa_and_dinov3_schemes_are_their_references_and_their_objectives_build_with_them(tmp_path):
+    """I-JEPA (src/helper.py init_model over the model's _init_weights): trunc-normal(0.02) Linear weights with no
+    depth rescaling, zero biases, the patch projection trunc-normal(0.02) with a zero bias. DINOv3
+    (vision_transformer.py init_weights_vit, PatchEmbed.reset_parameters): trunc-normal(0.02) Linear weights, zero
+    biases, the projection and its bias uniform(+-1/sqrt(fan_in)), class and storage tokens normal(0.02)."""
+    torch.manual_seed(0)
+    fan_in = 3 * 16 * 16
+    for scheme in ("ijepa", "dinov3"):
+        vit = build_vit("vit_s16", weight_init=scheme, num_registers=4)
+        for block in (vit.blocks[0], vit.blocks[11]):  # the last block as wide as the first: no 1/sqrt(2 depth)
+            for linear in (block.attn.qkv, block.attn.proj, block.mlp.fc1, block.mlp.fc2):
+                assert _std(linear.weight) == pytest.approx(0.02, rel=0.05)
+                assert not linear.bias.any()
+        projection = vit.patch_embed.proj
+        if scheme == "ijepa":
+            assert _std(projection.weight) == pytest.approx(0.02, rel=0.05) and not projection.bias.any()
+        else:
+            bound = 1 / math.sqrt(fan_in)
+            assert projection.weight.abs().max() <= bound and _std(projection.weight) == pytest.approx(
+                bound / math.sqrt(3), rel=0.05)
+            assert 0 < projection.bias.abs().max() <= bound
+            assert _std(vit.reg_token) == pytest.approx(0.02, rel=0.3) and vit.cls_token.abs().max() > 1e-3
+
+    from ssl_vit.objectives.ijepa import Predictor
+
+    predictor = Predictor(64, 48, depth=4, heads=4, grid=(4, 4))
+    assert _std(predictor.blocks[3].mlp.fc2.weight) == pytest.approx(0.02, rel=0.1)  # no fix_init_weight
+    for objective, scheme in (("ijepa_tiny", "ijepa"), ("dinov3_tiny", "dinov3")):
+        cfg = pretrain_config(tmp_path, f"objective={objective}", "data.num_samples=16", "data.img_size=32")
+        run = build_run(cfg, *build_components(cfg), world=1)
+        assert run.objective.backbone.config["weight_init"] == scheme

@@ -133,3 +133,23 @@ def test_the_config_trains_saves_and_reloads_and_bad_views_are_named(tmp_path):
     assert not torch.equal(model.momentum.backbone.blocks[0].attn.qkv.weight, model.backbone.blocks[0].attn.qkv.weight)
     with pytest.raises(ValueError, match="MoCo v3 compares 2 views of each image; the batch has 3 crops"):
         model({"crops": [torch.zeros(2, 3, 16, 16)] * 3})
+
+
+def test_objective_mocov3_builds_vit_s_with_the_references_12_heads_and_says_so(tmp_path):
+    """vits.py's vit_small has 12 heads of 32 (DeiT's and timm's: 6 of 64); model.num_heads still wins."""
+    from helpers.builders import pretrain_config
+
+    from ssl_vit.train.build import build_backbone, requirements
+    from ssl_vit.train.trainer import describe_run
+
+    def heads(*overrides):
+        cfg = pretrain_config(tmp_path, *overrides, "model=vit_s16", "data.img_size=32")
+        backbone, _, _ = build_backbone(cfg, requirements(cfg.objective)[1], None)
+        return backbone.blocks[0].attn.num_heads, describe_run(cfg, 64)
+
+    count, line = heads("objective=mocov3")
+    assert count == 12 and "model=vit_s16 (objective=mocov3's reference: num_heads=12)" in line
+    count, line = heads("objective=mocov3", "model.num_heads=6")
+    assert count == 6 and "reference" not in line
+    assert heads("objective=dino")[0] == 6
+    assert heads("objective=mocov3", "model=vit_b16")[0] == 12

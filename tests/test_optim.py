@@ -74,6 +74,65 @@ def test_warmup_then_cosine_schedule():
         schedule(1.0, 0.0, 5, 0, "step")
 
 
+def _moco_mae_lr(lr: float, min_lr: float, epoch: float, warmup: float, epochs: float) -> float:
+    """MoCo v3's main_moco.py / MAE's util/lr_sched.py adjust_learning_rate at a fractional epoch (MoCo's min_lr: 0)."""
+    if epoch < warmup:
+        return lr * epoch / warmup
+    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * (epoch - warmup) / (epochs - warmup)))
+
+
+class _IJEPASchedules:
+    """I-JEPA's src/utils/schedulers.py as its train.py drives them: WarmupCosineSchedule and CosineWDSchedule,
+    each `step()`ped before the iteration that uses the value."""
+
+    def __init__(self, start_lr, ref_lr, final_lr, warmup, total, ref_wd, final_wd):
+        self.args = start_lr, ref_lr, final_lr, warmup, total, ref_wd, final_wd
+        self._step = 0
+
+    def step(self) -> tuple[float, float]:
+        start_lr, ref_lr, final_lr, warmup, total, ref_wd, final_wd = self.args
+        self._step += 1
+        if self._step < warmup:
+            lr = start_lr + float(self._step) / float(max(1, warmup)) * (ref_lr - start_lr)
+        else:
+            progress = float(self._step - warmup) / float(max(1, total - warmup))
+            lr = max(final_lr, final_lr + (ref_lr - final_lr) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+        progress = self._step / total
+        wd = final_wd + (ref_wd - final_wd) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        wd = max(final_wd, wd) if final_wd <= ref_wd else min(final_wd, wd)
+        return lr, wd
+
+
+@pytest.mark.parametrize("objective", ["mocov3_tiny", "mae"])
+def test_moco_v3_and_mae_warm_up_as_their_adjust_learning_rate(objective, tmp_path):
+    """Both step their lr per iteration at the fractional epoch k / iterations-per-epoch: lr x k / W in the warm-up
+    (the peak at step W, not W - 1), then the cosine (steps 10 of 40 here: 2 warm-up epochs of 5 iterations, 8 in
+    all)."""
+    cfg = pretrain_config(tmp_path, f"objective={objective}", "data.num_samples=16", "trainer.max_steps=40",
+                          "optim.warmup_steps=10")
+    run = build_run(cfg, *build_components(cfg), world=1)
+    peak = peak_lr(cfg.optim, run.global_batch)
+    reference = [_moco_mae_lr(peak, cfg.optim.min_lr, k / 5, 2, 8) for k in range(40)]
+    np.testing.assert_allclose(run.learning_rates, reference, rtol=1e-12, atol=1e-18)
+    assert run.learning_rates[9] < peak == run.learning_rates[10]
+
+
+def test_ijepa_schedules_lead_by_a_step_from_its_start_lr(tmp_path):
+    """I-JEPA's train.py calls scheduler.step() and wd_scheduler.step() before each iteration's forward, and warms
+    up from start_lr 2e-4: ours, array for array."""
+    cfg = pretrain_config(tmp_path, "objective=ijepa_tiny", "data.img_size=32", "data.num_samples=16",
+                          "trainer.max_steps=30", "optim.warmup_steps=6")
+    run = build_run(cfg, *build_components(cfg), world=1)
+    optim = cfg.optim
+    assert (optim.warmup_start, optim.lr, optim.min_lr, optim.weight_decay, optim.weight_decay_end) == (
+        2e-4, 1e-3, 1e-6, 0.04, 0.4)  # configs/in1k_vith14_ep300.yaml
+    reference = _IJEPASchedules(2e-4, 1e-3, 1e-6, 6, 30, 0.04, 0.4)
+    lrs, wds = zip(*(reference.step() for _ in range(30)), strict=True)
+    np.testing.assert_allclose(run.learning_rates, lrs, rtol=1e-12)
+    np.testing.assert_allclose(run.weight_decays, wds, rtol=1e-12)
+    assert run.learning_rates[0] == pytest.approx(2e-4 + 8e-4 / 6) and run.learning_rates[-1] == pytest.approx(1e-6)
+
+
 def test_apply_schedule_respects_group_scales():
     model = build_vit("vit_test")
     optimizer = torch.optim.AdamW(param_groups(model, 0.05, layer_decay=0.5, num_layers=2))

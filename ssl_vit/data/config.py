@@ -11,7 +11,7 @@ from omegaconf import MISSING
 
 from ssl_vit.schema import checked
 
-AUGMENTS = ("none", "crop_flip", "augreg")
+AUGMENTS = ("none", "crop_flip", "crop", "augreg")
 PHOTOMETRIC_ON = ("workers", "device")  # where multi-crop's photometric augmentation runs (ssl_vit.data.multicrop)
 AUGREG_INTERPOLATIONS = ("bicubic", "bilinear", "nearest")  # timm's create_transform names
 # Zero-shot prompts for a dataset that names none of its own (CLIP's generic ones).
@@ -43,7 +43,7 @@ class DataConfig:
     # most 16: multi-crop and decoding need them), on CPU the dataset kind's choice (the training threads use the
     # cores: 0 for in-memory data, 2 for files to decode).
     num_workers: int | None = checked(None, ge=0)
-    # none | crop_flip (random resized crop + horizontal flip) | augreg (DeiT / AugReg: timm's RandAugment, random
+    # none | crop_flip (random resized crop + horizontal flip) | crop (random resized crop only: I-JEPA's) | augreg (DeiT / AugReg: timm's RandAugment, random
     # erasing, Mixup / CutMix, repeated augmentation; data.augreg.*)
     augment: str = checked("none", choices=AUGMENTS)
     augreg: AugRegConfig = field(default_factory=AugRegConfig)

@@ -46,7 +46,7 @@ def eval_transform(size: int, interpolation: str = "bilinear", crop_pct: float =
 class ViewBuilder:
     """Without augmentation: resize the shorter side to img_size / crop_pct, centre-crop img_size (timm's eval
     transform; `ssl_vit.preprocess`), or with resize_mode "squash" both sides to img_size. `augment`: "none",
-    "crop_flip" (random resized crop + flip; True means this) or "augreg" (DeiT's recipe from timm's tools,
+    "crop_flip" (random resized crop + flip; True means this), "crop" (the crop alone) or "augreg" (DeiT's recipe from timm's tools,
     `ssl_vit.data.augreg`, with its settings `augreg` and, for Mixup / CutMix, `num_classes`). `multicrop`: the keyword
     arguments of `MultiCropViews` other than the normalisation (needed for the `crops` view; the global size is img_size
     unless it says `global_size`), and `global_masks`: the `GlobalCropMasks` settings when the objective masks tokens of
@@ -90,12 +90,11 @@ class ViewBuilder:
                                  "distillation teachers must see the same crop; use data.augment=crop_flip or none")
             self.paired = PairedCrops([(img_size, interpolation, mean, std)]
                                       + [(t.img_size, t.interpolation, t.mean, t.std) for t in teacher_inputs],
-                                      augment == "crop_flip", tuple(crop_scale), crop_pct, resize_mode)
-        if augment == "crop_flip":
-            self.spatial = v2.Compose([
-                v2.RandomResizedCrop(img_size, scale=tuple(crop_scale), interpolation=mode, antialias=True),
-                v2.RandomHorizontalFlip(),
-            ])
+                                      augment in ("crop_flip", "crop"), tuple(crop_scale), crop_pct, resize_mode,
+                                      flip=augment == "crop_flip")
+        if augment in ("crop_flip", "crop"):
+            crop = v2.RandomResizedCrop(img_size, scale=tuple(crop_scale), interpolation=mode, antialias=True)
+            self.spatial = v2.Compose([crop, v2.RandomHorizontalFlip()]) if augment == "crop_flip" else crop
         else:
             self.spatial = eval_transform(img_size, interpolation, crop_pct, resize_mode)
         self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
@@ -183,8 +182,8 @@ class PairedCrops:
     mean, std) per view, the student's first. Returns the student's crop in [0, 1] and each teacher's normalised."""
 
     def __init__(self, recipes, augment: bool, crop_scale=(0.35, 1.0), crop_pct: float = 1.0,
-                 resize_mode: str = "shortest"):
-        self.augment, self.crop_scale = augment, tuple(crop_scale)
+                 resize_mode: str = "shortest", flip: bool = True):
+        self.augment, self.crop_scale, self.flip = augment, tuple(crop_scale), flip
         self.sizes = [int(size) for size, *_ in recipes]
         self.modes = [v2.InterpolationMode(interpolation) for _, interpolation, *_ in recipes]
         self.stats = [(torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1),
@@ -197,7 +196,7 @@ class PairedCrops:
         if not self.augment:
             return [transform(image) for transform in self.eval_transforms]
         top, left, height, width = RandomResizedCrop.get_params(image, self.crop_scale, (3 / 4, 4 / 3))
-        flip = bool(torch.rand(()) < 0.5)
+        flip = self.flip and bool(torch.rand(()) < 0.5)
         crops = [TF.resized_crop(image, top, left, height, width, [size, size], interpolation=mode, antialias=True)
                  for size, mode in zip(self.sizes, self.modes, strict=True)]
         return [TF.horizontal_flip(crop) for crop in crops] if flip else crops

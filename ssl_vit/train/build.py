@@ -103,7 +103,7 @@ def build_backbone(cfg, needs: Requirements, source: Pretrained | None):
         # as evaluation does: data.img_size, else the size the source's preprocessing gives, else its native size
         img_size = cfg.data.img_size or (recorded.img_size if recorded else
                                          _single_size(source.encoder.config["img_size"]))
-        differ = {k: (source.encoder.config.get(k), v) for k, v in needs.model_defaults.items()
+        differ = {k: (source.encoder.config.get(k), v) for k, v in needs.defaults_for(cfg.model.name).items()
                   if source.encoder.config.get(k) != v}
         if differ:
             log.warning("model.init_from: objective=%s builds its own models with %s; the source has %s (kept)",
@@ -111,7 +111,8 @@ def build_backbone(cfg, needs: Requirements, source: Pretrained | None):
         return _backbone_from(source, cfg, img_size), img_size, recorded
     img_size = cfg.data.img_size or PRESETS[cfg.model.name].get("img_size", 224)
     try:
-        return build_vit(cfg.model.name, img_size=img_size, **{**needs.model_defaults, **model_kwargs(cfg.model)}), \
+        return build_vit(cfg.model.name, img_size=img_size, **{**needs.defaults_for(cfg.model.name),
+                                                                  **model_kwargs(cfg.model)}), \
             img_size, None
     except ValueError as err:
         raise ConfigError(f"model={cfg.model.name} at data.img_size={img_size}: {err}") from err
@@ -301,7 +302,8 @@ def build_run(cfg, objective: Objective, dataset, views: ViewBuilder, preprocess
                     "stays at the peak instead of rising", cfg.optim.min_lr, peak, global_batch)
     steps = cfg.trainer.max_steps
     learning_rates = schedule(peak, min(cfg.optim.min_lr, peak), steps, warmup_steps(cfg.optim, steps),
-                              cfg.optim.schedule)
+                              cfg.optim.schedule, warmup_start=cfg.optim.warmup_start,
+                              warmup_inclusive=cfg.optim.warmup_inclusive, lead=cfg.optim.schedule_lead)
     repeats = cfg.data.augreg.repeats if cfg.data.augment == "augreg" else 1
     return Run(objective, dataset, views, preprocess, optimizer, learning_rates,
                weight_decay_schedule(cfg.optim, steps), global_batch, cfg.optim.grad_clip, repeats)

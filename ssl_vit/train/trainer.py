@@ -128,9 +128,19 @@ def describe_run(cfg, global_batch: int) -> str:
     if optim.lr_scaling != "none":
         lr += (f" per {optim.lr_base_batch} images ({optim.lr_scaling}) -> {peak_lr(optim, global_batch):.4g} at "
                f"global batch {global_batch}")
-    return (f"objective={choices.get('objective', cfg.objective.name)} optim={choices.get('optim', optim.name)} "
+    objective = choices.get('objective', cfg.objective.name)
+    return (f"objective={objective} optim={choices.get('optim', optim.name)} "
             f"(lr {lr}, weight decay {decay}, gradient clipping {optim.grad_clip or 'off'}) "
-            f"model={cfg.model.name} data={cfg.data.name} -> {cfg.output_dir}")
+            f"model={cfg.model.name}{_preset_defaults(cfg, objective)} data={cfg.data.name} -> {cfg.output_dir}")
+
+
+def _preset_defaults(cfg, objective: str) -> str:
+    """' (objective=mocov3's reference: num_heads=12)' where the objective changes the preset's architecture."""
+    if cfg.model.get("init_from"):
+        return ""
+    _, needs = requirements(cfg.objective)
+    given = {k: v for k, v in needs.preset_defaults.get(cfg.model.name, {}).items() if cfg.model.get(k) is None}
+    return f" (objective={objective}'s reference: {', '.join(f'{k}={v}' for k, v in given.items())})" if given else ""
 
 
 def configure_threads(requested: int | None, accelerator: Accelerator) -> int:
