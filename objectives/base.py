@@ -176,6 +176,10 @@ class Objective(nn.Module, ABC):
         return {}
 
     # ----- the step -----
+    def check_start(self, total_steps: int, from_trained: bool) -> None:
+        """Refuse (ValueError naming the value) a run this objective would train wrongly: `total_steps` long, its
+        backbone starting from trained weights (`model.init_from`) or not."""
+
     def begin_step(self, step: int, total_steps: int) -> None:
         """Called before optimizer step `step` (0-based) of `total_steps`: for schedules the forward reads."""
 

@@ -26,7 +26,7 @@ times that, fixed for the whole stage at the starting weights, with constant wei
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,8 +48,14 @@ class DINOv3Config(DINOv2Config):
     horizontal_flips: bool = False  # DINOv3 crops without flips
     # Gram anchoring (see the module docstring for the schedule)
     gram_weight: float = checked(2.0, ge=0)
-    gram_start: int = checked(0, ge=0)
-    gram_warmup_steps: int = checked(0, ge=0)
+    # the step anchoring starts; None: gram_start_fraction of trainer.max_steps (dinov3's ViT-7B: 1M of 1.2M)
+    gram_start: int | None = checked(None, ge=0)
+    gram_start_fraction: float = checked(1 / 1.2, ge=0, lt=1)
+    gram_warmup_steps: int = checked(1000, ge=0)  # the weight's cosine ramp (dinov3: 1000 iterations)
+    # an encoder (a run, an encoder file, timm:..., hf:...: what model.init_from takes) the Gram teacher holds from
+    # the start instead of the EMA teacher's values at gram_start; refreshed from the EMA teacher as without it
+    gram_teacher: str | None = None
+    gram_untrained: bool = False  # true: allow anchoring to the untrained network (gram_start 0 from scratch)
     gram_update_every: int = checked(10000, ge=0)  # 0: the Gram teacher stays as it was at gram_start
     gram_max_updates: int = checked(3, ge=0)
     gram_size_factor: float = checked(2.0, ge=1)  # the Gram teacher's crops: this times the global crops' size
@@ -63,6 +69,8 @@ class DINOv3Config(DINOv2Config):
     hires_gram_size_factor: float = checked(1.5, ge=1)
     hires_gram_weight: float = checked(1.5, ge=0)
     hires_local_loss_weight: float = checked(0.5, ge=0)
+    hires_teacher_temp: float = checked(0.07, gt=0)  # constant in the stage (no warm-up)
+    hires_teacher_momentum: float = checked(0.999, ge=0, le=1)  # constant in the stage (no cosine)
 
 
 @dataclass(frozen=True)
@@ -70,12 +78,17 @@ class GramPlan:
     """The effective Gram-anchoring settings of a run (the stage's)."""
 
     weight: float
-    start: int
+    start: int | None  # None: start_fraction of the run, fixed by `resolved`
     warmup_steps: int
     update_every: int
     max_updates: int
     size_factor: float
     local_weight: float
+    start_fraction: float = 0.0
+
+    def resolved(self, total_steps: int) -> GramPlan:
+        """The plan with its start step fixed for a run of `total_steps`."""
+        return self if self.start is not None else replace(self, start=round(self.start_fraction * total_steps))
 
     def ramp(self, step: int) -> float:
         """0 before `start`, then dinov3's inclusive cosine from 0 to 1 over `warmup_steps`, then 1."""
@@ -99,7 +112,7 @@ def gram_plan(cfg: DINOv3Config) -> GramPlan:
     if cfg.stage == "hires":  # the starting weights anchor the whole stage, at constant weights
         return GramPlan(cfg.hires_gram_weight, 0, 0, 0, 0, cfg.hires_gram_size_factor, cfg.hires_local_loss_weight)
     return GramPlan(cfg.gram_weight, cfg.gram_start, cfg.gram_warmup_steps, cfg.gram_update_every,
-                    cfg.gram_max_updates, cfg.gram_size_factor, cfg.local_loss_weight)
+                    cfg.gram_max_updates, cfg.gram_size_factor, cfg.local_loss_weight, cfg.gram_start_fraction)
 
 
 class DINOv3(DINO):
@@ -122,6 +135,8 @@ class DINOv3(DINO):
         self.gram_teacher = teacher_backbone(backbone).eval()
         copy_parameters(self.gram_teacher, self.teacher.backbone)
         self.gram_teacher.requires_grad_(False)
+        if cfg.gram_teacher:
+            self.load_gram_teacher(cfg.gram_teacher)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -142,19 +157,65 @@ class DINOv3(DINO):
                                                                                         self.global_size))
         return options
 
+    @property
+    def gram(self) -> GramPlan:
+        """The plan for this run's length (gram_start unset: a fraction of it)."""
+        return self.plan.resolved(self._total_steps)
+
     def local_loss_weight(self) -> float:
-        return 1.0 + (self.plan.local_weight - 1.0) * self.plan.ramp(self._step)
+        return 1.0 + (self.plan.local_weight - 1.0) * self.gram.ramp(self._step)
 
     def gram_weight(self) -> float:
-        return self.plan.weight * self.plan.ramp(self._step)
+        return self.plan.weight * self.gram.ramp(self._step)
+
+    def check_start(self, total_steps: int, from_trained: bool) -> None:
+        """Refuse to anchor the patch features to the untrained network: dinov3 anchors late, to a trained teacher
+        (ViT-7B: from 1M of 1.2M iterations; the high-resolution stage: the pre-trained weights)."""
+        cfg = self.cfg
+        if (self.plan.resolved(total_steps).start == 0 and self.plan.weight > 0 and not from_trained
+                and not cfg.gram_teacher and not cfg.gram_untrained):
+            given = "objective.stage=hires" if cfg.stage == "hires" else f"objective.gram_start={cfg.gram_start}"
+            raise ValueError(
+                f"{given} anchors the patch features to the untrained network from step 0 (dinov3 anchors late, "
+                "to a trained teacher); leave objective.gram_start unset (objective.gram_start_fraction of the run), "
+                "start from a trained run (model.init_from=...), give objective.gram_teacher=..., or set "
+                "objective.gram_untrained=true")
+
+    def load_gram_teacher(self, spec: str) -> None:
+        """The Gram teacher <- the encoder `spec` names (its architecture must be the backbone's)."""
+        from ssl_vit.init import whole_modules, writable
+        from ssl_vit.interop.sources import load_pretrained
+
+        with whole_modules():  # built whole on every rank, outside zero.Init
+            state = load_pretrained(spec).encoder.state_dict()
+        params = dict(self.gram_teacher.named_parameters())
+        wrong = {name: tuple(state[name].shape) if name in state else None for name, param in params.items()
+                 if name not in state or tuple(state[name].shape) != tuple(param.ds_shape if hasattr(param, "ds_shape")
+                                                                        else param.shape)}
+        if wrong:
+            name, shape = next(iter(wrong.items()))
+            raise ValueError(f"objective.gram_teacher={spec}: its architecture is not the backbone's ({len(wrong)} "
+                             f"tensors differ, e.g. {name}: {shape or 'missing'})")
+        with torch.no_grad(), writable(*params.values()):
+            for name, param in params.items():
+                param.copy_(state[name])
 
     def begin_step(self, step: int, total_steps: int) -> None:
         super().begin_step(step, total_steps)
-        if self.plan.takes_teacher_at(step):  # (stage=hires: step 0, after model.init_heads loaded the heads)
+        gram = self.gram
+        # (stage=hires: step 0, after model.init_heads loaded the heads; a given gram_teacher holds from the start)
+        if gram.takes_teacher_at(step) and not (self.cfg.gram_teacher and step == gram.start):
             copy_parameters(self.gram_teacher, self.teacher.backbone)
 
+    def teacher_temp(self) -> float:
+        return self.cfg.hires_teacher_temp if self.cfg.stage == "hires" else super().teacher_temp()
+
+    def teacher_momentum(self, step: int, total_steps: int) -> float:
+        return self.cfg.hires_teacher_momentum if self.cfg.stage == "hires" else super().teacher_momentum(
+            step, total_steps)
+
     def anchor_losses(self, batch, global_images, student_patches):
-        if self._step < self.plan.start:
+        if self._step < self.gram.start:
             return {}
         images = torch.cat(batch["gram_crops"]) if "gram_crops" in batch else global_images
         with torch.no_grad():

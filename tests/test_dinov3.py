@@ -300,3 +300,81 @@ def test_the_loader_gives_the_gram_crops_apart_wherever_the_photometric_part_run
     assert [tuple(c.shape) for c in batch["gram_crops"]] == [(4, 3, 32, 32)] * 2
     assert all(c.dtype == torch.float32 for c in batch["gram_crops"]) and "crop_parameters" not in batch
     assert torch.isfinite(model(batch)["loss"])
+
+
+def test_gram_anchoring_starts_late_by_default_and_never_from_an_untrained_network(tmp_path):
+    """dinov3_vit7b16_gram_anchor.yaml: the Gram weight 0 until iteration 1M of 1.2M, then a cosine to 2.0 over
+    1000 iterations; the Gram teacher is the trained EMA teacher of that moment. Unset, gram_start is that fraction
+    of the run; a start at step 0 from scratch anchors to the untrained network and is refused in one line."""
+    from helpers.builders import pretrain_config
+
+    tiny = ("objective=dinov3_tiny", "model=vit_test", "objective.out_dim=64", "objective.ibot_out_dim=64",
+            "objective.hidden_dim=32", "objective.bottleneck_dim=16", "data.num_samples=8")
+    cfg = pretrain_config(tmp_path, *tiny, "objective.gram_start=null", "objective.gram_warmup_steps=1000",
+                          "trainer.max_steps=12000")
+    model = build_components(cfg)[0]
+    model.begin_step(0, 12000)
+    assert model.gram.start == 10000 and model.plan.start is None  # fixed once the run's length is known
+    weights = []
+    for step in (9999, 10000, 10500, 10999, 11999):
+        model.begin_step(step, 12000)
+        weights.append(model.gram_weight())
+    reference = [0.0, 0.0, 2.0 * (1 - math.cos(math.pi * 500 / 999)) / 2, 2.0, 2.0]  # inclusive cosine
+    assert weights == pytest.approx(reference, abs=1e-12)
+    assert DINOv3Config().gram_start is None and DINOv3Config().gram_start_fraction == pytest.approx(1 / 1.2)
+
+    message = ("objective=dinov3: objective.gram_start=0 anchors the patch features to the untrained network "
+               "from step 0 (dinov3 anchors late, to a trained teacher); leave objective.gram_start unset "
+               "(objective.gram_start_fraction of the run), start from a trained run (model.init_from=...), give "
+               "objective.gram_teacher=..., or set objective.gram_untrained=true")
+    with pytest.raises(ConfigError) as refused:
+        build_components(pretrain_config(tmp_path, *tiny, "objective.gram_start=0"))
+    assert str(refused.value) == message
+    with pytest.raises(ConfigError, match=r"objective.stage=hires anchors the patch features to the untrained"):
+        build_components(pretrain_config(tmp_path, *tiny, "objective.stage=hires"))
+    build_components(pretrain_config(tmp_path, *tiny, "objective.gram_start=0", "objective.gram_untrained=true"))
+    build_components(pretrain_config(tmp_path, *tiny, "objective.gram_start=0", "objective.gram_weight=0"))
+
+
+def test_a_given_gram_teacher_holds_from_the_start_and_is_refreshed_from_the_ema_teacher_after(tmp_path):
+    """objective.gram_teacher: dinov3's gram.ckpt (the Gram teacher loaded from a checkpoint), then its rep_update
+    from the EMA teacher every update_frequency iterations; an encoder of another architecture is one line."""
+    from helpers.builders import pretrain_config
+
+    from ssl_vit.artifacts import save_encoder
+
+    torch.manual_seed(1)
+    anchor = build_vit("vit_test", pos_embed="rope", rope_rescale=2.0, num_registers=4)
+    save_encoder(anchor, tmp_path / "anchor.safetensors")
+    tiny = ("objective=dinov3_tiny", "model=vit_test", "objective.out_dim=64", "objective.ibot_out_dim=64",
+            "objective.hidden_dim=32", "objective.bottleneck_dim=16", "data.num_samples=8")
+    cfg = pretrain_config(tmp_path, *tiny, "objective.gram_start=0", "objective.gram_update_every=3",
+                          f"objective.gram_teacher={tmp_path / 'anchor.safetensors'}")
+    model = build_components(cfg)[0]
+    expected = anchor.state_dict()
+    for step in range(3):
+        model.begin_step(step, 10)
+        assert all(torch.equal(v, expected[k]) for k, v in model.gram_teacher.state_dict().items())
+    with torch.no_grad():
+        model.teacher.backbone.blocks[0].attn.qkv.weight.add_(1.0)  # as EMA updates would move it
+    model.begin_step(3, 10)
+    assert torch.equal(model.gram_teacher.blocks[0].attn.qkv.weight, model.teacher.backbone.blocks[0].attn.qkv.weight)
+
+    save_encoder(build_vit("vit_test"), tmp_path / "other.safetensors")
+    with pytest.raises(ConfigError, match=r"objective.gram_teacher=.*other.safetensors: its architecture is not the "
+                                          r"backbone's \(\d+ tensors differ, e.g. "):
+        build_components(pretrain_config(tmp_path, *tiny, f"objective.gram_teacher={tmp_path / 'other.safetensors'}"))
+
+
+def test_the_hires_stage_holds_the_teacher_temperature_and_momentum_constant():
+    """dinov3_vit7b16_high_res_adapt.yaml: teacher_temp 0.07 and momentum 0.999 from start to end (the pre-training
+    schedules' warm-up and cosine are not continued)."""
+    hires, pretraining = _objective(stage="hires"), _objective()
+    temps, momenta = [], []
+    for step in (0, 5, 9):
+        for model in (hires, pretraining):
+            model.begin_step(step, 10)
+        temps.append((hires.teacher_temp(), pretraining.teacher_temp()))
+        momenta.append((hires.teacher_momentum(step + 1, 10), pretraining.teacher_momentum(step + 1, 10)))
+    assert [t for t, _ in temps] == [0.07] * 3 and [m for m, _ in momenta] == [0.999] * 3
+    assert temps[0][1] == pytest.approx(0.04) and momenta[0][1] == pretraining.cfg.teacher_momentum  # pre-training's

@@ -43,8 +43,8 @@ class DataConfig:
     # most 16: multi-crop and decoding need them), on CPU the dataset kind's choice (the training threads use the
     # cores: 0 for in-memory data, 2 for files to decode).
     num_workers: int | None = checked(None, ge=0)
-    # none | crop_flip (random resized crop + horizontal flip) | crop (random resized crop only: I-JEPA's) | augreg (DeiT / AugReg: timm's RandAugment, random
-    # erasing, Mixup / CutMix, repeated augmentation; data.augreg.*)
+    # none | crop_flip (random resized crop + horizontal flip) | crop (the crop alone: I-JEPA's) | augreg (DeiT /
+    # AugReg: timm's RandAugment, random erasing, Mixup / CutMix, repeated augmentation; data.augreg.*)
     augment: str = checked("none", choices=AUGMENTS)
     augreg: AugRegConfig = field(default_factory=AugRegConfig)
     # Where multi-crop objectives' (DINO's) per-crop photometric augmentation runs: workers (torchvision, per crop,

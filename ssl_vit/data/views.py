@@ -46,13 +46,14 @@ def eval_transform(size: int, interpolation: str = "bilinear", crop_pct: float =
 class ViewBuilder:
     """Without augmentation: resize the shorter side to img_size / crop_pct, centre-crop img_size (timm's eval
     transform; `ssl_vit.preprocess`), or with resize_mode "squash" both sides to img_size. `augment`: "none",
-    "crop_flip" (random resized crop + flip; True means this), "crop" (the crop alone) or "augreg" (DeiT's recipe from timm's tools,
-    `ssl_vit.data.augreg`, with its settings `augreg` and, for Mixup / CutMix, `num_classes`). `multicrop`: the keyword
-    arguments of `MultiCropViews` other than the normalisation (needed for the `crops` view; the global size is img_size
-    unless it says `global_size`), and `global_masks`: the `GlobalCropMasks` settings when the objective masks tokens of
-    the global crops. `teacher_inputs`: for the `teacher_images` view, one input recipe per teacher (objects with
-    img_size, mean, std, interpolation: ssl_vit.preprocess.Preprocess). `tokenizer`: str -> (context_length,) tensor
-    for `text`. `collate` batches samples (and mixes them under augreg, draws the token masks)."""
+    "crop_flip" (random resized crop + flip; True means this), "crop" (the crop alone) or "augreg" (DeiT's recipe
+    from timm's tools, `ssl_vit.data.augreg`, with its settings `augreg` and, for Mixup / CutMix, `num_classes`).
+    `multicrop`: the keyword arguments of `MultiCropViews` other than the normalisation (needed for the `crops`
+    view; the global size is img_size unless it says `global_size`), and `global_masks`: the `GlobalCropMasks`
+    settings when the objective masks tokens of the global crops. `teacher_inputs`: for the `teacher_images` view,
+    one input recipe per teacher (objects with img_size, mean, std, interpolation: ssl_vit.preprocess.Preprocess).
+    `tokenizer`: str -> (context_length,) tensor for `text`. `collate` batches samples (and mixes them under augreg,
+    draws the token masks)."""
 
     def __init__(self, views, img_size: int, mean, std, augment: bool | str = False, crop_scale=(0.35, 1.0),
                  interpolation: str = "bilinear", crop_pct: float = 1.0, multicrop: dict | None = None,

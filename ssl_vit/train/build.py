@@ -258,6 +258,7 @@ def build_components(cfg, source: Pretrained | None = None, device_type: str = "
     info = DataInfo(len(dataset.classes), img_size, preprocess.mean, preprocess.std)
     try:
         objective = build_objective(cfg.objective, backbone, info)
+        objective.check_start(cfg.trainer.max_steps, from_trained=source is not None)
     except ConfigError:
         raise
     except ValueError as err:
