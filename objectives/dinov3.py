@@ -32,6 +32,8 @@ import torch
 
 from ssl_vit.data.multicrop import local_crop_size
 from ssl_vit.ema import copy_parameters, teacher_backbone
+from ssl_vit.init import whole_modules, writable
+from ssl_vit.interop.sources import load_pretrained
 from ssl_vit.objectives.base import DataInfo, Requirements
 from ssl_vit.objectives.dino import DINO, DINOv2Config
 from ssl_vit.objectives.losses.gram import gram_loss
@@ -183,9 +185,6 @@ class DINOv3(DINO):
 
     def load_gram_teacher(self, spec: str) -> None:
         """The Gram teacher <- the encoder `spec` names (its architecture must be the backbone's)."""
-        from ssl_vit.init import whole_modules, writable
-        from ssl_vit.interop.sources import load_pretrained
-
         with whole_modules():  # built whole on every rank, outside zero.Init
             state = load_pretrained(spec).encoder.state_dict()
         params = dict(self.gram_teacher.named_parameters())

@@ -123,7 +123,7 @@ def test_repeated_augmentation_repeats_each_image_with_its_own_augmentation():
     (["objective=mae", "data.augment=augreg"], r"mixes labels .* set data.augreg.mixup=0 data.augreg.cutmix=0"),
     (["objective=masked_patch", "data.augment=augreg"], "reads raw `pixels`"),
     (["data.augment=augreg", "data.batch_size=7"], "data.batch_size=7: Mixup / CutMix .* must be even"),
-    (["data.augment=fancy"], r"^data.augment=fancy is not one of none, crop_flip, augreg$"),
+    (["data.augment=fancy"], r"^data.augment=fancy is not one of none, crop_flip, crop, augreg$"),
     (["data.augment=augreg", "data.augreg.interpolation=cubic"],
      r"^data.augreg.interpolation=cubic is not one of bicubic, bilinear, nearest; did you mean "
      r"data.augreg.interpolation=bicubic\?$"),
