@@ -51,6 +51,7 @@ def mae_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, norm_
 
 class MAE(Objective):
     config_class = MAEConfig
+    needs = Requirements(model_defaults={"weight_init": "mae"})  # models_mae.py's initialize_weights
     # the decoder and the mask token, to continue pre-training (its position embeddings are fixed, rebuilt)
     saved_heads = ("decoder_embed.", "mask_token", "decoder_blocks.", "decoder_norm.", "decoder_pred.")
     @classmethod

@@ -147,7 +147,8 @@ class OptimConfig:
     beta2: float = checked(0.999, ge=0, lt=1)
     eps: float = checked(1e-8, gt=0)
     grad_clip: float | None = checked(1.0, ge=0)  # global gradient-norm clipping; None or 0: off
-    layer_decay: float | None = checked(None, gt=0, le=1)  # layer-wise lr decay (fine-tuning); None = off
+    layer_decay: float | None = checked(None, gt=0, le=1)  # layer-wise lr decay (fine-tuning, DINOv2); None = off
+    patch_embed_lr_scale: float = checked(1.0, gt=0)  # the patch embedding's lr multiplier (DINOv2 / DINOv3: 0.2)
 
 
 @dataclass

@@ -11,7 +11,8 @@ Schemes (`model.weight_init`):
   projection, trunc-normal(0.02) position embeddings, normal(1e-6) class / register tokens.
 - `jax`: the ViT paper's code (google-research/vision_transformer, big_vision): xavier-uniform kernels (q, k, v
   each as its own matrix), MLP biases normal(1e-6), other biases zero, lecun-normal patch projection, normal(0.02)
-  position embeddings, zero class token.
+  position embeddings (vision_transformer's models_vit.py; big_vision's vit.py draws normal(1/sqrt(width))), zero
+  class token.
 - `torch`: PyTorch's defaults for Linear and the patch projection (kaiming-uniform), timm's for the embeddings.
 - `mocov3`: MoCo v3's `vits.py`: xavier-uniform Linear weights (q, k, v each as its own matrix), zero biases, the
   patch projection xavier-uniform over (D, C x P x P), normal(1e-6) class token (position embeddings: its fixed
@@ -22,6 +23,8 @@ Schemes (`model.weight_init`):
 - `dinov3`: DINOv3's `init_weights_vit` (dinov3/models/vision_transformer.py): trunc-normal(0.02) Linear weights,
   zero biases, the patch projection and its bias uniform(+-1/sqrt(fan_in)) (its PatchEmbed.reset_parameters),
   normal(0.02) class and register (storage) tokens.
+- `mae`: MAE's `initialize_weights` (models_mae.py): xavier-uniform Linear weights over the whole matrix (the fused
+  qkv as one), zero biases, the patch projection xavier-uniform over (D, C x P x P), normal(0.02) class token.
 - `xavier` (internal: MAE's decoder and heads): xavier-uniform over the whole matrix, zero bias.
 Classification heads start at zero in every scheme (the paper's fine-tuning head, section 3.2).
 """
@@ -35,7 +38,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-WEIGHT_INITS = ("timm", "jax", "torch", "mocov3", "ijepa", "dinov3")
+WEIGHT_INITS = ("timm", "jax", "torch", "mocov3", "ijepa", "dinov3", "mae")
 _SCHEMES = (*WEIGHT_INITS, "xavier")
 ROLES = ("dense", "mlp", "fused", "zero")
 
@@ -68,7 +71,7 @@ def init_linear(layer: nn.Linear, scheme: str, role: str = "dense", splits: Sequ
         nn.init.trunc_normal_(layer.weight, std=0.02)
     elif scheme in ("jax", "mocov3"):
         _xavier_rows(layer.weight, splits if role == "fused" else None)
-    else:  # xavier
+    else:  # xavier, mae: the whole matrix (a fused qkv as one)
         nn.init.xavier_uniform_(layer.weight)
     if layer.bias is not None:
         if scheme == "jax" and role == "mlp":
@@ -85,7 +88,7 @@ def init_patch_projection(conv: nn.Conv2d, scheme: str) -> None:
         nn.init.trunc_normal_(conv.weight, std=std, a=-2 * std, b=2 * std)  # torch's bounds are absolute
         if conv.bias is not None:
             nn.init.zeros_(conv.bias)
-    elif scheme in ("xavier", "mocov3"):  # MAE, MoCo v3: the projection as a (D, P*P*C) matrix
+    elif scheme in ("xavier", "mocov3", "mae"):  # MAE, MoCo v3: the projection as a (D, P*P*C) matrix
         nn.init.xavier_uniform_(conv.weight.view(conv.weight.shape[0], -1))
         if conv.bias is not None:
             nn.init.zeros_(conv.bias)
@@ -115,7 +118,7 @@ def init_embeddings(pos_embed: torch.Tensor | None, tokens: Sequence[torch.Tenso
                 nn.init.zeros_(token)
             elif scheme == "ijepa":
                 nn.init.trunc_normal_(token, std=0.02)
-            elif scheme == "dinov3":
+            elif scheme in ("dinov3", "mae"):
                 nn.init.normal_(token, std=0.02)
             else:
                 nn.init.normal_(token, std=1e-6)

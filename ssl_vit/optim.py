@@ -19,19 +19,21 @@ def _layer_id(name: str, num_layers: int) -> int:
 
 
 def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None = None,
-                 num_layers: int | None = None, decay_all: bool = False) -> list[dict]:
+                 num_layers: int | None = None, decay_all: bool = False,
+                 patch_embed_lr_scale: float = 1.0) -> list[dict]:
     """Groups keyed by (decay or not, layer, frozen steps). Each group carries `lr_scale`, `wd_scale` and
     `frozen_until` (lr 0 before that step: the model's `frozen_parameters()`, e.g. DINO's
     last layer) for the schedules.
 
     With `layer_decay`, block i gets lr_scale = layer_decay ** (num_layers + 1 - layer_id) (BEiT / MAE fine-tuning).
     `decay_all`: every parameter decays (MoCo v3 hands `model.parameters()` to AdamW as one group).
+    `patch_embed_lr_scale`: the patch embedding's lr multiplier (DINOv2 / DINOv3: `patch_embed_lr_mult` 0.2).
     """
     # Biases and norm scales (all 1-D parameters), and what modules list in no_weight_decay() (position
     # embeddings, learned tokens) get no weight decay.
     skip = set().union(*(m.no_weight_decay() for m in model.modules() if hasattr(m, "no_weight_decay")))
     frozen = model.frozen_parameters() if hasattr(model, "frozen_parameters") else {}
-    groups: dict[tuple[bool, int, int], dict] = {}
+    groups: dict[tuple[bool, int, int, bool], dict] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -39,8 +41,10 @@ def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | Non
         decay = decay_all or (len(getattr(param, "ds_shape", param.shape)) > 1 and name.rsplit(".", 1)[-1] not in skip)
         layer = _layer_id(name, num_layers) if layer_decay is not None else 0
         lr_scale = layer_decay ** (num_layers + 1 - layer) if layer_decay is not None else 1.0
+        patch = "patch_embed" in name and patch_embed_lr_scale != 1.0
+        lr_scale *= patch_embed_lr_scale if patch else 1.0
         frozen_until = max((steps for prefix, steps in frozen.items() if name.startswith(prefix)), default=0)
-        group = groups.setdefault((decay, layer, frozen_until), {
+        group = groups.setdefault((decay, layer, frozen_until, patch), {
             "params": [], "names": [], "weight_decay": weight_decay if decay else 0.0,
             "wd_scale": 1.0 if decay else 0.0, "lr_scale": lr_scale, "frozen_until": frozen_until,
         })
@@ -53,7 +57,8 @@ def build_optimizer(model: nn.Module, cfg, num_layers: int | None = None, fused:
     """AdamW over `param_groups`; `fused`: one fused kernel per step (for CUDA, where it is the fastest)."""
     if cfg.name != "adamw":
         raise ValueError(f"unknown optimizer {cfg.name!r}; valid choices: ['adamw']")
-    groups = param_groups(model, cfg.weight_decay, cfg.layer_decay, num_layers, getattr(cfg, "decay_all", False))
+    groups = param_groups(model, cfg.weight_decay, cfg.layer_decay, num_layers, getattr(cfg, "decay_all", False),
+                          getattr(cfg, "patch_embed_lr_scale", 1.0))
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                   weight_decay=cfg.weight_decay, fused=fused or None)
     if any(group["frozen_until"] for group in groups):

@@ -68,7 +68,7 @@ def test_presets_default_to_the_paper_init_and_a_bad_scheme_names_the_choices():
     timm = build_vit("vit_tiny", weight_init="timm")
     assert _std(timm.blocks[0].attn.qkv.weight) == pytest.approx(0.02, rel=0.1)
     with pytest.raises(ValueError, match=r"weight_init 'lecun' is not one of \['timm', 'jax', 'torch', 'mocov3', "
-                       r"'ijepa', 'dinov3'\]"):
+                       r"'ijepa', 'dinov3', 'mae'\]"):
         build_vit("vit_tiny", weight_init="lecun")
 
 
@@ -157,3 +157,22 @@ def test_the_ijepa_and_dinov3_schemes_are_their_references_and_their_objectives_
         cfg = pretrain_config(tmp_path, f"objective={objective}", "data.num_samples=16", "data.img_size=32")
         run = build_run(cfg, *build_components(cfg), world=1)
         assert run.objective.backbone.config["weight_init"] == scheme
+
+
+def test_the_mae_scheme_is_models_mae_py_and_objective_mae_builds_with_it(tmp_path):
+    """MAE's initialize_weights: xavier-uniform over every whole Linear matrix (the fused qkv as one: bound
+    sqrt(6 / (D + 3D))), zero biases, the patch projection xavier over (D, 3 P^2), class token normal(0.02)."""
+    torch.manual_seed(0)
+    vit = build_vit("vit_s16", weight_init="mae")
+    qkv = vit.blocks[0].attn.qkv.weight
+    bound = math.sqrt(6 / (D + 3 * D))
+    assert qkv.abs().max() <= bound and qkv.abs().max() > 0.95 * bound
+    assert _std(qkv[:D]) == pytest.approx(bound / math.sqrt(3), rel=0.03)  # q alone: the whole matrix's spread
+    assert not vit.blocks[0].mlp.fc1.bias.any() and not vit.blocks[0].attn.qkv.bias.any()
+    projection = vit.patch_embed.proj.weight
+    assert projection.abs().max() <= math.sqrt(6 / (3 * 16 * 16 + D))
+    assert _std(vit.cls_token) == pytest.approx(0.02, rel=0.15)
+    cfg = pretrain_config(tmp_path, "objective=mae", "data.num_samples=16")
+    run = build_run(cfg, *build_components(cfg), world=1)
+    assert run.objective.backbone.config["weight_init"] == "mae"
+    assert cfg.optim.min_lr == 0 and cfg.optim.grad_clip is None  # main_pretrain.py's --min_lr, no clip_grad

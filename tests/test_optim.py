@@ -176,3 +176,49 @@ def test_the_start_up_line_says_the_lr_as_given_and_as_scaled_and_a_rule_needs_i
     with pytest.raises(ConfigError, match=r"optim.lr_scaling=linear needs optim.lr_base_batch"):
         peak_lr(OmegaConf.structured(OptimConfig(lr_scaling="linear")), 64)
     assert peak_lr(OmegaConf.structured(OptimConfig(lr=1e-3, lr_base_batch=256)), 64) == 1e-3  # none: as given
+
+
+def test_dinov2_and_dinov3_param_groups_take_layerwise_decay_and_the_patch_embedding_multiplier(tmp_path):
+    """dinov2 / dinov3 utils/param_groups.py: lr multiplier layerwise_decay ** (num_layers + 1 - layer_id) (0 for
+    the patch embedding and tokens, blocks i + 1, the rest num_layers + 1), times patch_embed_lr_mult (0.2) for
+    names containing "patch_embed"."""
+    for objective, decay in (("dinov2_tiny", 0.9), ("dinov3_tiny", 0.98)):
+        cfg = pretrain_config(tmp_path, f"objective={objective}", "model=vit_test", "data.num_samples=16",
+                              "data.img_size=32")
+        run = build_run(cfg, *build_components(cfg), world=1)
+        layers = len(run.objective.encoder.blocks)
+
+        def reference(name: str) -> float:
+            if any(k in name for k in ("patch_embed", "pos_embed", "cls_token", "reg_token")):
+                layer = 0
+            elif ".blocks." in f".{name}":
+                layer = int(name.split("blocks.")[1].split(".")[0]) + 1
+            else:
+                layer = layers + 1
+            return decay ** (layers + 1 - layer) * (0.2 if "patch_embed" in name else 1.0)
+
+        for group in run.optimizer.param_groups:
+            for name in group["names"]:
+                assert group["lr_scale"] == pytest.approx(reference(name), rel=1e-12), name
+        assert any("patch_embed" in n for g in run.optimizer.param_groups if g["lr_scale"] < 0.2 for n in g["names"])
+
+
+def test_dinov3_trains_with_its_7b_recipe(tmp_path):
+    """dinov3_vit7b16_pretrain.yaml: AdamW betas (0.9, 0.99), the lr constant after its warm-up, weight decay constant
+    0.04, clip 30, layerwise decay 0.98, patch-embed lr x 0.2; teacher temperature warm-up over 100 of 1000 epochs,
+    momentum constant 0.994; a plain Linear last layer (no weight norm)."""
+    cfg = pretrain_config(tmp_path, "objective=dinov3", "model=vit_test", "data.num_samples=16", "data.img_size=32",
+                          "trainer.max_steps=40", "objective.out_dim=64", "objective.ibot_out_dim=64",
+                          "objective.hidden_dim=32", "objective.bottleneck_dim=16")
+    optim = cfg.optim
+    assert (optim.beta1, optim.beta2, optim.schedule, optim.weight_decay, optim.weight_decay_end, optim.grad_clip,
+            optim.layer_decay, optim.patch_embed_lr_scale) == (0.9, 0.99, "constant", 0.04, None, 30.0, 0.98, 0.2)
+    run = build_run(cfg, *build_components(cfg), world=1)
+    peak = peak_lr(optim, run.global_batch)
+    np.testing.assert_allclose(run.learning_rates[optim.warmup_steps - 1:], peak, rtol=1e-12)
+    assert set(run.weight_decays) == {0.04}
+    objective = run.objective
+    assert cfg.objective.warmup_teacher_temp_fraction == 0.1 and cfg.objective.weight_norm is False
+    assert {objective.teacher_momentum(k, 40) for k in (1, 20, 40)} == {0.994}
+    assert not hasattr(objective.head.last_layer, "weight_g") and not hasattr(objective.head.last_layer,
+                                                                               "parametrizations")
