@@ -57,6 +57,8 @@ def build_optimizer(model: nn.Module, cfg, num_layers: int | None = None, fused:
     """AdamW over `param_groups`; `fused`: one fused kernel per step (for CUDA, where it is the fastest)."""
     if cfg.name != "adamw":
         raise ValueError(f"unknown optimizer {cfg.name!r}; valid choices: ['adamw']")
+    if cfg.layer_decay is not None and num_layers is None:  # an objective: its encoder's blocks
+        num_layers = len(model.encoder.blocks)
     groups = param_groups(model, cfg.weight_decay, cfg.layer_decay, num_layers, getattr(cfg, "decay_all", False),
                           getattr(cfg, "patch_embed_lr_scale", 1.0))
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,

@@ -43,10 +43,10 @@ def _cli(*args, cwd=ROOT):
 
 RECIPES = {  # objective -> (optim option, lr, (scaling rule, base batch), weight decay start / end, clipping, beta2)
     "supervised": ("adamw", 2e-3, ("none", None), 0.05, None, 1.0, 0.999),
-    "mae": ("mae", 8e-3, ("linear", 256), 0.05, None, 1.0, 0.999),  # MAE: blr x batch / 256
+    "mae": ("mae", 8e-3, ("linear", 256), 0.05, None, None, 0.999),  # MAE: blr x batch / 256, no clipping
     "dino_tiny": ("dino", 2e-3, ("linear", 256), 0.04, 0.4, 3.0, 0.999),  # DINO: lr x batch / 256
     "dinov2_tiny": ("dinov2", 2e-3, ("sqrt", 1024), 0.04, 0.4, 3.0, 0.999),  # DINOv2: sqrt_wrt_1024
-    "dinov3_tiny": ("dinov2", 2e-3, ("sqrt", 1024), 0.04, 0.4, 3.0, 0.999),
+    "dinov3_tiny": ("dinov3", 2e-3, ("sqrt", 1024), 0.04, None, 30.0, 0.99),  # the ViT-7B's
     "mocov3_tiny": ("mocov3", 6e-4, ("linear", 256), 0.1, None, None, 0.999),  # MoCo v3: lr x batch / 256
     "ijepa_tiny": ("ijepa", 1e-3, ("none", None), 0.04, 0.4, None, 0.999),
     "clip_tiny": ("clip", 5e-4, ("none", None), 0.2, None, None, 0.98),
