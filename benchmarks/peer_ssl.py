@@ -10,9 +10,11 @@ Both sides: the same backbone geometry and initial weights (ours, loaded into ti
 bottleneck 128, weight-normalised last layer), student temperature 0.1, teacher 0.04, centre momentum 0.9, teacher
 momentum 0.99 -> 1 on a cosine, AdamW with the same per-step lr and weight-decay schedules (no decay on biases and
 norms), global gradient clipping at 3.0, the same batch and steps, one loader worker each. Ours is the real
-`pretrain` (objective=dino_tiny optim=dino); lightly's is its documented loop (DINOTransform, DINOProjectionHead,
-DINOLoss, update_momentum, cosine_schedule; one forward per view). k-NN (k=20, T=0.07) on the teachers' class
-tokens, Fashion-MNIST train -> test subsets, next to the untrained initial encoder.
+`pretrain` (objective=dino_tiny optim=dino), once per `--photometric` placement (auto, the default, first);
+lightly's is its documented loop (DINOTransform, DINOProjectionHead, DINOLoss, update_momentum, cosine_schedule)
+with the views of each resolution concatenated into one forward, as DINO's MultiCropWrapper does (the strongest fair
+peer: the documented loop forwards one view at a time). k-NN (k=20, T=0.07) on the teachers' class tokens,
+Fashion-MNIST train -> test subsets, next to the untrained initial encoder.
 
 MAE: mask ratio 0.75, a decoder of width 128, depth 2, 4 heads, per-patch normalised pixel targets, fixed sin-cos
 position embeddings, no augmentation (as objective=mae trains), AdamW with ours's schedules; lightly's side is its
@@ -127,12 +129,23 @@ def lightly_dino(cfg, initial_backbone: dict, run, mean, std) -> tuple[torch.nn.
                               normalize={"mean": list(mean), "std": list(std)})
     steps = cfg.trainer.max_steps
 
+    def batched(network, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One forward per resolution (the views of each size concatenated), as DINO's MultiCropWrapper."""
+        outputs, start = [], 0
+        while start < len(views):
+            end = start
+            while end < len(views) and views[end].shape[-1] == views[start].shape[-1]:
+                end += 1
+            outputs += list(network(torch.cat(views[start:end])).chunk(end - start))
+            start = end
+        return outputs
+
     def loss_of(step: int, views: list[torch.Tensor]) -> torch.Tensor:
         momentum = cosine_schedule(step, steps, objective.teacher_momentum, objective.teacher_momentum_end)
         update_momentum(student, teacher, m=momentum)
-        teacher_out = [teacher(view) for view in views[:objective.global_crops]]
-        student_out = [student(view) for view in views]
-        return criterion(teacher_out, student_out, epoch=step)
+        with torch.no_grad():
+            teacher_out = batched(teacher, views[:objective.global_crops])
+        return criterion(teacher_out, batched(student, views), epoch=step)
 
     wall = train_loop(cfg, run, transform, student, optimizer, loss_of)
     return teacher[0], wall
@@ -321,8 +334,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--methods", default="dino,mae", help=f"comma-separated, of {list(METHODS)}")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--photometric", default="workers,device",
-                        help="DINO, ours, one run each: data.multicrop_photometric (workers, device)")
+    parser.add_argument("--photometric", default="auto,workers,device",
+                        help="DINO, ours, one run each: data.multicrop_photometric (auto: the default; workers, "
+                             "collate, device)")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (initial weights, masks, data order)")
     parser.add_argument("--knn-train", type=int, default=10000)
     parser.add_argument("--knn-test", type=int, default=2000)

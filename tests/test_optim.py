@@ -188,7 +188,7 @@ def test_dinov2_and_dinov3_param_groups_take_layerwise_decay_and_the_patch_embed
         run = build_run(cfg, *build_components(cfg), world=1)
         layers = len(run.objective.encoder.blocks)
 
-        def reference(name: str) -> float:
+        def reference(name: str, layers: int = layers, decay: float = decay) -> float:
             if any(k in name for k in ("patch_embed", "pos_embed", "cls_token", "reg_token")):
                 layer = 0
             elif ".blocks." in f".{name}":

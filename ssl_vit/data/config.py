@@ -12,7 +12,8 @@ from omegaconf import MISSING
 from ssl_vit.schema import checked
 
 AUGMENTS = ("none", "crop_flip", "crop", "augreg")
-PHOTOMETRIC_ON = ("workers", "device")  # where multi-crop's photometric augmentation runs (ssl_vit.data.multicrop)
+# where multi-crop's photometric augmentation runs (ssl_vit.data.multicrop)
+PHOTOMETRIC_ON = ("workers", "collate", "device")
 AUGREG_INTERPOLATIONS = ("bicubic", "bilinear", "nearest")  # timm's create_transform names
 # Zero-shot prompts for a dataset that names none of its own (CLIP's generic ones).
 DEFAULT_TEMPLATES = ("a photo of a {}.", "a drawing of a {}.", "a picture of the {}.", "a {}.")
@@ -48,8 +49,9 @@ class DataConfig:
     augment: str = checked("none", choices=AUGMENTS)
     augreg: AugRegConfig = field(default_factory=AugRegConfig)
     # Where multi-crop objectives' (DINO's) per-crop photometric augmentation runs: workers (torchvision, per crop,
-    # in the loader's workers) | device (batched on the training device, from parameters the workers draw; the
-    # crops travel as uint8) | auto (device on a GPU, workers on CPU)
+    # in the loader's workers) | collate (batched, in the workers' collate, from parameters drawn per crop) | device
+    # (batched on the training device, from those parameters; the crops travel as uint8) | auto (device on a GPU,
+    # collate on a CPU: measured fastest there, benchmarks/peer_ssl.py)
     multicrop_photometric: str = checked("auto", choices=("auto", *PHOTOMETRIC_ON))
     crop_scale: list[float] = checked(factory=lambda: [0.35, 1.0], gt=0, le=1, length=2)
     # Normalisation per colour channel. None: the encoder's own when evaluating one that records it, else the

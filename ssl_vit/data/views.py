@@ -123,7 +123,7 @@ class ViewBuilder:
             out.update(self._image_views(student), teacher_images=teachers)
         elif "image" in self.views or "pixels" in self.views:
             out.update(self._image_views(self.spatial(sample["image"]).float().div_(255)))
-        if self.multicrop is not None and self.multicrop.on_device:
+        if self.multicrop is not None and self.multicrop.batched:
             out["crops"], out["crop_parameters"] = self.multicrop(sample["image"])
         elif self.multicrop is not None:
             out.update(self._split_gram(self.multicrop(sample["image"])))
@@ -160,11 +160,14 @@ class ViewBuilder:
         return {"crops": crops[:len(crops) - n], **({"gram_crops": crops[len(crops) - n:]} if n else {})}
 
     def collate(self, samples: list[dict]) -> dict:
-        """default_collate, then what is drawn per batch: Mixup / CutMix under augreg, the global crops' token
+        """default_collate, then multi-crop's photometric part where it runs here ("collate"), then what is drawn
+        per batch: Mixup / CutMix under augreg, the global crops' token
         masks (`global_masks`: ssl_vit.data.token_masks); seeded by the batch's first sample seed (`seed`, which the
         step-indexed loader adds; drawn from torch's generator otherwise)."""
         seeds = [sample.pop("seed", None) for sample in samples]
         batch = default_collate(samples)
+        if self.multicrop is not None and self.multicrop.placement == "collate":  # the batch's photometric part
+            batch.update(self._split_gram(finish_crops(self.multicrop, batch["crops"], batch.pop("crop_parameters"))))
         if self.mixer is None and self.global_masks is None:
             return batch
         seed = seeds[0] if seeds and seeds[0] is not None else int(torch.randint(2**62, ()))

@@ -269,7 +269,8 @@ def build_components(cfg, source: Pretrained | None = None, device_type: str = "
     if augment == "augreg" and mixes(cfg.data.augreg) and cfg.data.batch_size % 2:
         raise ConfigError(f"data.batch_size={cfg.data.batch_size}: Mixup / CutMix (data.augment=augreg) pair each "
                           "image with another, so the batch per process must be even")
-    multicrop, placement = objective.multicrop_options(), photometric_on(cfg.data, device_type)
+    multicrop = objective.multicrop_options()
+    placement = photometric_on(cfg.data, device_type, (multicrop or {}).get("global_size", img_size))
     if multicrop is not None:
         multicrop = dict(multicrop, photometric_on=placement)
     try:
@@ -283,11 +284,20 @@ def build_components(cfg, source: Pretrained | None = None, device_type: str = "
     return objective, dataset, views, preprocess
 
 
-def photometric_on(data_cfg, device_type: str) -> str:
-    """data.multicrop_photometric as "workers" or "device" (auto: the device on a GPU)."""
+# On a CPU the batched photometric stage in the workers' collate beats torchvision per crop up to global crops of
+# about 80 px (per image, 2 + 6 crops: 2.5x at 32 px, 1.23x at 64, 1.03x at 80, 0.88x at 96, 0.81x at 224;
+# docs/benchmarks.md, "Where DINO's photometric augmentation runs").
+COLLATE_BELOW_PX = 80
+
+
+def photometric_on(data_cfg, device_type: str, global_size: int) -> str:
+    """data.multicrop_photometric as "workers", "collate" or "device"; auto: the device on a GPU, on a CPU the
+    workers' collate for global crops under COLLATE_BELOW_PX, else torchvision per crop in the workers."""
     value = str(data_cfg.get("multicrop_photometric", "auto"))
     if value == "auto":
-        return "device" if device_type == "cuda" else "workers"
+        if device_type == "cuda":
+            return "device"
+        return "collate" if global_size < COLLATE_BELOW_PX else "workers"
     return value  # one of PHOTOMETRIC_ON (its schema checks it)
 
 
