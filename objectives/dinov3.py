@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from ssl_vit.data.multicrop import local_crop_size
 from ssl_vit.ema import copy_parameters, teacher_backbone
@@ -71,6 +72,10 @@ class DINOv3Config(DINOv2Config):
     hires_gram_size_factor: float = checked(1.5, ge=1)
     hires_gram_weight: float = checked(1.5, ge=0)
     hires_local_loss_weight: float = checked(0.5, ge=0)
+    # The stage's crop mixture: [global, local, share] per pair, sizes as multiples of the model's size (each step
+    # one pair, drawn by the step with these shares, the same on every rank; the Gram crops at
+    # hires_gram_size_factor x the global size). None: one pair, hires_scale for both.
+    hires_crop_pairs: list | None = None
     hires_teacher_temp: float = checked(0.07, gt=0)  # constant in the stage (no warm-up)
     hires_teacher_momentum: float = checked(0.999, ge=0, le=1)  # constant in the stage (no cosine)
 
@@ -110,6 +115,54 @@ class GramPlan:
                               and since // self.update_every <= self.max_updates)
 
 
+@dataclass(frozen=True)
+class CropPairs:
+    """dinov3's high-resolution crop mixture (`global_local_crop_pairs_ratios`): per step one (global, local, Gram)
+    size triple, drawn from the step alone with the pairs' shares, so every rank takes the same and a resumed run
+    the same again. The loader cuts every crop at the largest size of its kind; a step's smaller sizes are resized
+    from those (bicubic, antialiased), and iBOT's masks are drawn again for the step's grid."""
+
+    sizes: tuple[tuple[int, int, int], ...]  # (global, local, Gram) pixels per pair
+    shares: tuple[float, ...]
+
+    @classmethod
+    def from_config(cls, pairs, img_size: int, gram_factor: float, patch: int) -> CropPairs:
+        rows = [list(row) for row in pairs]
+        if not rows or any(len(row) != 3 or min(row) <= 0 for row in rows):
+            raise ValueError(f"objective.hires_crop_pairs={pairs}: give [global, local, share] per pair, each > 0 "
+                             "(sizes as multiples of the model's size), e.g. [[2, 0.4375, 0.3], [3, 0.4375, 0.7]]")
+        sizes = tuple((_whole_patches(g * img_size, patch), _whole_patches(local * img_size, patch),
+                       _whole_patches(_whole_patches(g * img_size, patch) * gram_factor, patch))
+                      for g, local, _ in rows)
+        return cls(sizes, tuple(float(row[2]) for row in rows))
+
+    @property
+    def largest(self) -> tuple[int, int, int]:
+        return tuple(max(kind) for kind in zip(*self.sizes, strict=True))
+
+    def pick(self, step: int) -> tuple[int, int, int]:
+        generator = torch.Generator().manual_seed(0x5EED_C407 + step)
+        return self.sizes[int(torch.multinomial(torch.tensor(self.shares), 1, generator=generator))]
+
+    def resized(self, batch: dict, step: int, n_global: int) -> dict:
+        """The batch at step `step`'s sizes (the crops resized where the pair is smaller than the largest)."""
+        global_size, local_size, gram_size = self.pick(step)
+
+        def fit(crop: torch.Tensor, size: int) -> torch.Tensor:
+            if crop.shape[-1] == size:
+                return crop
+            return F.interpolate(crop, size=(size, size), mode="bicubic", antialias=True, align_corners=False)
+
+        out = dict(batch)
+        out["crops"] = [fit(c, global_size if i < n_global else local_size) for i, c in enumerate(batch["crops"])]
+        if "gram_crops" in batch:
+            out["gram_crops"] = [fit(c, gram_size) for c in batch["gram_crops"]]
+        if global_size != self.largest[0]:  # the collate's masks are for the largest grid: the objective redraws
+            out.pop("global_masks", None)
+            out.pop("global_mask_indices", None)
+        return out
+
+
 def gram_plan(cfg: DINOv3Config) -> GramPlan:
     if cfg.stage == "hires":  # the starting weights anchor the whole stage, at constant weights
         return GramPlan(cfg.hires_gram_weight, 0, 0, 0, 0, cfg.hires_gram_size_factor, cfg.hires_local_loss_weight)
@@ -133,6 +186,10 @@ class DINOv3(DINO):
         scale = cfg.hires_scale if cfg.stage == "hires" else 1.0
         self.global_size = _whole_patches(data.img_size * scale, patch)
         self.gram_size = _whole_patches(self.global_size * self.plan.size_factor, patch)
+        self.pairs = None
+        if cfg.stage == "hires" and cfg.hires_crop_pairs:
+            self.pairs = CropPairs.from_config(cfg.hires_crop_pairs, data.img_size, self.plan.size_factor, patch)
+            self.global_size, _, self.gram_size = self.pairs.largest
         # the Gram teacher: the teacher's backbone again (no heads), frozen, given the EMA teacher's values
         self.gram_teacher = teacher_backbone(backbone).eval()
         copy_parameters(self.gram_teacher, self.teacher.backbone)
@@ -151,6 +208,8 @@ class DINOv3(DINO):
         local = self.cfg.local_crop_size
         options["local_size"] = (_whole_patches(local * self.global_size / self.data.img_size, patch) if local
                                  else local_crop_size(self.global_size, patch))
+        if self.pairs is not None:
+            options["local_size"] = self.pairs.largest[1]
         options["global_size"] = self.global_size
         if self.gram_size != self.global_size:
             options["gram_size"] = self.gram_size
@@ -226,6 +285,8 @@ class DINOv3(DINO):
         return {"gram_loss": (gram_loss(student_patches, teacher, self.cfg.gram_remove_negative), weight)}
 
     def forward(self, batch):
+        if self.pairs is not None:
+            batch = self.pairs.resized(batch, self._step, self.cfg.global_crops)
         outputs = super().forward(batch)
         device = outputs["loss"].device
         outputs.update(gram_weight=torch.tensor(self.gram_weight(), device=device),

@@ -378,3 +378,52 @@ def test_the_hires_stage_holds_the_teacher_temperature_and_momentum_constant():
         momenta.append((hires.teacher_momentum(step + 1, 10), pretraining.teacher_momentum(step + 1, 10)))
     assert [t for t, _ in temps] == [0.07] * 3 and [m for m, _ in momenta] == [0.999] * 3
     assert temps[0][1] == pytest.approx(0.04) and momenta[0][1] == pretraining.cfg.teacher_momentum  # pre-training's
+
+
+def test_the_hires_stage_mixes_dinov3s_crop_pairs_one_pair_per_step_as_its_config_gives_them():
+    """dinov3_vit7b16_high_res_adapt.yaml for its 256 px model: global_crops_size [512, 768, 768, 768, 768],
+    local_crops_size [112, 112, 168, 224, 336], gram_teacher_crops_size [768, 1152, ...], ratios 0.3 / 0.3 / 0.3 /
+    0.05 / 0.05. Ours (configs/objective/dinov3.yaml, as multiples of the model's size) gives those sizes at 256 px
+    and patch 16; a step's pair is a function of the step alone (every rank, every resume), drawn with the shares."""
+    from ssl_vit.objectives.dinov3 import CropPairs
+
+    register_configs()
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("pretrain", overrides=["objective=dinov3", "output_dir=x"])
+    pairs = CropPairs.from_config(cfg.objective.hires_crop_pairs, 256, cfg.objective.hires_gram_size_factor, 16)
+    # 168 px is 10.5 patches: dinov3's strided patch convolution reads 10 (160 px); ours cuts the 160 px it reads
+    assert [list(size) for size in zip(*pairs.sizes, strict=True)] == [
+        [512, 768, 768, 768, 768], [112, 112, 160, 224, 336], [768, 1152, 1152, 1152, 1152]]
+    assert pairs.shares == (0.3, 0.3, 0.3, 0.05, 0.05) and pairs.largest == (768, 336, 1152)
+    drawn = [pairs.pick(step) for step in range(20000)]
+    assert drawn[:50] == [pairs.pick(step) for step in range(50)]  # the step's alone
+    shares = [sum(d == size for d in drawn) / len(drawn) for size in pairs.sizes]
+    assert shares == pytest.approx([0.3, 0.3, 0.3, 0.05, 0.05], abs=0.015)
+    with pytest.raises(ValueError, match=r"objective.hires_crop_pairs=\[\[2, 0.5\]\]: give \[global, local, share\]"):
+        CropPairs.from_config([[2, 0.5]], 256, 1.5, 16)
+
+
+def test_a_hires_step_trains_at_its_pairs_sizes_from_crops_cut_at_the_largest():
+    """The loader cuts at the largest sizes; a step whose pair is smaller resizes them (bicubic, antialiased) and
+    draws iBOT's masks for its own grid."""
+    model = _objective(stage="hires", hires_crop_pairs=[[2.0, 0.5, 0.5], [3.0, 0.75, 0.5]], ibot_mask_probability=1.0)
+    options = model.multicrop_options()
+    assert (options["global_size"], options["local_size"], options["gram_size"]) == (48, 12, 72)
+    assert options["global_masks"]["grid"] == (12, 12)
+    small = next(step for step in range(100) if model.pairs.pick(step) == (32, 8, 48))
+    large = next(step for step in range(100) if model.pairs.pick(step) == (48, 12, 72))
+    torch.manual_seed(0)
+    batch = {"crops": [torch.randn(2, 3, 48, 48)] * 2 + [torch.randn(2, 3, 12, 12)] * 2,
+             "gram_crops": [torch.randn(2, 3, 72, 72)] * 2,
+             "global_masks": torch.zeros(4, 144, dtype=torch.bool), "global_mask_indices": torch.zeros(0).long()}
+    resized = model.pairs.resized(batch, small, 2)
+    assert [tuple(c.shape[-2:]) for c in resized["crops"]] == [(32, 32)] * 2 + [(8, 8)] * 2
+    assert [tuple(c.shape[-2:]) for c in resized["gram_crops"]] == [(48, 48)] * 2 and "global_masks" not in resized
+    expected = F.interpolate(batch["crops"][0], size=(32, 32), mode="bicubic", antialias=True, align_corners=False)
+    assert torch.equal(resized["crops"][0], expected)
+    kept = model.pairs.resized(batch, large, 2)
+    assert kept["crops"][0] is batch["crops"][0] and "global_masks" in kept
+    for step in (small, large):
+        model.begin_step(step, 100)
+        out = model(batch)
+        assert torch.isfinite(out["loss"]) and "gram_loss" in out
