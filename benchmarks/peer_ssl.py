@@ -317,7 +317,7 @@ def summarise(method: str, args, per_seed: dict[int, dict]) -> dict:
                                    for name, row in rows.items() if name.startswith("ssl-vit")}}
     print(f"\n{method.upper()}, vit_tiny on Fashion-MNIST 32 px, {args.steps} steps x {args.batch} images, 1 loader "
           f"worker each, seeds {list(per_seed)} (mean +- sd)" +
-          (" (ours: the photometric augmentation in the loader's workers, or batched on the device)"
+          (" (ours: data.multicrop_photometric, auto being the default: collate at 32 px on a CPU)"
            if method == "dino" else ""))
     print(f"{'':<20}{'img/s':>14}{'k-NN':>18}")
     for name, row in ((name, row) for name, row in rows.items() if "knn" in row):
