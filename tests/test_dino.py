@@ -505,15 +505,16 @@ def test_every_dino_config_composes_and_a_bad_value_names_the_choices(option):
 
 
 def test_the_photometric_augmentation_goes_where_data_multicrop_photometric_says():
-    """auto: the device on a GPU, the workers elsewhere; a bad value names the choices."""
+    """auto: the device on a GPU, the workers' collate on a CPU at this size; a bad value names the choices."""
     register_configs()
     base = ["objective=dino_tiny", "model=vit_test", "data.num_samples=16", "output_dir=x"]
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
         auto = compose("pretrain", overrides=base)
         bad = compose("pretrain", overrides=[*base, "data.multicrop_photometric=gpu"])
-    assert not build_components(auto, device_type="cpu")[2].multicrop.on_device
+    assert build_components(auto, device_type="cpu")[2].multicrop.placement == "collate"
     assert build_components(auto, device_type="cuda")[2].multicrop.on_device
-    with pytest.raises(ConfigError, match=r"^data.multicrop_photometric=gpu is not one of auto, workers, device$"):
+    with pytest.raises(ConfigError, match=r"^data.multicrop_photometric=gpu is not one of auto, workers, collate, "
+                                          r"device$"):
         build_components(bad)
 
 
