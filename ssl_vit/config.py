@@ -236,6 +236,9 @@ class ProbeConfig:
     # $SSL_VIT_CACHE/features (default ~/.cache/ssl_vit/features) for an import; never the current directory
     cache_dir: str | None = None
     cache_features: bool = True
+    # timm: / hf: / open_clip: sources that are not ViTs (a ResNet, ConvNeXt, Swin) are evaluated as their library
+    # runs them (ssl_vit.interop.native); true: ViTs too, instead of converting them into ours
+    native: bool = False
     seed: int = 0
     threads: int | None = checked(None, ge=1)  # torch CPU threads; None: torch's default (all cores)
     output_dir: str = MISSING

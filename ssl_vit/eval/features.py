@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from ssl_vit.data.errors import NoUsableSamplesError
 from ssl_vit.eval.readable import ReadableSamples, collate_readable
+from ssl_vit.interop.native import NativeEncoder, native_kind
 from ssl_vit.progress import progress_bar
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,8 @@ def labelled_view(views, sample: dict, index: int) -> tuple:
 
 
 def features_from_tokens(encoder, images: torch.Tensor, kind: str, last_k: int = 4) -> torch.Tensor:
+    if isinstance(encoder, NativeEncoder):  # a library's own model: its summary or its token mean
+        return encoder.features(images, native_kind(encoder, kind))
     if kind not in FEATURE_KINDS:
         raise ValueError(f"unknown feature kind {kind!r}; valid choices: {list(FEATURE_KINDS)}")
     prefix = encoder.num_prefix_tokens

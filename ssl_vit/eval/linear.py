@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from threadpoolctl import ThreadpoolController
 
+FINAL_MAX_ITER = 5000  # the refit on the whole training set at the chosen L2
 DEFAULT_L2 = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 MAX_GRID_EXTENSIONS = 4  # per direction
 HISTORY = 20  # L-BFGS memory (scipy's and sklearn's default is 10; 20 saved 5-20% of the evaluations)
@@ -218,7 +219,8 @@ def held_out_split(count: int, val_fraction: float, seed: int = 0) -> tuple[torc
 def linear_probe(train_x, train_y, test_x, test_y, l2_values=DEFAULT_L2, val_fraction: float = 0.2,
                  seed: int = 0, max_iter: int = 500, max_extensions: int = MAX_GRID_EXTENSIONS) -> dict:
     """Standardise, choose the L2 strength on a held-out `val_fraction` of the training set (`sweep_l2`), refit on
-    the whole training set and score on the test set. `val_accuracy` holds every strength tried, `l2_grid_extended`
+    the whole training set (up to FINAL_MAX_ITER iterations: at weak L2, 500 stopped a random Swin's fit 1.4 points
+    of test accuracy from scikit-learn's optimum) and score on the test set. `val_accuracy` holds every strength tried, `l2_grid_extended`
     the directions in which the grid was extended past `l2_values`, `train_objective` the final fit's mean
     cross-entropy + l2/2 ||W||^2 on the (standardised) training set."""
     num_classes = int(max(train_y.max(), test_y.max())) + 1
@@ -233,7 +235,8 @@ def linear_probe(train_x, train_y, test_x, test_y, l2_values=DEFAULT_L2, val_fra
 
     val_accuracy, best, extended = sweep_l2(fit_and_score, l2_values, max_extensions)
     train_std, test_std = standardise(train_x, test_x)
-    weight, bias = fit_logistic(train_std, train_y, num_classes, best, max_iter, init=solutions[best])
+    # the reported fit runs to convergence (at weak L2 the sweep's iteration budget can stop short of the optimum)
+    weight, bias = fit_logistic(train_std, train_y, num_classes, best, FINAL_MAX_ITER, init=solutions[best])
     return {"accuracy": accuracy(test_std, test_y, weight, bias), "l2": best,
             "val_accuracy": {str(k): val_accuracy[k] for k in sorted(val_accuracy)},
             "l2_grid_extended": extended,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import time
 from dataclasses import asdict
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from ssl_vit.artifacts import run_directory
 from ssl_vit.config import EVALUATORS
@@ -36,22 +38,25 @@ from ssl_vit.eval.zeroshot import (
     zeroshot_accuracy,
     zeroshot_classifier,
 )
+from ssl_vit.interop.native import NativeEncoder, native_kind
 from ssl_vit.interop.sources import load_pretrained
 from ssl_vit.objectives import load_trained
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
 from ssl_vit.run_dirs import resolve_run
 from ssl_vit.schema import ConfigError, validate_config
 
+log = logging.getLogger("ssl_vit")
 FEATURE_EVALUATORS = EVALUATORS[:3]
 TEXT_EVALUATORS = ("zeroshot", "retrieval")  # need an image-text model
 MASK_EVALUATORS = ("segmentation",)  # need a dataset with masks
 
 
-def load_any_encoder(spec: str):
-    """An encoder from any source `ssl_vit.interop.sources` reads (ours, timm:, hf:, open_clip:). Returns
-    (encoder, identity for the feature cache, its recorded preprocessing or None); ConfigError on a bad spec."""
+def load_any_encoder(spec: str, native: bool = False):
+    """An encoder from any source `ssl_vit.interop.sources` reads (ours, timm:, hf:, open_clip:; a library's model
+    that is not a ViT, or any with `native`, as its library runs it). Returns (encoder, identity for the feature
+    cache, its recorded preprocessing or None); ConfigError on a bad spec."""
     try:
-        source = load_pretrained(spec)
+        source = load_pretrained(spec, native="always" if native else "fallback")
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as err:
         raise ConfigError(f"checkpoint: {err}") from err
     return source.encoder, source.identity, source.preprocess
@@ -63,13 +68,46 @@ def evaluate(cfg, progress: bool = True) -> dict:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     checkpoint = resolve_run(cfg.checkpoint)  # an output group: its newest run
-    encoder, encoder_identity, recorded = load_any_encoder(checkpoint)
+    encoder, encoder_identity, recorded = load_any_encoder(checkpoint, cfg.get("native", False))
     model, embed, dense = None, None, None
-    text = any(name in TEXT_EVALUATORS for name in cfg.eval.evaluators)
-    if text or cfg.eval.features not in FEATURE_KINDS:
-        model = load_run_model(checkpoint, cfg.eval, text)
-        encoder = model.encoder
-        embed, dense = adaptor_features(model, cfg.eval.features)
+    ecfg, features = cfg.eval, cfg.eval.features
+    if isinstance(encoder, NativeEncoder):
+        img_size, features, evaluators = native_settings(cfg, encoder, recorded)
+        ecfg = OmegaConf.merge(cfg.eval, {"evaluators": evaluators, "features": features})
+    else:
+        text = any(name in TEXT_EVALUATORS for name in cfg.eval.evaluators)
+        if text or cfg.eval.features not in FEATURE_KINDS:
+            model = load_run_model(checkpoint, cfg.eval, text)
+            encoder = model.encoder
+            embed, dense = adaptor_features(model, cfg.eval.features)
+        img_size = encoder_size(cfg, encoder, recorded)
+        check_evaluator_settings(cfg.eval, encoder)
+    preprocess = resolve_preprocess(cfg.data, img_size, recorded)
+    try:
+        train_set, test_set = eval_datasets(cfg.data, img_size, cfg.seed)
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(f"data={cfg.data.name}: {err}") from err
+    identity = {"encoder": encoder_identity, "data": dict(cfg.data), "preprocess": preprocess.to_json()}
+    if not test_set.classes and any(e not in ("retrieval", *MASK_EVALUATORS) for e in ecfg.evaluators):
+        takes = [e for e in ("retrieval", *MASK_EVALUATORS) if e != "segmentation"
+                 or getattr(test_set, "segmentation_classes", ())]
+        raise ConfigError(f"data={cfg.data.name} has no class labels: it takes eval={' | '.join(takes)}, got "
+                          f"{list(ecfg.evaluators)}")
+    if "segmentation" in ecfg.evaluators and not getattr(test_set, "segmentation_classes", ()):
+        raise ConfigError(f"eval=segmentation needs masks; data={cfg.data.name} has none (datasets with masks: "
+                          "synthetic, tuxpaint_seg, segfolder)")
+    cache_dir = feature_cache_dir(cfg.cache_dir, checkpoint) if cfg.cache_features else None
+    results, timings, feature_dim = run_evaluators(encoder, train_set, test_set, ecfg, preprocess,
+                                                   cache_dir, identity, cfg.seed, progress, model=model,
+                                                   data_name=cfg.data.name, embed=embed, dense=dense)
+    return {"checkpoint": checkpoint, "data": cfg.data.name, "features": features,
+            "preprocess": asdict(preprocess), "num_train": len(train_set), "num_test": len(test_set),
+            "num_classes": len(test_set.classes), "chance": chance_levels(test_set, results),
+            "feature_dim": feature_dim, "results": results, "timings": timings}
+
+
+def encoder_size(cfg, encoder, recorded) -> int:
+    """data.img_size, else the recorded preprocessing's size, else the encoder's; the encoder set to it."""
     native = encoder.patch_embed.img_size[0]
     img_size = cfg.data.img_size or (recorded.img_size if recorded else native)
     if img_size != native:
@@ -77,29 +115,25 @@ def evaluate(cfg, progress: bool = True) -> dict:
             encoder.set_img_size(img_size)  # resamples the position embeddings as the encoder's config says
         except ValueError as err:
             raise ConfigError(f"data.img_size={img_size}: {err}") from err
-    check_evaluator_settings(cfg.eval, encoder)
-    preprocess = resolve_preprocess(cfg.data, img_size, recorded)
+    return img_size
+
+
+def native_settings(cfg, encoder: NativeEncoder, recorded) -> tuple[int, str, list[str]]:
+    """A library's own model: (image size as for ours, its feature kind, the evaluators it takes: the frozen-feature
+    ones; others in the list are left out with a warning, and a list of only others is refused)."""
+    evaluators = [name for name in cfg.eval.evaluators if name in FEATURE_EVALUATORS]
+    others = [name for name in cfg.eval.evaluators if name not in FEATURE_EVALUATORS]
+    if not evaluators:
+        raise ConfigError(f"eval: {encoder.describe()} takes {list(FEATURE_EVALUATORS)}, not {others}")
+    if others:
+        log.warning("eval: %s takes %s; left out: %s", encoder.describe(), list(FEATURE_EVALUATORS), others)
     try:
-        train_set, test_set = eval_datasets(cfg.data, img_size, cfg.seed)
-    except (FileNotFoundError, ValueError) as err:
-        raise ConfigError(f"data={cfg.data.name}: {err}") from err
-    identity = {"encoder": encoder_identity, "data": dict(cfg.data), "preprocess": preprocess.to_json()}
-    if not test_set.classes and any(e not in ("retrieval", *MASK_EVALUATORS) for e in cfg.eval.evaluators):
-        takes = [e for e in ("retrieval", *MASK_EVALUATORS) if e != "segmentation"
-                 or getattr(test_set, "segmentation_classes", ())]
-        raise ConfigError(f"data={cfg.data.name} has no class labels: it takes eval={' | '.join(takes)}, got "
-                          f"{list(cfg.eval.evaluators)}")
-    if "segmentation" in cfg.eval.evaluators and not getattr(test_set, "segmentation_classes", ()):
-        raise ConfigError(f"eval=segmentation needs masks; data={cfg.data.name} has none (datasets with masks: "
-                          "synthetic, tuxpaint_seg, segfolder)")
-    cache_dir = feature_cache_dir(cfg.cache_dir, checkpoint) if cfg.cache_features else None
-    results, timings, feature_dim = run_evaluators(encoder, train_set, test_set, cfg.eval, preprocess,
-                                                   cache_dir, identity, cfg.seed, progress, model=model,
-                                                   data_name=cfg.data.name, embed=embed, dense=dense)
-    return {"checkpoint": checkpoint, "data": cfg.data.name, "features": cfg.eval.features,
-            "preprocess": asdict(preprocess), "num_train": len(train_set), "num_test": len(test_set),
-            "num_classes": len(test_set.classes), "chance": chance_levels(test_set, results),
-            "feature_dim": feature_dim, "results": results, "timings": timings}
+        kind = native_kind(encoder, cfg.eval.features)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    log.info("checkpoint=%s: %s; features %r for eval.features=%s", cfg.checkpoint, encoder.describe(), kind,
+             cfg.eval.features)
+    return cfg.data.img_size or (recorded.img_size if recorded else encoder.img_size), kind, evaluators
 
 
 def feature_cache_dir(configured: str | None, checkpoint: str) -> Path:

@@ -36,6 +36,7 @@ from ssl_vit.artifacts import file_fingerprint
 from ssl_vit.extras import require
 from ssl_vit.files import save_safetensors
 from ssl_vit.interop.hf_dinov3 import dinov3_config, dinov3_refusals, dinov3_state, from_dinov3
+from ssl_vit.interop.native import NativeEncoder, from_hf_native, not_a_vit
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.vit import VisionTransformer
 
@@ -403,13 +404,29 @@ def _our_state(state: dict, arch: str, width: int, depth: int, registers: int) -
     return {k: v.detach().float().clone() for k, v in ours.items()}
 
 
-def load_hf_dir(rest: str) -> tuple[VisionTransformer, Preprocess | None, dict]:
-    """(encoder, its preprocessing from preprocessor_config.json, identity) of `hf:<dir>`."""
+def load_hf_dir(rest: str, native: str = "never") -> tuple[VisionTransformer | NativeEncoder, Preprocess | None,
+                                                          dict]:
+    """(encoder, its preprocessing from preprocessor_config.json, identity) of `hf:<dir>`; `native` as
+    load_pretrained's (a model type that does not convert runs through transformers' AutoModel)."""
     path = Path(rest).expanduser()
-    encoder = from_hf(path)
-    preprocess = hf_preprocess(path, encoder.patch_embed.img_size[0])
     weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))  # every shard of a sharded model
-    return encoder, preprocess, {"hf": [file_fingerprint(w) for w in weights]}
+    identity = {"hf": [file_fingerprint(w) for w in weights]}
+    model_type = _model_type(path)
+    if native == "always" or (native == "fallback" and model_type not in _MODEL_TYPES):
+        transformers = require("transformers", "a transformers model (hf:)")
+        encoder = from_hf_native(transformers.AutoModel.from_pretrained(path).eval())
+        return encoder, hf_preprocess(path, encoder.img_size), {**identity, "native": True}
+    if model_type not in _MODEL_TYPES:
+        raise not_a_vit(f"hf:{rest}", f"a transformers {model_type!r} model (supported ViTs: {sorted(_MODEL_TYPES)})")
+    encoder = from_hf(path)
+    return encoder, hf_preprocess(path, encoder.patch_embed.img_size[0]), identity
+
+
+def _model_type(path: Path) -> str:
+    """The model_type of a transformers directory's config.json (FileNotFoundError without one)."""
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{str(path)!r} is not a transformers model directory (no config.json)")
+    return json.loads((path / "config.json").read_text()).get("model_type", "?")
 
 
 def hf_preprocess(path: Path, img_size: int) -> Preprocess | None:

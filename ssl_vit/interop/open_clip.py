@@ -28,6 +28,7 @@ import torch
 
 from ssl_vit.artifacts import file_fingerprint
 from ssl_vit.files import save_safetensors
+from ssl_vit.interop.native import NativeEncoder, from_open_clip_native, not_a_vit
 from ssl_vit.preprocess import INTERPOLATIONS, Preprocess
 from ssl_vit.vit import VisionTransformer
 
@@ -163,12 +164,20 @@ def export_open_clip(model, out_dir: str | Path, preprocess=None) -> Path:
     return out_dir
 
 
-def load_open_clip_spec(rest: str) -> tuple[VisionTransformer, Preprocess, dict]:
+def load_open_clip_spec(rest: str, native: str = "never") -> tuple[VisionTransformer | NativeEncoder, Preprocess,
+                                                                   dict]:
     """(encoder, open_clip's preprocessing, identity) of `open_clip:<rest>` (ssl_vit.interop.sources names the
-    forms)."""
+    forms); `native` as load_pretrained's (an image tower that does not convert runs as open_clip runs it)."""
+    from open_clip.transformer import VisionTransformer as OpenClipViT  # heavy: open_clip models only
+
     model, vision_cfg, identity, _ = load_open_clip_model(rest)
-    encoder = from_open_clip_visual(model.visual, vision_cfg.get("ls_init_value"))
-    return encoder, open_clip_preprocess(model.visual), identity
+    preprocess = open_clip_preprocess(model.visual)
+    converts = isinstance(model.visual, OpenClipViT)
+    if native == "always" or (native == "fallback" and not converts):
+        return from_open_clip_native(model.visual, preprocess.img_size), preprocess, {**identity, "native": True}
+    if not converts:
+        raise not_a_vit(f"open_clip:{rest}", f"an open_clip {type(model.visual).__name__} image tower")
+    return from_open_clip_visual(model.visual, vision_cfg.get("ls_init_value")), preprocess, identity
 
 
 def load_open_clip_model(rest: str):

@@ -37,6 +37,7 @@ from ssl_vit.artifacts import (
 )
 from ssl_vit.interop.dino import load_reference_checkpoint
 from ssl_vit.interop.hf import load_hf_dir
+from ssl_vit.interop.native import NativeEncoder
 from ssl_vit.interop.open_clip import load_open_clip_spec
 from ssl_vit.interop.timm import load_timm_spec
 from ssl_vit.preprocess import Preprocess
@@ -45,13 +46,14 @@ from ssl_vit.vit import VisionTransformer
 
 SOURCES = ("<encoder file or run dir>", "timm:<name>[:<file>]", "timm:<dir>", "hf:<dir>", "open_clip:<dir>",
            "open_clip:<name>:<file>", "dino:<checkpoint.pth>", "dinov2:<checkpoint.pth>")
+NATIVE_MODES = ("never", "fallback", "always")
 REFERENCE_CHECKPOINTS = ("dino", "dinov2")  # training checkpoints of the reference code (ssl_vit.interop.dino)
 LIBRARIES = {"timm": load_timm_spec, "hf": load_hf_dir, "open_clip": load_open_clip_spec}
 
 
 @dataclass
 class Pretrained:
-    encoder: VisionTransformer
+    encoder: VisionTransformer | NativeEncoder  # NativeEncoder only where load_pretrained's `native` allows it
     preprocess: Preprocess | None  # the source's own preprocessing, when it records one
     identity: dict  # what makes the weights unique (for the feature cache)
     # The objective's weights beyond the encoder by its state-dict names, and the objective that trained them: read
@@ -60,10 +62,15 @@ class Pretrained:
     architecture_given: bool = False  # built to the run's model= config (a source that records no architecture)
 
 
-def load_pretrained(spec: str, architecture: Callable[[], dict] | None = None, heads: bool = False) -> Pretrained:
+def load_pretrained(spec: str, architecture: Callable[[], dict] | None = None, heads: bool = False,
+                    native: str = "never") -> Pretrained:
     """The encoder a spec names (see the module docstring); ValueError / FileNotFoundError naming the problem.
     `architecture`: the encoder config for sources that record none (the reference DINO / DINOv2 checkpoints);
-    `heads`: also read the weights beyond the encoder (None where the source has none)."""
+    `heads`: also read the weights beyond the encoder (None where the source has none). `native` (timm:, hf:,
+    open_clip:): "never" (a ViT, converted; anything else is refused in one line), "fallback" (a ViT converted,
+    anything else wrapped as its library runs it: ssl_vit.interop.native), "always" (wrapped, ViTs too)."""
+    if native not in NATIVE_MODES:
+        raise ValueError(f"native={native!r} is not one of {list(NATIVE_MODES)}")
     library, _, rest = spec.partition(":")
     if library in REFERENCE_CHECKPOINTS:
         if architecture is None:
@@ -72,7 +79,7 @@ def load_pretrained(spec: str, architecture: Callable[[], dict] | None = None, h
         encoder, preprocess, identity, rest_of_it = load_reference_checkpoint(library, rest, architecture(), heads)
         return Pretrained(encoder, preprocess, identity, rest_of_it, architecture_given=True)
     if library in LIBRARIES:
-        return Pretrained(*LIBRARIES[library](rest))
+        return Pretrained(*LIBRARIES[library](rest, native))
     return _from_ours(spec, heads)
 
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from ssl_vit.artifacts import file_fingerprint
 from ssl_vit.files import save_safetensors
+from ssl_vit.interop.native import NativeEncoder, from_timm_native, not_a_vit
 from ssl_vit.preprocess import INTERPOLATIONS, Preprocess
 from ssl_vit.rope import ROPE_KINDS, ROPE_THETA
 from ssl_vit.stem import RESNET_CHANNELS
@@ -411,8 +412,27 @@ def timm_preprocess(model) -> Preprocess:
                       resize_mode="squash" if pcfg.get("crop_mode") == "squash" else "shortest")
 
 
-def load_timm_spec(rest: str) -> tuple[VisionTransformer, Preprocess, dict]:
-    """(encoder, timm's preprocessing, identity) of `timm:<rest>` (ssl_vit.interop.sources names the forms)."""
+def timm_native_preprocess(model) -> Preprocess:
+    """timm's own data config for a model (timm.data.resolve_data_config: input size, interpolation, mean, std,
+    crop_pct, crop_mode), as our Preprocess."""
+    from timm.data import resolve_data_config
+
+    cfg = resolve_data_config({}, model=model)
+    interpolation = cfg.get("interpolation", "bicubic")
+    return Preprocess(img_size=int(cfg["input_size"][-1]), mean=list(cfg["mean"]), std=list(cfg["std"]),
+                      interpolation=interpolation if interpolation in INTERPOLATIONS else "bicubic",
+                      crop_pct=float(cfg.get("crop_pct", 1.0)),
+                      resize_mode="squash" if cfg.get("crop_mode") == "squash" else "shortest")
+
+
+def converts(model: nn.Module) -> bool:
+    """Whether timm's model is one of the ViTs that become ours (VisionTransformer, hybrids, the RoPE Eva models)."""
+    return isinstance(model, (TimmViT, Eva))
+
+
+def load_timm_spec(rest: str, native: str = "never") -> tuple[VisionTransformer | NativeEncoder, Preprocess, dict]:
+    """(encoder, timm's preprocessing, identity) of `timm:<rest>` (ssl_vit.interop.sources names the forms);
+    `native` as load_pretrained's."""
     path = Path(rest).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -435,4 +455,8 @@ def load_timm_spec(rest: str) -> tuple[VisionTransformer, Preprocess, dict]:
         else:
             model = timm.create_model(name, pretrained=False, num_classes=0)
             identity = {"timm": name, "seed": torch.initial_seed()}
+    if native == "always" or (native == "fallback" and not converts(model)):
+        return from_timm_native(model.eval()), timm_native_preprocess(model), {**identity, "native": True}
+    if not converts(model):
+        raise not_a_vit(f"timm:{rest}", f"a {type(model).__name__}")
     return from_timm(model.eval()).eval(), timm_preprocess(model), identity
