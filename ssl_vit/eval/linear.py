@@ -218,11 +218,11 @@ def held_out_split(count: int, val_fraction: float, seed: int = 0) -> tuple[torc
 
 def linear_probe(train_x, train_y, test_x, test_y, l2_values=DEFAULT_L2, val_fraction: float = 0.2,
                  seed: int = 0, max_iter: int = 500, max_extensions: int = MAX_GRID_EXTENSIONS) -> dict:
-    """Standardise, choose the L2 strength on a held-out `val_fraction` of the training set (`sweep_l2`), refit on
-    the whole training set (up to FINAL_MAX_ITER iterations: at weak L2, 500 stopped a random Swin's fit 1.4 points
-    of test accuracy from scikit-learn's optimum) and score on the test set. `val_accuracy` holds every strength tried, `l2_grid_extended`
-    the directions in which the grid was extended past `l2_values`, `train_objective` the final fit's mean
-    cross-entropy + l2/2 ||W||^2 on the (standardised) training set."""
+    """Standardise, choose the L2 strength on a held-out `val_fraction` of the training set (`sweep_l2`), refit on the
+    whole training set (up to FINAL_MAX_ITER iterations: at weak L2, 500 stopped a random Swin's fit 1.4 points of
+    test accuracy from scikit-learn's optimum) and score on the test set. `val_accuracy` holds every strength tried,
+    `l2_grid_extended` the directions in which the grid was extended past `l2_values`, `train_objective` the final
+    fit's mean cross-entropy + l2/2 ||W||^2 on the (standardised) training set."""
     num_classes = int(max(train_y.max(), test_y.max())) + 1
     val_idx, fit_idx = held_out_split(len(train_y), val_fraction, seed)
     fit_x, val_x = standardise(train_x[fit_idx], train_x[val_idx])
