@@ -10,6 +10,7 @@ from pathlib import Path
 
 import timm
 import torch
+from timm.data import resolve_data_config
 from timm.layers import (
     GELU,
     GELUTanh,
@@ -415,8 +416,6 @@ def timm_preprocess(model) -> Preprocess:
 def timm_native_preprocess(model) -> Preprocess:
     """timm's own data config for a model (timm.data.resolve_data_config: input size, interpolation, mean, std,
     crop_pct, crop_mode), as our Preprocess."""
-    from timm.data import resolve_data_config
-
     cfg = resolve_data_config({}, model=model)
     interpolation = cfg.get("interpolation", "bicubic")
     return Preprocess(img_size=int(cfg["input_size"][-1]), mean=list(cfg["mean"]), std=list(cfg["std"]),
