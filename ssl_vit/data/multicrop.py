@@ -101,8 +101,6 @@ class MultiCropViews:
             raise ValueError(f"gram_size={gram_size} is invalid: a crop size in pixels (>= 1), or None")
         self.n_global, self.n_gram = n_global, n_global if gram_size else 0
         self.placement = photometric_on
-        self.on_device = photometric_on == "device"
-        self.batched = photometric_on in ("device", "collate")  # parameters drawn per crop, applied per batch
         self.sizes = [global_size] * n_global + [local_size] * n_local + [gram_size] * self.n_gram
         flip_p = FLIP_P if flip else 0.0
         # with Gram crops the flip is part of the shared box (both see it), not of the student's photometry
@@ -136,6 +134,15 @@ class MultiCropViews:
         self.transforms = global_transforms + local_transforms
         self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+
+    @property
+    def on_device(self) -> bool:
+        return self.placement == "device"
+
+    @property
+    def batched(self) -> bool:
+        """Parameters drawn per crop, applied per batch (in the collate or on the device)."""
+        return self.placement in ("device", "collate")
 
     def _uint8_crops(self, image: torch.Tensor) -> list[torch.Tensor]:
         """The crops before normalisation (distorted, unless the photometric part runs on the device)."""
