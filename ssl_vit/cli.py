@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from ssl_vit.config import (
+    BenchmarkConfig,
     EvalConfig,
     ModelConfig,
     OptimConfig,
@@ -134,6 +135,7 @@ def discard_unused_run_dir() -> None:
 
 POSITIONAL = {"evaluate": "checkpoint"}  # the key a leading argument without "=" sets
 HELP_GROUPS = {"pretrain": ("model", "objective", "data", "optim", "trainer"), "evaluate": ("data", "eval"),
+               "benchmark": ("benchmark",),
                "plan_memory": ("model",)}
 
 
@@ -316,6 +318,7 @@ def register_configs() -> None:
     store.store(name="pretrain_schema", node=PretrainConfig)
     store.store(name="probe_schema", node=ProbeConfig)
     store.store(name="plan_schema", node=PlanConfig)
+    store.store(name="benchmark_schema", node=BenchmarkConfig)
     store.store(group="schema/eval", name="eval", node=EvalConfig)
     # Schemas live in their own groups (schema/<group>/<option>) so that Hydra's list of valid options for a
     # group shows only the real options; each option file pulls its schema in with `/schema/...@_here_`.

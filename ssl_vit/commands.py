@@ -22,6 +22,7 @@ from ssl_vit._version import __version__
 COMMANDS = {  # command: (script module, what it does)
     "pretrain": ("pretrain", "pre-train a ViT with one objective (Hydra overrides: objective=, model=, data=, ...)"),
     "evaluate": ("evaluate", "k-NN, linear, few-shot, fine-tuning, segmentation, zero-shot of an encoder"),
+    "benchmark": ("benchmark", "encoders x data sets x protocols: one table (Markdown, CSV, JSON) and PNGs"),
     "linear-probe": ("linear_probe", "the evaluate command under its old name"),
     "export": ("export", "an encoder for transformers, timm, ONNX or open_clip, with a model card"),
     "consolidate": ("consolidate", "whole files from a sharded checkpoint (ZeRO, FSDP2), on CPU"),

@@ -27,6 +27,8 @@ from ssl_vit.vit import ACTIVATIONS, CHECKPOINTING, GLOBAL_POOLS, POS_EMBED_INTE
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 EVALUATORS = ("linear", "knn", "fewshot", "finetune", "zeroshot", "retrieval", "segmentation", "attentive")
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fsdp2")  # plan_memory's
+# ssl-vit benchmark's protocols (ssl_vit.eval.benchmark): the frozen-feature ones, VTAB-1k, dense, image-text
+BENCHMARK_PROTOCOLS = ("linear", "knn", "fewshot", "vtab", "segmentation", "zeroshot", "retrieval")
 LR_SCALINGS = ("none", "linear", "sqrt")  # optim.lr_scaling: how the lr follows the global batch
 
 
@@ -242,6 +244,36 @@ class ProbeConfig:
     seed: int = 0
     threads: int | None = checked(None, ge=1)  # torch CPU threads; None: torch's default (all cores)
     output_dir: str = MISSING
+
+
+@dataclass
+class BenchmarkSuite:
+    """A suite of data sets (configs/benchmark/<name>.yaml): each a data config, by its name in the tables."""
+
+    name: str = MISSING
+    datasets: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BenchmarkConfig:
+    """scripts/benchmark.py: encoders x data sets x protocols (ssl_vit.eval.benchmark)."""
+
+    # a list of specs (a run, encoder.safetensors, timm:, hf:, open_clip:), labelled by their names; or {label: spec}
+    encoders: Any = checked(MISSING, example="encoders=[outputs/<run>,timm:resnet18]")
+    benchmark: BenchmarkSuite = MISSING
+    # auto: each protocol where it applies; named ones must apply to every data set and encoder
+    protocols: list[str] = checked(factory=lambda: ["auto"], choices=("auto", *BENCHMARK_PROTOCOLS))
+    datasets: list[str] | None = None  # a subset of the suite's data sets, by name; None: all of them
+    img_size: int | None = checked(None, ge=1)  # every encoder at this size (a data set's own img_size wins)
+    eval: EvalConfig = MISSING  # the evaluators' settings (eval.knn_k, eval.fewshot_shots, ...); not which run
+    vtab_train: int = checked(1000, ge=2)  # VTAB-1k: training images per task ...
+    vtab_val: int = checked(200, ge=1)  # ... of which these choose the hyper-parameters
+    native: bool = False  # as evaluate's: ViTs of timm: / hf: / open_clip: run by their library too
+    cache_dir: str | None = None  # frozen features; None: <out>/feature_cache
+    plots: bool = True  # the PNGs (heat map, few-shot curves)
+    seed: int = 0
+    threads: int | None = checked(None, ge=1)
+    out: str = MISSING
 
 
 @dataclass

@@ -25,7 +25,7 @@ from ssl_vit.schema import validate_config
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 HYDRA_SCRIPTS = {"pretrain": "pretrain", "evaluate": "evaluate", "linear_probe": "evaluate",
-                 "plan_memory": "plan_memory"}
+                 "plan_memory": "plan_memory", "benchmark": "benchmark"}
 PLACEHOLDER = re.compile(r"<[a-z][^<>]*>")  # <run>, <clip run>, <that run>
 RUN = "/tmp/documented-run"  # what a placeholder stands for (composing reads no file)
 

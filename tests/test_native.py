@@ -14,7 +14,7 @@ from ssl_vit.cli import register_configs
 from ssl_vit.data import Digits
 from ssl_vit.eval.features import extract_features
 from ssl_vit.eval.linear import linear_probe, standardise
-from ssl_vit.eval.run import evaluate, load_any_encoder
+from ssl_vit.eval.run import encoder_size, evaluate, load_any_encoder
 from ssl_vit.interop.native import NativeEncoder, from_hf_native, from_timm_native
 from ssl_vit.interop.sources import load_pretrained
 from ssl_vit.preprocess import Preprocess
@@ -103,8 +103,8 @@ def test_a_timm_resnet_and_an_hf_convnext_evaluate_through_linear_knn_and_fewsho
 
 def test_what_a_native_encoder_cannot_do_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^eval: ResNet \(timm, evaluated through it: not a ViT\) takes "
-                                          r"\['linear', 'knn', 'fewshot'\], not \['segmentation'\]$"):
-        _evaluate(tmp_path, "checkpoint=timm:resnet18", "eval=segmentation")
+                                          r"\['linear', 'knn', 'fewshot', 'segmentation'\], not \['finetune'\]$"):
+        _evaluate(tmp_path, "checkpoint=timm:resnet18", "eval=finetune")
     with pytest.raises(ConfigError, match=r"^eval.features=last_k is not one of \['pooled', 'avg'\] for ResNet"):
         _evaluate(tmp_path, "checkpoint=timm:resnet18", "eval=knn", "eval.features=last_k")
     with pytest.raises(ValueError, match=r"^timm:resnet18: a ResNet is not a ViT; only ViTs pre-train, export or "
@@ -125,3 +125,25 @@ def test_hf_native_summary_is_the_pooled_output_else_the_token_mean():
         out = encoder.model(pixel_values=images)
         torch.testing.assert_close(encoder.summary(images), out.pooler_output.flatten(1))
         torch.testing.assert_close(encoder.features(images, "avg"), out.last_hidden_state.mean(dim=(2, 3)))
+
+
+def test_the_feature_map_for_dense_protocols_is_the_librarys_last_map_and_a_swin_runs_at_another_size(tmp_path):
+    """ResNet's NCHW map as it is, Swin's NHWC map permuted (1e-6); a Swin built for 224 px runs at 64 px through
+    timm's own set_input_size; a ResNet's map takes the linear segmentation protocol through evaluate."""
+    images = torch.randn(2, 3, 64, 64)
+    resnet = _timm("resnet18")
+    swin, _, _ = load_any_encoder("timm:swin_tiny_patch4_window7_224")
+    assert encoder_size(64, swin, None) == 64 and swin.img_size == 64
+    with torch.no_grad():
+        torch.testing.assert_close(resnet.feature_map(images), resnet.model.forward_features(images), atol=1e-6,
+                                   rtol=0)
+        torch.testing.assert_close(swin.feature_map(images), swin.model.forward_features(images).permute(0, 3, 1, 2),
+                                   atol=1e-6, rtol=0)
+    assert swin.feature_map(images).shape == (2, 768, 2, 2)
+    register_configs()
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("evaluate", overrides=["checkpoint=timm:resnet18", "data=synthetic", "data.img_size=32",
+                                             "data.num_samples=64", "eval=segmentation", f"output_dir={tmp_path}",
+                                             "cache_dir=null"])
+    result = evaluate(cfg, progress=False)["results"]["segmentation"]
+    assert result["grid"] == [1, 1] and 0 <= result["miou"] <= 1  # stride 32 at 32 px: one cell

@@ -72,16 +72,17 @@ def evaluate(cfg, progress: bool = True) -> dict:
     model, embed, dense = None, None, None
     ecfg, features = cfg.eval, cfg.eval.features
     if isinstance(encoder, NativeEncoder):
-        img_size, features, evaluators = native_settings(cfg, encoder, recorded)
+        features, evaluators = native_settings(cfg, encoder)
         ecfg = OmegaConf.merge(cfg.eval, {"evaluators": evaluators, "features": features})
+        dense = encoder.feature_map if encoder.dense else None
     else:
         text = any(name in TEXT_EVALUATORS for name in cfg.eval.evaluators)
         if text or cfg.eval.features not in FEATURE_KINDS:
             model = load_run_model(checkpoint, cfg.eval, text)
             encoder = model.encoder
             embed, dense = adaptor_features(model, cfg.eval.features)
-        img_size = encoder_size(cfg, encoder, recorded)
         check_evaluator_settings(cfg.eval, encoder)
+    img_size = encoder_size(cfg.data.img_size, encoder, recorded)
     preprocess = resolve_preprocess(cfg.data, img_size, recorded)
     try:
         train_set, test_set = eval_datasets(cfg.data, img_size, cfg.seed)
@@ -106,34 +107,44 @@ def evaluate(cfg, progress: bool = True) -> dict:
             "feature_dim": feature_dim, "results": results, "timings": timings}
 
 
-def encoder_size(cfg, encoder, recorded) -> int:
-    """data.img_size, else the recorded preprocessing's size, else the encoder's; the encoder set to it."""
-    native = encoder.patch_embed.img_size[0]
-    img_size = cfg.data.img_size or (recorded.img_size if recorded else native)
+def encoder_size(requested: int | None, encoder, recorded) -> int:
+    """`requested` (data.img_size), else the recorded preprocessing's size, else the encoder's; the encoder set to
+    it (ours resample their position embeddings as their config says; a library's model as its library does)."""
+    native = encoder.img_size if isinstance(encoder, NativeEncoder) else encoder.patch_embed.img_size[0]
+    img_size = requested or (recorded.img_size if recorded else native)
     if img_size != native:
         try:
-            encoder.set_img_size(img_size)  # resamples the position embeddings as the encoder's config says
-        except ValueError as err:
+            encoder.set_img_size(img_size)
+        except (ValueError, AssertionError, RuntimeError) as err:
             raise ConfigError(f"data.img_size={img_size}: {err}") from err
     return img_size
 
 
-def native_settings(cfg, encoder: NativeEncoder, recorded) -> tuple[int, str, list[str]]:
-    """A library's own model: (image size as for ours, its feature kind, the evaluators it takes: the frozen-feature
-    ones; others in the list are left out with a warning, and a list of only others is refused)."""
-    evaluators = [name for name in cfg.eval.evaluators if name in FEATURE_EVALUATORS]
-    others = [name for name in cfg.eval.evaluators if name not in FEATURE_EVALUATORS]
+def native_evaluators(encoder: NativeEncoder) -> tuple[str, ...]:
+    """What a library's own model takes: the frozen-feature evaluators, and segmentation where it gives a map."""
+    return (*FEATURE_EVALUATORS, *(MASK_EVALUATORS if encoder.dense else ()))
+
+
+def native_settings(cfg, encoder: NativeEncoder) -> tuple[str, list[str]]:
+    """A library's own model: (its feature kind, the evaluators it takes: `native_evaluators`; others in the list
+    are left out with a warning, and a list of only others is refused)."""
+    takes = native_evaluators(encoder)
+    evaluators = [name for name in cfg.eval.evaluators if name in takes]
+    others = [name for name in cfg.eval.evaluators if name not in takes]
     if not evaluators:
-        raise ConfigError(f"eval: {encoder.describe()} takes {list(FEATURE_EVALUATORS)}, not {others}")
+        raise ConfigError(f"eval: {encoder.describe()} takes {list(takes)}, not {others}")
     if others:
-        log.warning("eval: %s takes %s; left out: %s", encoder.describe(), list(FEATURE_EVALUATORS), others)
+        log.warning("eval: %s takes %s; left out: %s", encoder.describe(), list(takes), others)
+    if "segmentation" in evaluators and cfg.eval.segmentation_blocks != 1:
+        raise ConfigError(f"eval.segmentation_blocks={cfg.eval.segmentation_blocks}: {encoder.describe()} gives its "
+                          "last feature map only (valid: 1)")
     try:
         kind = native_kind(encoder, cfg.eval.features)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     log.info("checkpoint=%s: %s; features %r for eval.features=%s", cfg.checkpoint, encoder.describe(), kind,
              cfg.eval.features)
-    return cfg.data.img_size or (recorded.img_size if recorded else encoder.img_size), kind, evaluators
+    return kind, evaluators
 
 
 def feature_cache_dir(configured: str | None, checkpoint: str) -> Path:

@@ -188,15 +188,20 @@ def linear_segmentation(train_features, train_masks, test_features, test_masks, 
 
 
 def segmentation_eval(encoder, train_set, test_set, preprocess, ecfg, seed: int = 0, progress: bool = True,
-                      dense_fn=None) -> dict:
-    """eval=segmentation: DINOv2's linear protocol (module docstring) on a dataset with masks."""
+                      dense_fn=None, cache=None) -> dict:
+    """eval=segmentation: DINOv2's linear protocol (module docstring) on a dataset with masks. `cache(split,
+    compute)`: where given, the patch tokens of a split come from it (ssl-vit benchmark's feature cache)."""
     names = tuple(getattr(test_set, "segmentation_classes", ()) or ())
     if not names:
         raise ValueError("eval=segmentation needs a dataset with masks: data=synthetic, tuxpaint_seg or segfolder")
     blocks = ecfg.segmentation_blocks
-    train = extract_dense(encoder, train_set, preprocess, blocks, ecfg.batch_size, progress, "train patch tokens",
-                          dense_fn)
-    test = extract_dense(encoder, test_set, preprocess, blocks, ecfg.batch_size, progress, "test patch tokens",
-                         dense_fn)
+
+    def tokens(split: str, dataset):
+        def compute():
+            return extract_dense(encoder, dataset, preprocess, blocks, ecfg.batch_size, progress,
+                                 f"{split} patch tokens", dense_fn)
+        return cache(split, compute) if cache is not None else compute()
+
+    train, test = tokens("train", train_set), tokens("test", test_set)
     return {**linear_segmentation(*train, *test, len(names), list(ecfg.l2_values), ecfg.val_fraction, seed, names),
             "blocks": blocks, "num_train": len(train[1]), "num_test": len(test[1])}

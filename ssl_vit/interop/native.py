@@ -4,12 +4,14 @@ ConvNeXt or Swin, a transformers vision backbone (AutoModel), an open_clip image
 A `NativeEncoder` wraps the library's model and gives what the frozen-feature evaluators read: `summary(images)`,
 the image embedding as the model defines it (timm: `forward_head(forward_features(x), pre_logits=True)`;
 transformers: the pooled output, else the class token or the token mean, as the model's outputs hold them;
-open_clip: `encode_image`), and `tokens(images)`, the last feature map as (B, N, C) tokens where the library
-exposes one. Feature kinds: `pooled` (the summary) and `avg` (the token mean). Only ViTs pre-train or export.
+open_clip: `encode_image`), `tokens(images)`, the last feature map as (B, N, C) tokens where the library
+exposes one, and `feature_map(images)`, the same map as (B, C, h, w) for the dense protocols (linear
+segmentation). Feature kinds: `pooled` (the summary) and `avg` (the token mean). Only ViTs pre-train or export.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -28,16 +30,30 @@ def feature_map_tokens(output, layout: str = "NCHW") -> torch.Tensor:
     return output.flatten(1, 2) if layout == "NHWC" else output.flatten(2).transpose(1, 2)
 
 
+def as_feature_map(output, layout: str = "NCHW", prefix: int = 0) -> torch.Tensor:
+    """A library's last feature map as (B, C, h, w): NCHW as it is, NHWC (timm's Swin) permuted, a token sequence
+    (B, N, C) without its `prefix` tokens (class, registers) on its square grid."""
+    if output.ndim == 4:
+        return output.permute(0, 3, 1, 2) if layout == "NHWC" else output
+    tokens = output[:, prefix:]
+    side = math.isqrt(tokens.shape[1])
+    if output.ndim != 3 or side * side != tokens.shape[1]:
+        raise ValueError(f"a feature map of shape {tuple(output.shape)} (prefix tokens: {prefix}) is neither a 2-D map "
+                         "nor tokens on a square grid")
+    return tokens.transpose(1, 2).reshape(len(tokens), -1, side, side)
+
+
 class NativeEncoder(nn.Module):
     """A library's vision model behind `summary` / `tokens` (see the module docstring). `library`: timm,
     transformers or open_clip; `name`: what it is (its class, for messages); `img_size`: its input size."""
 
     def __init__(self, model: nn.Module, library: str, name: str, img_size: int,
                  summary: Callable[[nn.Module, torch.Tensor], torch.Tensor],
-                 tokens: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None):
+                 tokens: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None,
+                 feature_map: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
         self.model, self.library, self.name, self.img_size = model.eval(), library, name, int(img_size)
-        self._summary, self._tokens = summary, tokens
+        self._summary, self._tokens, self._feature_map = summary, tokens, feature_map
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -53,6 +69,24 @@ class NativeEncoder(nn.Module):
         if self._tokens is None:
             raise ValueError(f"{self.describe()} gives no feature map here; its feature kinds: {list(self.kinds)}")
         return self._tokens(self.model, images)
+
+    @property
+    def dense(self) -> bool:
+        """Whether it gives a feature map (the dense protocols need one)."""
+        return self._feature_map is not None
+
+    def feature_map(self, images: torch.Tensor) -> torch.Tensor:
+        if self._feature_map is None:
+            raise ValueError(f"{self.describe()} gives no feature map here (the dense protocols need one)")
+        return self._feature_map(self.model, images)
+
+    def set_img_size(self, size: int) -> None:
+        """Run it at `size`: timm's models that fix their input size (Swin: its windows and attention masks) are
+        resized by timm's own `set_input_size`; convolutional ones take any size as they are."""
+        resize = getattr(self.model, "set_input_size", None)
+        if size != self.img_size and callable(resize):
+            resize(img_size=(size, size))
+        self.img_size = int(size)
 
     def features(self, images: torch.Tensor, kind: str) -> torch.Tensor:
         if kind not in self.kinds:
@@ -78,9 +112,11 @@ def from_timm_native(model: nn.Module) -> NativeEncoder:
     size = model.pretrained_cfg.get("input_size", (3, 224, 224))[-1]
     size = getattr(getattr(model, "patch_embed", None), "img_size", (size,))[0]  # as built (a Swin's img_size=)
     layout = str(getattr(model, "output_fmt", "NCHW"))  # timm's Swin: NHWC
+    prefix = getattr(model, "num_prefix_tokens", 0)
     return NativeEncoder(model, "timm", type(model).__name__, size,
                          lambda m, x: m.forward_head(m.forward_features(x), pre_logits=True),
-                         lambda m, x: feature_map_tokens(m.forward_features(x), layout))
+                         lambda m, x: feature_map_tokens(m.forward_features(x), layout),
+                         lambda m, x: as_feature_map(m.forward_features(x), layout, prefix))
 
 
 def not_a_vit(spec: str, what: str) -> ValueError:
@@ -103,7 +139,8 @@ def from_hf_native(model: nn.Module) -> NativeEncoder:
     size = getattr(config, "image_size", 224)
     size = size[0] if isinstance(size, (list, tuple)) else size
     return NativeEncoder(model, "transformers", type(model).__name__, size, _hf_summary,
-                         lambda m, x: feature_map_tokens(m(pixel_values=x).last_hidden_state))
+                         lambda m, x: feature_map_tokens(m(pixel_values=x).last_hidden_state),
+                         lambda m, x: as_feature_map(m(pixel_values=x).last_hidden_state))
 
 
 def from_open_clip_native(visual: nn.Module, img_size: int) -> NativeEncoder:
