@@ -105,6 +105,13 @@ class ModelConfig:
     stem_layers: list[int] | None = checked(None, ge=1)
     stem_channels: list[int] | None = checked(None, ge=1)
     stem_width: int | None = checked(None, ge=1)
+    # ViTDet / SAM (ssl_vit.windows): attention within window_size x window_size squares of the patch grid in every
+    # block but those global_attn_indexes names (SAM ViT-B: 14, [2, 5, 8, 11]); rel_pos: decomposed relative-position
+    # tables per block, zero at the start (a bias to SDPA). Pre-training needs none of it: windows are for running a
+    # pre-trained encoder at high resolution.
+    window_size: int | None = checked(None, ge=0)
+    global_attn_indexes: list[int] | None = checked(None, ge=0)
+    rel_pos: bool | None = None
     # Start from pre-trained weights: an encoder file or run directory, timm:<name or file>, hf:<dir>,
     # open_clip:<dir> (ssl_vit.interop.sources); the architecture is the source's, position embeddings resampled
     # to data.img_size as the source library does it.
@@ -347,7 +354,7 @@ def model_kwargs(model_cfg) -> dict:
     `stem=resnet` on a plain preset means 1x1 patches of the ResNet map (the paper's hybrid) unless patch_size is set.
     """
     kwargs = {k: model_cfg[k] for k in MODEL_OVERRIDE_FIELDS if model_cfg.get(k) is not None}
-    for key in ("stem_layers", "stem_channels"):
+    for key in ("stem_layers", "stem_channels", "global_attn_indexes"):
         if key in kwargs:
             kwargs[key] = list(kwargs[key])
     preset = PRESETS.get(model_cfg.get("name"), {})

@@ -79,10 +79,11 @@ class VisionEncoder(nn.Module):
         """[tokens entering the blocks, output of block 1, ..., output of block L]: transformers' hidden_states
         (up to index `stop` only: later blocks are not run)."""
         x = self.vit.norm_pre(self.vit.embed(pixel_values))
-        ropes = self.vit.rope_tables(self.vit.patch_embed.grid_for(*pixel_values.shape[-2:]))
+        grid = self.vit.patch_embed.grid_for(*pixel_values.shape[-2:])
+        ropes, spatial = self.vit.rope_tables(grid), self.vit.spatial_grid(grid)
         states = [x]
         for block, rope in list(zip(self.vit.blocks, ropes or [None] * len(self.vit.blocks), strict=True))[:stop]:
-            x = block(x, rope)
+            x = block(x, rope, grid=spatial)
             states.append(x)
         return states
 

@@ -18,6 +18,7 @@ replacement); `keep` (B, K) indices keeps only those patches after them (MAE's v
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import partial
 
@@ -36,6 +37,7 @@ from ssl_vit.geometry import check_divisible, pair
 from ssl_vit.init import LayerScale, Linear, PatchProjection, check_scheme, init_embeddings
 from ssl_vit.rope import apply_rope, build_rope
 from ssl_vit.stem import HybridPatchEmbed, check_stem
+from ssl_vit.windows import decomposed_rel_pos_bias, window_partition, window_unpartition
 
 GLOBAL_POOLS = ("token", "avg")
 # Interpolation modes for resampling position embeddings to a new grid (the ones F.interpolate can antialias).
@@ -182,11 +184,13 @@ class PatchEmbed(nn.Module):
         return self.proj(images.to(self.proj.weight.dtype)).flatten(2).transpose(1, 2)
 
 
-def _attend(q, k, v, dropout_p: float, return_attention: bool):
-    """SDPA, or the explicit softmax(q k^T / sqrt(d)) v that also returns the weights (for analysis)."""
+def _attend(q, k, v, dropout_p: float, return_attention: bool, bias: torch.Tensor | None = None):
+    """SDPA, or the explicit softmax(q k^T / sqrt(d) + bias) v that also returns the weights (for analysis)."""
     if not return_attention:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p), None
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p), None
     weights = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+    if bias is not None:
+        weights = weights + bias
     weights = weights.softmax(dim=-1)
     return weights @ v, weights
 
@@ -221,10 +225,16 @@ class KeyMaskedLinear(Linear):
 class Attention(nn.Module):
     """Multi-head self-attention. `mask_k_bias` (RoPE backbones, as DINOv3): the key bias is held at zero, since
     after the rotation it would shift each logit by a position-dependent amount (without RoPE a key bias changes no
-    output at all)."""
+    output at all).
+
+    `window` > 0 (ViTDet / SAM, ssl_vit.windows): the patch tokens attend within `window x window` squares of their
+    grid (zero-padded to a multiple, cropped after), each window also seeing the prefix tokens (class, registers),
+    which attend to every token. `rel_pos_size` (h, w): decomposed relative-position tables for that query grid
+    (the window, or the whole grid), zero at the start, added to the patch-to-patch logits as a bias."""
 
     def __init__(self, dim, num_heads, qkv_bias=True, qk_norm=False, norm_layer=nn.LayerNorm, attn_drop=0.0,
-                 proj_drop=0.0, weight_init="timm", mask_k_bias=False):
+                 proj_drop=0.0, weight_init="timm", mask_k_bias=False, window: int = 0,
+                 rel_pos_size: Sequence[int] | None = None):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
@@ -237,14 +247,74 @@ class Attention(nn.Module):
         self.attn_drop = attn_drop
         self.proj = Linear(dim, dim, scheme=weight_init)
         self.proj_drop = nn.Dropout(proj_drop)
+        self.window = int(window)
+        self.rel_pos_h = self.rel_pos_w = None
+        if rel_pos_size is not None:
+            self.rel_pos_h = nn.Parameter(torch.zeros(2 * rel_pos_size[0] - 1, self.head_dim))
+            self.rel_pos_w = nn.Parameter(torch.zeros(2 * rel_pos_size[1] - 1, self.head_dim))
 
-    def forward(self, x: torch.Tensor, rope=None, return_attention: bool = False):
-        B, N, C = x.shape
+    @property
+    def needs_grid(self) -> bool:
+        return bool(self.window) or self.rel_pos_h is not None
+
+    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, N, C) -> q, k, v (B, heads, N, head_dim), q and k normed."""
+        B, N, _ = x.shape
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = apply_rope(self.q_norm(q), self.k_norm(k), rope)
-        out, weights = _attend(q, k, v, self.attn_drop if self.training else 0.0, return_attention)
+        return self.q_norm(q), self.k_norm(k), v
+
+    def _rel_bias(self, q: torch.Tensor, grid: Sequence[int], prefix: int, query_prefix: int) -> torch.Tensor | None:
+        """The relative-position bias of the patch queries (the rows after `query_prefix`) over the patch keys of
+        the same grid, zero for the `prefix` keys in front (and the prefix queries)."""
+        if self.rel_pos_h is None:
+            return None
+        bias = decomposed_rel_pos_bias(q[..., query_prefix:, :], self.rel_pos_h, self.rel_pos_w, grid, grid)
+        return F.pad(bias, (prefix, 0, query_prefix, 0))
+
+    def forward(self, x: torch.Tensor, rope=None, return_attention: bool = False, grid: Sequence[int] | None = None):
+        """`grid`: the patch tokens' (h, w), which windows and relative positions need (the last h x w tokens)."""
+        if self.needs_grid and grid is None:
+            raise ValueError("windowed attention and relative positions need the patch grid (all patch tokens, none "
+                             "dropped)")
+        if self.window:
+            if return_attention:
+                raise ValueError("attention maps are not given for windowed blocks (window_size > 0)")
+            return self._windowed(x, tuple(grid))
+        B, N, C = x.shape
+        q, k, v = self._heads(x)
+        q, k = apply_rope(q, k, rope)
+        prefix = N - math.prod(grid) if grid is not None else 0
+        bias = self._rel_bias(q, tuple(grid), prefix, prefix) if self.rel_pos_h is not None else None
+        out, weights = _attend(q, k, v, self.attn_drop if self.training else 0.0, return_attention, bias)
         out = self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, C)))
         return (out, weights) if return_attention else out
+
+    def _windowed(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        B, N, C = x.shape
+        prefix = N - grid[0] * grid[1]
+        dropout = self.attn_drop if self.training else 0.0
+        windows, padded = window_partition(x[:, prefix:].reshape(B, *grid, C), self.window)
+        count = windows.shape[0] // B
+        q, k, v = self._heads(windows.reshape(windows.shape[0], -1, C))  # (B x windows, heads, w x w, d)
+        bias = self._rel_bias(q, (self.window, self.window), prefix, 0)
+        if prefix:
+            pq, pk, pv = self._heads(x[:, :prefix])
+            patch_k, patch_v = (self._unwindow(t, B, grid, padded) for t in (k, v))
+            prefix_out, _ = _attend(pq, torch.cat([pk, patch_k], 2), torch.cat([pv, patch_v], 2), dropout, False)
+            k = torch.cat([pk.repeat_interleave(count, 0), k], 2)
+            v = torch.cat([pv.repeat_interleave(count, 0), v], 2)
+        out, _ = _attend(q, k, v, dropout, False, bias)
+        out = self._unwindow(out, B, grid, padded).transpose(1, 2).reshape(B, -1, C)
+        if prefix:
+            out = torch.cat([prefix_out.transpose(1, 2).reshape(B, prefix, C), out], 1)
+        return self.proj_drop(self.proj(out))
+
+    def _unwindow(self, t: torch.Tensor, batch: int, grid: tuple[int, int], padded: tuple[int, int]) -> torch.Tensor:
+        """(B x windows, heads, w x w, d) per window -> (B, heads, h x w, d) on the grid, the padding cropped."""
+        w = self.window
+        flat = t.transpose(1, 2).reshape(t.shape[0], w, w, -1)
+        full = window_unpartition(flat, w, grid, padded).reshape(batch, -1, self.num_heads, self.head_dim)
+        return full.transpose(1, 2)
 
 
 class Mlp(nn.Module):
@@ -297,14 +367,15 @@ class TransformerBlock(nn.Module):
 
     checkpointing: str | None = None  # None, "full" or "selective" (CHECKPOINTING)
 
-    def forward(self, x: torch.Tensor, rope=None, return_attention: bool = False):
-        """`rope`: the (sin, cos) tables of the patch tokens (`VisionTransformer.rope_tables`), or None."""
+    def forward(self, x: torch.Tensor, rope=None, return_attention: bool = False, grid: Sequence[int] | None = None):
+        """`rope`: the (sin, cos) tables of the patch tokens (`VisionTransformer.rope_tables`), or None; `grid`:
+        the patch grid (windowed attention and relative positions need it)."""
         if self.checkpointing and torch.is_grad_enabled() and not return_attention:
-            return checkpoint(self.residual, x, rope, use_reentrant=False,
+            return checkpoint(self.residual, x, rope, False, grid, use_reentrant=False,
                               context_fn=_CHECKPOINT_CONTEXTS[self.checkpointing])
-        return self.residual(x, rope, return_attention)
+        return self.residual(x, rope, return_attention, grid)
 
-    def residual(self, x: torch.Tensor, rope=None, return_attention: bool = False):
+    def residual(self, x: torch.Tensor, rope=None, return_attention: bool = False, grid=None):
         raise NotImplementedError
 
 
@@ -317,11 +388,11 @@ class Block(TransformerBlock):
 
     def __init__(self, dim, num_heads, mlp_dim, qkv_bias=True, qk_norm=False, norm_layer=nn.LayerNorm,
                  layer_scale=None, drop_path=0.0, attn_drop=0.0, proj_drop=0.0, weight_init="timm", act_layer="gelu",
-                 mask_k_bias=False):
+                 mask_k_bias=False, window: int = 0, rel_pos_size: Sequence[int] | None = None):
         super().__init__()
         self.norm1 = norm_layer(dim)
         self.attn = Attention(dim, num_heads, qkv_bias, qk_norm, norm_layer, attn_drop, proj_drop, weight_init,
-                              mask_k_bias)
+                              mask_k_bias, window, rel_pos_size)
         self.ls1 = _layer_scale(dim, layer_scale)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = norm_layer(dim)
@@ -329,8 +400,8 @@ class Block(TransformerBlock):
         self.ls2 = _layer_scale(dim, layer_scale)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def residual(self, x: torch.Tensor, rope=None, return_attention: bool = False):
-        attn = self.attn(self.norm1(x), rope, return_attention)
+    def residual(self, x: torch.Tensor, rope=None, return_attention: bool = False, grid=None):
+        attn = self.attn(self.norm1(x), rope, return_attention, grid)
         attn, weights = attn if return_attention else (attn, None)
         x = x + self.drop_path1(self.ls1(attn))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
@@ -379,7 +450,7 @@ class ParallelBlock(TransformerBlock):
             else:
                 nn.init.zeros_(self.mlp_bias)
 
-    def residual(self, x: torch.Tensor, rope=None, return_attention: bool = False):
+    def residual(self, x: torch.Tensor, rope=None, return_attention: bool = False, grid=None):
         B, N, C = x.shape
         hidden, q, k, v = torch.split(self.in_proj(self.in_norm(x)), self.in_split, dim=-1)
         if self.mlp_bias is not None:
@@ -391,6 +462,30 @@ class ParallelBlock(TransformerBlock):
         mlp = self.mlp_out_proj(self.mlp_drop(self.mlp_act(hidden)))
         x = x + self.drop_path(self.ls(attn + mlp))
         return (x, weights) if return_attention else x
+
+
+def block_windows(depth: int, window_size: int, global_attn_indexes: Sequence[int], rel_pos: bool, pos_embed: str,
+                  parallel_block: bool, grid: Sequence[int]) -> list[int]:
+    """Each block's window (0: global attention), ViTDet / SAM's layout: `window_size` everywhere but the blocks
+    `global_attn_indexes` names; ValueError naming a setting that does not fit."""
+    indexes = [int(i) for i in global_attn_indexes]
+    if window_size < 0:
+        raise ValueError(f"window_size={window_size} must be >= 0 (0: global attention in every block)")
+    if indexes and not window_size:
+        raise ValueError(f"global_attn_indexes={indexes} needs window_size > 0 (without windows every block is global)")
+    past = [i for i in indexes if not 0 <= i < depth]
+    if past:
+        raise ValueError(f"global_attn_indexes={indexes}: {past} not a block of this depth-{depth} ViT "
+                         f"(valid: 0..{depth - 1})")
+    if window_size > max(grid):
+        raise ValueError(f"window_size={window_size} is larger than the {grid[0]}x{grid[1]} patch grid; one window "
+                         f"would cover it (window_size=0 is global attention; windows fit a larger img_size)")
+    if (window_size or rel_pos) and pos_embed == "rope":
+        raise ValueError(f"{'rel_pos' if rel_pos else 'window_size'} with pos_embed=rope: rotary embeddings place the "
+                         "tokens already (rel_pos) / windowed RoPE is not built here; use pos_embed=learned or sincos")
+    if (window_size or rel_pos) and parallel_block:
+        raise ValueError("window_size / rel_pos with parallel_block=true (ViT-22B's block) is not built here")
+    return [0 if i in indexes else window_size for i in range(depth)]
 
 
 class VisionTransformer(nn.Module):
@@ -439,6 +534,9 @@ class VisionTransformer(nn.Module):
         stem_layers: Sequence[int] = (3, 4, 9),
         stem_channels: Sequence[int] | None = None,
         stem_width: int = 64,
+        window_size: int = 0,
+        global_attn_indexes: Sequence[int] = (),
+        rel_pos: bool = False,
     ):
         super().__init__()
         # The constructor arguments, so that a saved encoder can be rebuilt (ssl_vit.artifacts).
@@ -492,14 +590,24 @@ class VisionTransformer(nn.Module):
         mask_k_bias = pos_embed == "rope" and rope_kind == "dinov3"
         self.norm_pre = norm_layer(embed_dim) if pre_norm else nn.Identity()
 
-        block = ParallelBlock if parallel_block else Block
         mlp_dim = mlp_dim or int(embed_dim * mlp_ratio)
         drop_rates = [drop_path * i / max(depth - 1, 1) for i in range(depth)]  # stochastic depth grows linearly
+        windows = block_windows(depth, window_size, global_attn_indexes, rel_pos, pos_embed, parallel_block,
+                                self.patch_embed.grid_size)
+        self.windowed = bool(window_size or rel_pos)  # blocks that need every patch token on its grid
+
+        def spatial(window: int) -> dict:  # a block's window and relative-position table size (ViTDet / SAM)
+            if not self.windowed:
+                return {}
+            table = ((window, window) if window else self.patch_embed.grid_size) if rel_pos else None
+            return {"window": window, "rel_pos_size": table}
+
         self.blocks = nn.Sequential(*[
-            block(embed_dim, num_heads, mlp_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, norm_layer=norm_layer,
-                  layer_scale=layer_scale, drop_path=rate, attn_drop=attn_drop, proj_drop=proj_drop,
-                  weight_init=weight_init, act_layer=act_layer, mask_k_bias=mask_k_bias)
-            for rate in drop_rates
+            (ParallelBlock if parallel_block else Block)(
+                embed_dim, num_heads, mlp_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, norm_layer=norm_layer,
+                layer_scale=layer_scale, drop_path=rate, attn_drop=attn_drop, proj_drop=proj_drop,
+                weight_init=weight_init, act_layer=act_layer, mask_k_bias=mask_k_bias, **spatial(window))
+            for rate, window in zip(drop_rates, windows, strict=True)
         ])
         # As in timm: average pooling normalises after pooling (fc_norm), token pooling before (norm).
         use_fc_norm = global_pool == "avg"
@@ -591,10 +699,22 @@ class VisionTransformer(nn.Module):
         """Pre-norm, all blocks (each activation-checkpointed when set), then the final norm. `grid` and `keep`
         (as given to `embed_patches`) place the patch tokens for rotary position embeddings."""
         ropes = self.rope_tables(grid, keep) or [None] * len(self.blocks)
+        spatial = self.spatial_grid(grid, keep)
         x = self.norm_pre(tokens)
         for block, rope in zip(self.blocks, ropes, strict=True):
-            x = block(x, rope)
+            x = block(x, rope, grid=spatial)
         return self.norm(x)
+
+    def spatial_grid(self, grid: Sequence[int] | None, keep: torch.Tensor | None = None) -> tuple[int, int] | None:
+        """The grid windowed blocks and relative positions partition (None where no block needs one); ValueError
+        when patches were dropped (`keep`: MAE's encoder), which leaves no grid to partition."""
+        if not self.windowed:
+            return None
+        if keep is not None or grid is None:
+            raise ValueError("windowed attention (window_size) and relative positions (rel_pos) need every patch "
+                             "token on its grid; run them without dropping patches (as ViTDet fine-tunes an MAE "
+                             "encoder)")
+        return tuple(grid)
 
     def embed_patches(self, patches: torch.Tensor, grid: Sequence[int], mask: torch.Tensor | None = None,
                       mask_token: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -640,10 +760,11 @@ class VisionTransformer(nn.Module):
         """Token outputs (B, n, D) of the last `last_k` blocks, each through the final norm (DINO's eval features)."""
         if not 1 <= last_k <= len(self.blocks):
             raise ValueError(f"last_k must be in [1, {len(self.blocks)}], got {last_k}")
-        x, ropes = self.norm_pre(self.embed(images)), self.rope_tables(self.patch_embed.grid_for(*images.shape[-2:]))
+        grid = self.patch_embed.grid_for(*images.shape[-2:])
+        x, ropes, spatial = self.norm_pre(self.embed(images)), self.rope_tables(grid), self.spatial_grid(grid)
         outputs = []
         for index, (block, rope) in enumerate(zip(self.blocks, ropes or [None] * len(self.blocks), strict=True)):
-            x = block(x, rope)
+            x = block(x, rope, grid=spatial)
             if index >= len(self.blocks) - last_k:
                 outputs.append(self.norm(x))
         return outputs
@@ -651,10 +772,11 @@ class VisionTransformer(nn.Module):
     @torch.no_grad()
     def attention_maps(self, images: torch.Tensor) -> list[torch.Tensor]:
         """Softmax attention weights (B, heads, n, n) of every block, through the explicit attention path."""
-        x, ropes = self.norm_pre(self.embed(images)), self.rope_tables(self.patch_embed.grid_for(*images.shape[-2:]))
+        grid = self.patch_embed.grid_for(*images.shape[-2:])
+        x, ropes, spatial = self.norm_pre(self.embed(images)), self.rope_tables(grid), self.spatial_grid(grid)
         maps = []
         for block, rope in zip(self.blocks, ropes or [None] * len(self.blocks), strict=True):
-            x, weights = block(x, rope, return_attention=True)
+            x, weights = block(x, rope, return_attention=True, grid=spatial)
             maps.append(weights)
         return maps
 

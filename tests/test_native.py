@@ -92,8 +92,10 @@ def _evaluate(tmp_path, *overrides):
     return evaluate(cfg, progress=False)
 
 
-def test_a_timm_resnet_and_an_hf_convnext_evaluate_through_linear_knn_and_fewshot(tmp_path, hf_convnext, caplog):
-    for spec in ("timm:resnet18", f"hf:{hf_convnext}"):
+def test_a_timm_resnet_swin_and_an_hf_convnext_evaluate_through_linear_knn_and_fewshot(tmp_path, hf_convnext,
+                                                                                      caplog):
+    """Through the evaluate entry (a Swin built for 224 px run at 32 by timm's set_input_size)."""
+    for spec in ("timm:resnet18", "timm:swin_tiny_patch4_window7_224", f"hf:{hf_convnext}"):
         report = _evaluate(tmp_path, f"checkpoint={spec}", "eval=all", "eval.fewshot_shots=[1,5]",
                            "eval.fewshot_draws=2")
         assert set(report["results"]) == {"linear", "knn", "fewshot"} and report["features"] == "pooled"
@@ -105,8 +107,9 @@ def test_what_a_native_encoder_cannot_do_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^eval: ResNet \(timm, evaluated through it: not a ViT\) takes "
                                           r"\['linear', 'knn', 'fewshot', 'segmentation'\], not \['finetune'\]$"):
         _evaluate(tmp_path, "checkpoint=timm:resnet18", "eval=finetune")
-    with pytest.raises(ConfigError, match=r"^eval.features=last_k is not one of \['pooled', 'avg'\] for ResNet"):
-        _evaluate(tmp_path, "checkpoint=timm:resnet18", "eval=knn", "eval.features=last_k")
+    with pytest.raises(ConfigError, match=r"^eval.features=patch is not one of \['pooled', 'avg', 'last_k'\] for "
+                                          r"ResNet"):
+        _evaluate(tmp_path, "checkpoint=timm:resnet18", "eval=knn", "eval.features=patch")
     with pytest.raises(ValueError, match=r"^timm:resnet18: a ResNet is not a ViT; only ViTs pre-train, export or "
                                          r"teach here \(ssl-vit evaluate checkpoint=timm:resnet18 evaluates it"):
         load_pretrained("timm:resnet18")  # what model.init_from and export load
@@ -125,6 +128,12 @@ def test_hf_native_summary_is_the_pooled_output_else_the_token_mean():
         out = encoder.model(pixel_values=images)
         torch.testing.assert_close(encoder.summary(images), out.pooler_output.flatten(1))
         torch.testing.assert_close(encoder.features(images, "avg"), out.last_hidden_state.mean(dim=(2, 3)))
+        # last_k: the spatial means of the last k hidden states, concatenated (the embeddings' output included)
+        hidden = encoder.model(pixel_values=images, output_hidden_states=True).hidden_states
+        torch.testing.assert_close(encoder.features(images, "last_k", 2),
+                                   torch.cat([h.mean(dim=(2, 3)) for h in hidden[-2:]], dim=1), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="eval.last_k=5: ResNetModel .* has 3 stages to give"):
+        encoder.features(images, "last_k", 5)
 
 
 def test_the_feature_map_for_dense_protocols_is_the_librarys_last_map_and_a_swin_runs_at_another_size(tmp_path):
@@ -139,7 +148,10 @@ def test_the_feature_map_for_dense_protocols_is_the_librarys_last_map_and_a_swin
                                    rtol=0)
         torch.testing.assert_close(swin.feature_map(images), swin.model.forward_features(images).permute(0, 3, 1, 2),
                                    atol=1e-6, rtol=0)
-    assert swin.feature_map(images).shape == (2, 768, 2, 2)
+        stages = resnet.model.forward_intermediates(images, indices=2, intermediates_only=True)
+        torch.testing.assert_close(resnet.features(images, "last_k", 2),
+                                   torch.cat([s.mean(dim=(2, 3)) for s in stages], dim=1), atol=1e-6, rtol=0)
+    assert swin.feature_map(images).shape == (2, 768, 2, 2) and resnet.features(images, "last_k", 2).shape == (2, 768)
     register_configs()
     with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("evaluate", overrides=["checkpoint=timm:resnet18", "data=synthetic", "data.img_size=32",

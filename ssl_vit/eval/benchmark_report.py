@@ -24,7 +24,8 @@ CSV_FIELDS = ("encoder", "spec", "dataset", "data", "protocol", "metric", "score
 
 def task_rows(report: dict) -> list[dict]:
     """A row per task in the report's cell order: {"task", "dataset", "protocol", "metric", "chance",
-    "scores": {encoder: score or None}}."""
+    "scores": {encoder: score or None}}; a task no encoder has a score for (a shot count no class can fill) is
+    left out."""
     rows: dict[tuple, dict] = {}
     for cell in report["cells"]:
         for metric, value in cell["scores"].items():
@@ -32,7 +33,7 @@ def task_rows(report: dict) -> list[dict]:
                 "task": f"{cell['dataset']} {metric}", "dataset": cell["dataset"], "protocol": cell["protocol"],
                 "metric": metric, "chance": cell["chance"].get(metric), "scores": {}})
             row["scores"][cell["encoder"]] = value
-    return list(rows.values())
+    return [row for row in rows.values() if any(v is not None for v in row["scores"].values())]
 
 
 def encoder_means(rows: list[dict], encoders: list[str]) -> tuple[dict, float | None, int]:
@@ -128,15 +129,15 @@ def plot_heatmap(rows: list[dict], encoders: list[str], path: Path) -> Path:
 
 
 def plot_fewshot_curves(report: dict, path: Path) -> Path | None:
-    """Accuracy against shots per class (log scale), a line per encoder, a panel per data set with few-shot
-    scores, chance dashed; None when there are none."""
+    """Accuracy against shots per class (log scale), a line per encoder, a panel per data set with scores at two
+    shot counts or more, chance dashed; None when there are none."""
     curves: dict[str, dict[str, list]] = {}
     chance: dict[str, float] = {}
     for cell in report["cells"]:
         if cell["protocol"] != "fewshot":
             continue
         points = [(int(m.split("-")[0]), v) for m, v in cell["scores"].items() if v is not None]
-        if points:
+        if len(points) > 1:  # a curve needs two shot counts
             curves.setdefault(cell["dataset"], {})[cell["encoder"]] = sorted(points)
             chance[cell["dataset"]] = next(iter(cell["chance"].values()))
     if not curves:

@@ -34,7 +34,7 @@ def labelled_view(views, sample: dict, index: int) -> tuple:
 
 def features_from_tokens(encoder, images: torch.Tensor, kind: str, last_k: int = 4) -> torch.Tensor:
     if isinstance(encoder, NativeEncoder):  # a library's own model: its summary or its token mean
-        return encoder.features(images, native_kind(encoder, kind))
+        return encoder.features(images, native_kind(encoder, kind), last_k)
     if kind not in FEATURE_KINDS:
         raise ValueError(f"unknown feature kind {kind!r}; valid choices: {list(FEATURE_KINDS)}")
     prefix = encoder.num_prefix_tokens

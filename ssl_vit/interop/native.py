@@ -6,7 +6,9 @@ the image embedding as the model defines it (timm: `forward_head(forward_feature
 transformers: the pooled output, else the class token or the token mean, as the model's outputs hold them;
 open_clip: `encode_image`), `tokens(images)`, the last feature map as (B, N, C) tokens where the library
 exposes one, and `feature_map(images)`, the same map as (B, C, h, w) for the dense protocols (linear
-segmentation). Feature kinds: `pooled` (the summary) and `avg` (the token mean). Only ViTs pre-train or export.
+segmentation). Feature kinds: `pooled` (the summary), `avg` (the token mean) and `last_k` (the token means of the
+last k stages or blocks, concatenated: timm's `forward_intermediates`, transformers' `hidden_states`). Only ViTs
+pre-train or export.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-NATIVE_KINDS = ("pooled", "avg")
+NATIVE_KINDS = ("pooled", "avg", "last_k")
 
 
 def feature_map_tokens(output, layout: str = "NCHW") -> torch.Tensor:
@@ -50,14 +52,16 @@ class NativeEncoder(nn.Module):
     def __init__(self, model: nn.Module, library: str, name: str, img_size: int,
                  summary: Callable[[nn.Module, torch.Tensor], torch.Tensor],
                  tokens: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None,
-                 feature_map: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None):
+                 feature_map: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+                 stages: Callable[[nn.Module, torch.Tensor, int], list[torch.Tensor]] | None = None):
         super().__init__()
         self.model, self.library, self.name, self.img_size = model.eval(), library, name, int(img_size)
-        self._summary, self._tokens, self._feature_map = summary, tokens, feature_map
+        self._summary, self._tokens, self._feature_map, self._stages = summary, tokens, feature_map, stages
 
     @property
     def kinds(self) -> tuple[str, ...]:
-        return NATIVE_KINDS if self._tokens is not None else ("pooled",)
+        return ("pooled", *(("avg",) if self._tokens is not None else ()),
+                *(("last_k",) if self._stages is not None else ()))
 
     def describe(self) -> str:
         return f"{self.name} ({self.library}, evaluated through it: not a ViT)"
@@ -88,9 +92,21 @@ class NativeEncoder(nn.Module):
             resize(img_size=(size, size))
         self.img_size = int(size)
 
-    def features(self, images: torch.Tensor, kind: str) -> torch.Tensor:
+    def last_k(self, images: torch.Tensor, k: int) -> torch.Tensor:
+        """The token (or spatial) means of the last `k` stages' outputs, concatenated."""
+        try:
+            outputs = self._stages(self.model, images, k)
+        except (AssertionError, IndexError, ValueError) as err:
+            raise ValueError(f"eval.last_k={k}: {self.describe()} cannot give its last {k} stages ({err})") from err
+        if len(outputs) != k:
+            raise ValueError(f"eval.last_k={k}: {self.describe()} has {len(outputs)} stages to give")
+        return torch.cat([feature_map_tokens(output).mean(dim=1) for output in outputs], dim=-1)
+
+    def features(self, images: torch.Tensor, kind: str, last_k: int = 4) -> torch.Tensor:
         if kind not in self.kinds:
             raise ValueError(f"feature kind {kind!r} is not one of {list(self.kinds)} for {self.describe()}")
+        if kind == "last_k":
+            return self.last_k(images, last_k)
         return self.summary(images) if kind == "pooled" else self.tokens(images).mean(dim=1)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -99,7 +115,7 @@ class NativeEncoder(nn.Module):
 
 def native_kind(encoder: NativeEncoder, kind: str) -> str:
     """The feature kind a native encoder takes for `kind`: the class-token kinds of a ViT (cls, cls_avg, the
-    default) become the model's own summary (`pooled`); pooled and avg stay; the rest is refused by name."""
+    default) become the model's own summary (`pooled`); pooled, avg and last_k stay; the rest is refused by name."""
     if kind in ("cls", "cls_avg"):
         return "pooled"
     if kind not in encoder.kinds:
@@ -116,7 +132,8 @@ def from_timm_native(model: nn.Module) -> NativeEncoder:
     return NativeEncoder(model, "timm", type(model).__name__, size,
                          lambda m, x: m.forward_head(m.forward_features(x), pre_logits=True),
                          lambda m, x: feature_map_tokens(m.forward_features(x), layout),
-                         lambda m, x: as_feature_map(m.forward_features(x), layout, prefix))
+                         lambda m, x: as_feature_map(m.forward_features(x), layout, prefix),
+                         lambda m, x, k: m.forward_intermediates(x, indices=k, intermediates_only=True))
 
 
 def not_a_vit(spec: str, what: str) -> ValueError:
@@ -140,7 +157,8 @@ def from_hf_native(model: nn.Module) -> NativeEncoder:
     size = size[0] if isinstance(size, (list, tuple)) else size
     return NativeEncoder(model, "transformers", type(model).__name__, size, _hf_summary,
                          lambda m, x: feature_map_tokens(m(pixel_values=x).last_hidden_state),
-                         lambda m, x: as_feature_map(m(pixel_values=x).last_hidden_state))
+                         lambda m, x: as_feature_map(m(pixel_values=x).last_hidden_state),
+                         lambda m, x, k: list(m(pixel_values=x, output_hidden_states=True).hidden_states[-k:]))
 
 
 def from_open_clip_native(visual: nn.Module, img_size: int) -> NativeEncoder:

@@ -1,0 +1,108 @@
+"""ViTDet / SAM windowed attention and decomposed relative positions (ssl_vit.windows, the backbone's
+window_size / global_attn_indexes / rel_pos): identities, a block against timm's SAM block, bad settings."""
+
+import pytest
+import torch
+from timm.models import vision_transformer_sam as timm_sam
+
+from ssl_vit.vit import Block, build_vit
+from ssl_vit.windows import decomposed_rel_pos_bias, rel_pos_table, window_partition, window_unpartition
+
+
+def test_partition_and_unpartition_round_trip_with_padding_exactly():
+    x = torch.randn(2, 64, 64, 8)
+    windows, padded = window_partition(x, 14)  # 64 = 4 x 14 + 8: padded to 70
+    assert padded == (70, 70) and windows.shape == (2 * 25, 14, 14, 8)
+    assert torch.equal(window_unpartition(windows, 14, (64, 64), padded), x)
+    assert torch.equal(windows[4][:, 8:], torch.zeros(14, 6, 8))  # the first row's last window: zero columns right
+    assert torch.equal(windows[20][8:], torch.zeros(6, 14, 8))  # the last row's first window: zero rows below
+    assert torch.equal(windows[0], x[0, :14, :14])
+
+
+def _pair(**windowed):
+    """A global vit_test at 32 px (8 x 8 grid, a class token, 2 registers) and the same weights windowed."""
+    torch.manual_seed(0)
+    plain = build_vit("vit_test", img_size=32, num_registers=2)
+    other = build_vit("vit_test", img_size=32, num_registers=2, **windowed)
+    missing = other.load_state_dict(plain.state_dict(), strict=False).missing_keys
+    assert all("rel_pos" in name for name in missing)
+    return plain.eval(), other.eval()
+
+
+def test_a_window_covering_the_grid_and_zero_relative_positions_are_global_attention():
+    images = torch.randn(2, 3, 32, 32)
+    for windowed in ({"window_size": 8}, {"rel_pos": True}, {"window_size": 8, "rel_pos": True},
+                     {"window_size": 8, "global_attn_indexes": [1]}):
+        plain, other = _pair(**windowed)
+        with torch.no_grad():
+            torch.testing.assert_close(other.forward_features(images), plain.forward_features(images), atol=1e-5,
+                                       rtol=0)
+    plain, other = _pair(window_size=3, global_attn_indexes=[1])  # real windows (8 = 2 x 3 + 2: padded) differ
+    with torch.no_grad():
+        assert (other.forward_features(images) - plain.forward_features(images)).abs().max() > 1e-2
+
+
+def test_the_decomposed_bias_is_q_dot_the_offset_rows_and_matches_timms():
+    torch.manual_seed(0)
+    q = torch.randn(3, 4 * 5, 6)
+    table_h, table_w = torch.randn(2 * 4 - 1, 6), torch.randn(2 * 5 - 1, 6)
+    bias = decomposed_rel_pos_bias(q, table_h, table_w, (4, 5), (4, 5))
+    expected = torch.zeros(3, 20, 20)
+    for i in range(20):
+        for j in range(20):
+            (y, x), (yk, xk) = divmod(i, 5), divmod(j, 5)
+            expected[:, i, j] = q[:, i] @ (table_h[y - yk + 3] + table_w[x - xk + 4])
+    torch.testing.assert_close(bias, expected, atol=1e-5, rtol=0)
+    # a table made for another size (7 -> 2 x 9 - 1 offsets), and queries / keys of different sizes: as timm does
+    for sizes in (((9, 9), (9, 9)), ((4, 5), (8, 10))):
+        q = torch.randn(2, sizes[0][0] * sizes[0][1], 6)
+        torch.testing.assert_close(decomposed_rel_pos_bias(q, table_h, table_w, *sizes),
+                                   timm_sam.get_decomposed_rel_pos_bias(q, table_h, table_w, *sizes), atol=1e-5,
+                                   rtol=0)
+    assert rel_pos_table(4, 4, table_h).shape == (4, 4, 6)
+
+
+def test_a_windowed_block_with_relative_positions_equals_timms_sam_block():
+    """Window 3 on an 8 x 8 grid (padded), random non-zero relative-position tables, the same weights: timm's
+    vision_transformer_sam.Block and ours give the same tokens."""
+    torch.manual_seed(0)
+    theirs = timm_sam.Block(32, 4, use_rel_pos=True, window_size=3, input_size=(8, 8)).eval()
+    with torch.no_grad():
+        theirs.attn.rel_pos_h.normal_(std=0.5)
+        theirs.attn.rel_pos_w.normal_(std=0.5)
+    ours = Block(32, 4, 128, norm_layer=lambda d: torch.nn.LayerNorm(d, eps=1e-5), window=3,
+                 rel_pos_size=(3, 3)).eval()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 8, 8, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x.reshape(2, 64, 32), grid=(8, 8)), theirs(x).reshape(2, 64, 32),
+                                   atol=1e-5, rtol=0)
+    global_theirs = timm_sam.Block(32, 4, use_rel_pos=True, window_size=0, input_size=(6, 6)).eval()
+    with torch.no_grad():
+        global_theirs.attn.rel_pos_h.normal_(std=0.5)
+    global_ours = Block(32, 4, 128, norm_layer=lambda d: torch.nn.LayerNorm(d, eps=1e-5),
+                        rel_pos_size=(6, 6)).eval()
+    global_ours.load_state_dict(global_theirs.state_dict())
+    x = torch.randn(2, 8, 8, 32)  # run at a larger grid than the tables were made for: resampled, as timm
+    with torch.no_grad():
+        torch.testing.assert_close(global_ours(x.reshape(2, 64, 32), grid=(8, 8)),
+                                   global_theirs(x).reshape(2, 64, 32), atol=1e-5, rtol=0)
+
+
+def test_bad_window_settings_are_one_line_each():
+    cases = [
+        ({"window_size": 4, "global_attn_indexes": [2]}, r"global_attn_indexes=\[2\]: \[2\] not a block of this "
+                                                         r"depth-2 ViT \(valid: 0..1\)"),
+        ({"global_attn_indexes": [0]}, "global_attn_indexes=[0] needs window_size > 0"),
+        ({"window_size": 9}, "window_size=9 is larger than the 8x8 patch grid"),
+        ({"rel_pos": True, "pos_embed": "rope"}, "rel_pos with pos_embed=rope"),
+        ({"window_size": -1}, "window_size=-1 must be >= 0"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")
+                           if "\\" not in message else message) as err:
+            build_vit("vit_test", img_size=32, **kwargs)
+        assert "\n" not in str(err.value)
+    windowed = build_vit("vit_test", img_size=32, window_size=4)
+    with pytest.raises(ValueError, match="need every patch token on its grid"):
+        windowed.forward_features(torch.randn(1, 3, 32, 32), keep=torch.arange(10)[None])
