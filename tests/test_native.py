@@ -66,6 +66,7 @@ def test_native_features_are_the_librarys_own_forward(hf_convnext):
 @pytest.mark.parametrize("name, kwargs, least", [
     ("convnext_atto", {}, 0.9),  # a random ConvNeXt's features separate the digits (measured 96.1%)
     ("swin_tiny_patch4_window7_224", SWIN, 0.6),  # a two-stage random Swin at 32 px (measured 73.3%)
+    ("resnet18", {}, 0.0),  # degenerate features (below): the same answer as scikit-learn's all the same
 ])
 def test_the_linear_probe_on_native_features_scores_as_sklearns_logistic_regression(name, kwargs, least):
     """Features of random timm non-ViTs on digits: our probe (its L2 chosen on a held-out split) against
