@@ -232,6 +232,10 @@ class EvalConfig:
     attentive_epochs: int = checked(20, ge=1)
     attentive_batch_size: int = checked(256, ge=1)
     attentive_heads: int | None = checked(None, ge=1)  # None: the encoder's head count
+    # ViTDet / SAM: run a ViT of ours windowed (data.img_size: the resolution), window_size x window_size squares in
+    # every block but global_attn_indexes (SAM ViT-B: 14, [2, 5, 8, 11]); 0: as it was built
+    window_size: int = checked(0, ge=0)
+    global_attn_indexes: list[int] = checked(factory=list, ge=0)
 
 
 @dataclass

@@ -781,6 +781,31 @@ class VisionTransformer(nn.Module):
         return maps
 
 
+WINDOW_SETTINGS = ("window_size", "global_attn_indexes", "rel_pos")
+
+
+def with_windows(encoder: VisionTransformer, window_size: int = 0, global_attn_indexes: Sequence[int] = (),
+                 rel_pos: bool | None = None) -> VisionTransformer:
+    """`encoder` rebuilt with ViTDet / SAM's windows (its weights; relative-position tables it lacks start at zero,
+    as ViTDet adds them to an MAE encoder), so that a globally pre-trained encoder runs windowed at a higher
+    resolution. ValueError for settings that do not fit (`block_windows`)."""
+    rel_pos = encoder.config.get("rel_pos", False) if rel_pos is None else rel_pos
+    settings = {"window_size": int(window_size), "global_attn_indexes": [int(i) for i in global_attn_indexes],
+                "rel_pos": bool(rel_pos)}
+    if all(encoder.config.get(key, default) == settings[key]
+           for key, default in zip(WINDOW_SETTINGS, (0, [], False), strict=True)):
+        return encoder
+    windowed = VisionTransformer(**{**encoder.config, **settings})
+    state = encoder.state_dict()
+    fresh = [name for name in windowed.state_dict() if name not in state]
+    if any("rel_pos" not in name for name in fresh) or any(name not in windowed.state_dict() for name in state
+                                                             if "rel_pos" not in name):
+        raise ValueError(f"windows change more than the relative-position tables: {fresh[:4]}")
+    windowed.load_state_dict({name: value for name, value in state.items() if name in windowed.state_dict()},
+                             strict=False)
+    return windowed.train(encoder.training)
+
+
 def build_vit(name: str, **overrides) -> VisionTransformer:
     """A preset by name, with keyword overrides (e.g. img_size=384, drop_path=0.1)."""
     if name not in PRESETS:

@@ -3,9 +3,16 @@ window_size / global_attn_indexes / rel_pos): identities, a block against timm's
 
 import pytest
 import torch
+from conftest import ROOT, TINY
+from helpers.inprocess import pretrain
+from hydra import compose, initialize_config_dir
 from timm.models import vision_transformer_sam as timm_sam
 
-from ssl_vit.vit import Block, build_vit
+from ssl_vit.artifacts import load_encoder, save_encoder
+from ssl_vit.cli import register_configs
+from ssl_vit.eval.run import evaluate
+from ssl_vit.schema import ConfigError
+from ssl_vit.vit import Block, build_vit, with_windows
 from ssl_vit.windows import decomposed_rel_pos_bias, rel_pos_table, window_partition, window_unpartition
 
 
@@ -106,3 +113,59 @@ def test_bad_window_settings_are_one_line_each():
     windowed = build_vit("vit_test", img_size=32, window_size=4)
     with pytest.raises(ValueError, match="need every patch token on its grid"):
         windowed.forward_features(torch.randn(1, 3, 32, 32), keep=torch.arange(10)[None])
+
+
+def test_with_windows_keeps_the_weights_and_adds_zero_tables():
+    torch.manual_seed(0)
+    plain = build_vit("vit_test", img_size=32).eval()
+    windowed = with_windows(plain, 4, [1], rel_pos=True)
+    assert windowed.config["window_size"] == 4 and windowed.blocks[1].attn.window == 0
+    assert windowed.blocks[0].attn.window == 4 and torch.equal(windowed.blocks[0].attn.rel_pos_h,
+                                                               torch.zeros(7, 16))
+    assert torch.equal(windowed.blocks[0].attn.qkv.weight, plain.blocks[0].attn.qkv.weight)
+    assert with_windows(plain) is plain  # nothing to change
+
+
+def _compose(config, *overrides):
+    register_configs()
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        return compose(config, overrides=list(overrides))
+
+
+def test_evaluate_runs_an_encoder_of_ours_windowed_at_a_higher_resolution(tmp_path):
+    """eval.window_size on a 16 px vit_test run at 48 px (a 12 x 12 grid in 4 x 4 windows, block 1 global): the
+    features are those of the encoder rebuilt with those windows; a window covering the grid gives the global ones."""
+    torch.manual_seed(0)
+    path = save_encoder(build_vit("vit_test"), tmp_path / "run" / "encoder.safetensors", step=0)
+    reports = {}
+    for name, windows in (("global", []), ("whole", ["eval.window_size=12"]),
+                          ("windowed", ["eval.window_size=4", "eval.global_attn_indexes=[1]"])):
+        cfg = _compose("evaluate", f"checkpoint={path}", "data=digits", "data.img_size=48", "eval=knn",
+                       "data.max_train_samples=200", "data.max_test_samples=50", "cache_dir=null",
+                       f"output_dir={tmp_path / name}", *windows)
+        reports[name] = evaluate(cfg, progress=False)["results"]["knn"]["accuracy"]
+    assert reports["whole"] == reports["global"]
+    with pytest.raises(ConfigError, match=r"^eval.global_attn_indexes=\[1\] needs eval.window_size > 0$"):
+        evaluate(_compose("evaluate", f"checkpoint={path}", "data=digits", "eval=knn", "eval.global_attn_indexes=[1]",
+                          f"output_dir={tmp_path}"), progress=False)
+    with pytest.raises(ConfigError, match=r"^eval.window_size=20: window_size=20 is larger than the 4x4 patch grid"):
+        evaluate(_compose("evaluate", f"checkpoint={path}", "data=digits", "eval=knn", "eval.window_size=20",
+                          f"output_dir={tmp_path}"), progress=False)
+
+
+@pytest.mark.slow
+def test_a_globally_pre_trained_run_fine_tunes_windowed_from_init_from_with_overrides_only(tmp_path):
+    """ViTDet's recipe on a tiny scale: a vit_test run (16 px, global) continues as objective=supervised at 48 px
+    with 4 x 4 windows in block 0 (block 1 global) and zero-initialised relative positions that then train."""
+    source = tmp_path / "source"
+    assert pretrain(*TINY, "objective=masked_patch", "trainer.max_steps=2", f"hydra.run.dir={source}").returncode == 0
+    out = tmp_path / "windowed"
+    proc = pretrain(*TINY, "objective=supervised", f"model.init_from={source}", "data.img_size=48",
+                    "model.window_size=4", "model.global_attn_indexes=[1]", "model.rel_pos=true",
+                    "trainer.max_steps=3", "optim.warmup_steps=1", f"hydra.run.dir={out}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    encoder = load_encoder(out / "encoder.safetensors")
+    assert encoder.config["window_size"] == 4 and encoder.config["global_attn_indexes"] == [1]
+    assert encoder.grid_size == (12, 12) and encoder.blocks[0].attn.rel_pos_h.abs().sum() > 0  # trained from 0
+    source_encoder = load_encoder(source / "encoder.safetensors")
+    assert source_encoder.blocks[0].attn.rel_pos_h is None

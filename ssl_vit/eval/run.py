@@ -44,6 +44,7 @@ from ssl_vit.objectives import load_trained
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
 from ssl_vit.run_dirs import resolve_run
 from ssl_vit.schema import ConfigError, validate_config
+from ssl_vit.vit import with_windows
 
 log = logging.getLogger("ssl_vit")
 FEATURE_EVALUATORS = EVALUATORS[:3]
@@ -83,6 +84,7 @@ def evaluate(cfg, progress: bool = True) -> dict:
             embed, dense = adaptor_features(model, cfg.eval.features)
         check_evaluator_settings(cfg.eval, encoder)
     img_size = encoder_size(cfg.data.img_size, encoder, recorded)
+    encoder = windowed(cfg.eval, encoder, model)
     preprocess = resolve_preprocess(cfg.data, img_size, recorded)
     try:
         train_set, test_set = eval_datasets(cfg.data, img_size, cfg.seed)
@@ -118,6 +120,22 @@ def encoder_size(requested: int | None, encoder, recorded) -> int:
         except (ValueError, AssertionError, RuntimeError) as err:
             raise ConfigError(f"data.img_size={img_size}: {err}") from err
     return img_size
+
+
+def windowed(ecfg, encoder, model=None):
+    """The encoder with eval.window_size / eval.global_attn_indexes applied (ssl_vit.vit.with_windows), after it was
+    set to its evaluation size; ConfigError for what cannot run windowed."""
+    if not ecfg.window_size:
+        if ecfg.global_attn_indexes:
+            raise ConfigError(f"eval.global_attn_indexes={list(ecfg.global_attn_indexes)} needs eval.window_size > 0")
+        return encoder
+    if isinstance(encoder, NativeEncoder) or model is not None:
+        what = encoder.describe() if isinstance(encoder, NativeEncoder) else "a model's tower (text, adaptors)"
+        raise ConfigError(f"eval.window_size={ecfg.window_size}: only an encoder of ours runs windowed, not {what}")
+    try:
+        return with_windows(encoder, ecfg.window_size, list(ecfg.global_attn_indexes))
+    except ValueError as err:
+        raise ConfigError(f"eval.window_size={ecfg.window_size}: {err}") from err
 
 
 def native_evaluators(encoder: NativeEncoder) -> tuple[str, ...]:

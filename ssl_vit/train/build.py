@@ -24,13 +24,15 @@ from ssl_vit.objectives import DataInfo, Objective, Requirements, build_objectiv
 from ssl_vit.optim import build_optimizer, schedule, weight_decay_schedule
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
 from ssl_vit.schema import ConfigError, validate_config
-from ssl_vit.vit import PRESETS, VisionTransformer, build_vit, resample_pos_embed
+from ssl_vit.vit import PRESETS, WINDOW_SETTINGS, VisionTransformer, build_vit, resample_pos_embed
 
 log = logging.getLogger("ssl_vit")
 
 # Model settings that may differ from an `init_from` source's (training-time regularisation, resampling rule).
+# ViTDet / SAM windows too: a globally pre-trained encoder is fine-tuned windowed (new relative-position tables start
+# at zero).
 INIT_FROM_ADJUSTABLE = ("drop_path", "attn_drop", "proj_drop", "pos_embed_interp", "pos_embed_antialias",
-                        "weight_init")
+                        "weight_init", *WINDOW_SETTINGS)
 
 
 @dataclass
@@ -140,15 +142,25 @@ def _backbone_from(source: Pretrained, cfg, img_size: int) -> VisionTransformer:
     # The run's init scheme (the preset's unless model.weight_init says otherwise): the objective's heads follow it,
     # so the same weights from any source start the same run.
     overrides.setdefault("weight_init", PRESETS[cfg.model.name].get("weight_init", "timm"))
-    backbone = VisionTransformer(**{**encoder.config, **overrides})
-    load_module_by_module(backbone, encoder.state_dict())
+    try:
+        backbone = VisionTransformer(**{**encoder.config, **overrides})
+    except ValueError as err:
+        raise ConfigError(f"model.init_from={cfg.model.init_from} at data.img_size={img_size}: {err}") from err
+    expected = set(backbone.state_dict())
+    state = {name: value for name, value in encoder.state_dict().items() if name in expected or "rel_pos" not in name}
+    fresh = {name for name in expected - set(state) if "rel_pos" in name}  # ViTDet's: zero, added to the source
+    if fresh:
+        log.info("model.init_from: %d relative-position tables start at zero (model.rel_pos=true; the source has "
+                 "none)", len(fresh))
+    load_module_by_module(backbone, state, may_lack=fresh)
     return backbone
 
 
-def load_module_by_module(module: torch.nn.Module, state: dict) -> None:
-    """`module.load_state_dict(state)` (strict), one submodule's own parameters at a time: under ZeRO-3 only that
-    submodule is gathered, never the whole model."""
-    expected = set(module.state_dict())
+def load_module_by_module(module: torch.nn.Module, state: dict, may_lack: set[str] = frozenset()) -> None:
+    """`module.load_state_dict(state)` (strict but for the names in `may_lack`, which keep their initial values),
+    one submodule's own parameters at a time: under ZeRO-3 only that submodule is gathered, never the whole
+    model."""
+    expected = set(module.state_dict()) - set(may_lack)
     if expected != set(state):
         raise ValueError(f"weights do not fit the model: missing {sorted(expected - set(state))[:5]}, unexpected "
                          f"{sorted(set(state) - expected)[:5]}")
