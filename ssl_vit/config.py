@@ -236,6 +236,9 @@ class EvalConfig:
     # every block but global_attn_indexes (SAM ViT-B: 14, [2, 5, 8, 11]); 0: as it was built
     window_size: int = checked(0, ge=0)
     global_attn_indexes: list[int] = checked(factory=list, ge=0)
+    # segmentation on a level of ViTDet's simple feature pyramid over the last feature map (ssl_vit.pyramid: stride
+    # patch/4 .. 2 x patch; seeded, untrained: the frozen-feature protocol fits only the linear head); None: the tokens
+    pyramid_stride: int | None = checked(None, ge=1)
 
 
 @dataclass

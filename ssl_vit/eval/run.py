@@ -29,7 +29,7 @@ from ssl_vit.eval.fewshot import fewshot_eval
 from ssl_vit.eval.finetune import finetune
 from ssl_vit.eval.knn import knn_eval
 from ssl_vit.eval.linear import linear_probe
-from ssl_vit.eval.segmentation import segmentation_eval
+from ssl_vit.eval.segmentation import patch_tokens, segmentation_eval
 from ssl_vit.eval.zeroshot import (
     class_names,
     embed_pairs,
@@ -42,6 +42,7 @@ from ssl_vit.interop.native import NativeEncoder, native_kind
 from ssl_vit.interop.sources import load_pretrained
 from ssl_vit.objectives import load_trained
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
+from ssl_vit.pyramid import SimpleFeaturePyramid
 from ssl_vit.run_dirs import resolve_run
 from ssl_vit.schema import ConfigError, validate_config
 from ssl_vit.vit import with_windows
@@ -85,6 +86,8 @@ def evaluate(cfg, progress: bool = True) -> dict:
         check_evaluator_settings(cfg.eval, encoder)
     img_size = encoder_size(cfg.data.img_size, encoder, recorded)
     encoder = windowed(cfg.eval, encoder, model)
+    if cfg.eval.pyramid_stride is not None and "segmentation" in ecfg.evaluators:
+        dense = pyramid_dense(encoder, cfg.eval.pyramid_stride, cfg.seed, dense)
     preprocess = resolve_preprocess(cfg.data, img_size, recorded)
     try:
         train_set, test_set = eval_datasets(cfg.data, img_size, cfg.seed)
@@ -136,6 +139,24 @@ def windowed(ecfg, encoder, model=None):
         return with_windows(encoder, ecfg.window_size, list(ecfg.global_attn_indexes))
     except ValueError as err:
         raise ConfigError(f"eval.window_size={ecfg.window_size}: {err}") from err
+
+
+def pyramid_dense(encoder, stride: int, seed: int, dense=None):
+    """images -> the `stride` level of ViTDet's simple feature pyramid (ssl_vit.pyramid, seeded with `seed`) over
+    the encoder's last feature map; ConfigError for a stride it has not, or an encoder that is not ours."""
+    if isinstance(encoder, NativeEncoder) or dense is not None:
+        raise ConfigError(f"eval.pyramid_stride={stride}: the pyramid reads the patch tokens of an encoder of ours")
+    torch.manual_seed(seed)
+    patch = encoder.patch_embed.stride[0]
+    try:
+        pyramid = SimpleFeaturePyramid(encoder.embed_dim, patch).to(next(encoder.parameters()).device).eval()
+    except ValueError as err:
+        raise ConfigError(f"eval.pyramid_stride={stride}: {err}") from err
+    if stride not in pyramid.strides:
+        raise ConfigError(f"eval.pyramid_stride={stride} is not a level of the pyramid on patch size {patch} "
+                          f"(valid: {pyramid.strides})")
+    level = pyramid.names[pyramid.strides.index(stride)]
+    return lambda images: pyramid(patch_tokens(encoder, images))[level]
 
 
 def native_evaluators(encoder: NativeEncoder) -> tuple[str, ...]:
