@@ -62,6 +62,11 @@ def export(source: str, to: str, out: str, hf_arch: str | None = None, license: 
     """Write the export and its model card (README.md); returns the line telling how to load it."""
     pretrained = load_pretrained(source)
     encoder, preprocess = pretrained.encoder, pretrained.preprocess
+    spatial = {key: encoder.config[key] for key in ("window_size", "rel_pos", "neck_channels")
+               if encoder.config.get(key)}
+    if spatial and to in ("hf", "timm", "open_clip"):
+        raise ValueError(f"--to {to}: this encoder has ViTDet / SAM parts ({spatial}) that a {to} ViT does not hold; "
+                         "--to onnx or --to safetensors keep them")
     if to == "open_clip":
         encoder_file, _ = run_files(source)
         try:

@@ -35,6 +35,7 @@ from torch.utils.checkpoint import (
 
 from ssl_vit.geometry import check_divisible, pair
 from ssl_vit.init import LayerScale, Linear, PatchProjection, check_scheme, init_embeddings
+from ssl_vit.pyramid import ConvNorm
 from ssl_vit.rope import apply_rope, build_rope
 from ssl_vit.stem import HybridPatchEmbed, check_stem
 from ssl_vit.windows import decomposed_rel_pos_bias, window_partition, window_unpartition
@@ -537,6 +538,7 @@ class VisionTransformer(nn.Module):
         window_size: int = 0,
         global_attn_indexes: Sequence[int] = (),
         rel_pos: bool = False,
+        neck_channels: int = 0,
     ):
         super().__init__()
         # The constructor arguments, so that a saved encoder can be rebuilt (ssl_vit.artifacts).
@@ -613,6 +615,10 @@ class VisionTransformer(nn.Module):
         use_fc_norm = global_pool == "avg"
         self.norm = nn.Identity() if use_fc_norm else norm_layer(embed_dim)
         self.fc_norm = norm_layer(embed_dim) if use_fc_norm else nn.Identity()
+        # SAM's neck (segment-anything's image encoder): 1x1 then 3x3 convolution, each bias-free with a channel
+        # LayerNorm, over the last patch map (`forward_neck`); 0: none
+        self.neck = (nn.Sequential(ConvNorm(embed_dim, neck_channels, 1), ConvNorm(neck_channels, neck_channels, 3))
+                     if neck_channels else None)
         # A classification head starts at zero (the paper's fine-tuning head, section 3.2).
         self.head = Linear(embed_dim, num_classes, role="zero") if num_classes > 0 else nn.Identity()
         self.reset_parameters()
@@ -740,6 +746,14 @@ class VisionTransformer(nn.Module):
         grid = self.patch_embed.grid_for(images.shape[-2], images.shape[-1])
         return self.run_blocks(self.embed(images, mask, mask_token, keep), grid, keep)
 
+    def forward_neck(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, C, h, w): the last patch tokens on their grid, through SAM's neck where the encoder has one (what
+        segment-anything's image encoder and timm's samvit forward_features give)."""
+        grid = self.patch_embed.grid_for(images.shape[-2], images.shape[-1])
+        tokens = self.forward_features(images)[:, self.num_prefix_tokens:]
+        patch_map = tokens.transpose(1, 2).reshape(len(images), -1, *grid)
+        return self.neck(patch_map) if self.neck is not None else patch_map
+
     def pool(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, n, D) output tokens -> (B, D) image embedding (with a distillation token: the mean of the class and
         distillation tokens, as timm's DeiT pre-logits)."""
@@ -801,8 +815,12 @@ def with_windows(encoder: VisionTransformer, window_size: int = 0, global_attn_i
     if any("rel_pos" not in name for name in fresh) or any(name not in windowed.state_dict() for name in state
                                                              if "rel_pos" not in name):
         raise ValueError(f"windows change more than the relative-position tables: {fresh[:4]}")
-    windowed.load_state_dict({name: value for name, value in state.items() if name in windowed.state_dict()},
-                             strict=False)
+    target = windowed.state_dict()
+    for name, value in state.items():  # a table made for another window keeps its length: resampled when used
+        if "rel_pos" in name and name in target and target[name].shape != value.shape:
+            module, _, param = name.rpartition(".")
+            setattr(windowed.get_submodule(module), param, nn.Parameter(value.clone()))
+    windowed.load_state_dict({name: value for name, value in state.items() if name in target}, strict=False)
     return windowed.train(encoder.training)
 
 

@@ -1,9 +1,11 @@
 """ViTDet / SAM windowed attention and decomposed relative positions (ssl_vit.windows, the backbone's
-window_size / global_attn_indexes / rel_pos): identities, a block against timm's SAM block, bad settings."""
+window_size / global_attn_indexes / rel_pos): identities, a block against timm's SAM block, timm's SAM ViT imported,
+a pre-trained run windowed for evaluation and fine-tuning, bad settings."""
 
 import pytest
+import timm
 import torch
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, export_script
 from helpers.inprocess import pretrain
 from hydra import compose, initialize_config_dir
 from timm.models import vision_transformer_sam as timm_sam
@@ -11,6 +13,7 @@ from timm.models import vision_transformer_sam as timm_sam
 from ssl_vit.artifacts import load_encoder, save_encoder
 from ssl_vit.cli import register_configs
 from ssl_vit.eval.run import evaluate
+from ssl_vit.interop.timm import converts, from_timm
 from ssl_vit.schema import ConfigError
 from ssl_vit.vit import Block, build_vit, with_windows
 from ssl_vit.windows import decomposed_rel_pos_bias, rel_pos_table, window_partition, window_unpartition
@@ -169,3 +172,32 @@ def test_a_globally_pre_trained_run_fine_tunes_windowed_from_init_from_with_over
     assert encoder.grid_size == (12, 12) and encoder.blocks[0].attn.rel_pos_h.abs().sum() > 0  # trained from 0
     source_encoder = load_encoder(source / "encoder.safetensors")
     assert source_encoder.blocks[0].attn.rel_pos_h is None
+
+
+def test_timms_sam_vit_imports_with_its_windows_relative_positions_and_neck():
+    """timm samvit_base_patch16 at 256 px (a 16 x 16 grid: windows of 14 padded to 28; blocks 2, 5, 8, 11 global),
+    every weight moved off its init (the relative-position tables off zero): our encoder's forward_neck equals
+    timm's forward_features (the neck's 256-channel map) within 1e-5."""
+    torch.manual_seed(0)
+    theirs = timm.create_model("samvit_base_patch16", pretrained=False, img_size=256, num_classes=0).eval()
+    with torch.no_grad():
+        for param in theirs.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    assert converts(theirs)
+    ours = from_timm(theirs).eval()
+    assert ours.config["window_size"] == 14 and ours.config["global_attn_indexes"] == [2, 5, 8, 11]
+    assert ours.config["rel_pos"] and ours.config["neck_channels"] == 256 and ours.num_prefix_tokens == 0
+    images = torch.randn(2, 3, 256, 256)
+    with torch.no_grad():
+        expected = theirs.forward_features(images)
+        torch.testing.assert_close(ours.forward_neck(images), expected, atol=1e-5, rtol=0)
+        global_ = with_windows(ours, 0, []).eval().forward_neck(images)  # the windows matter here
+    assert (global_ - expected).abs().max() > 1e-2
+
+
+def test_exporting_a_windowed_encoder_to_a_library_vit_is_one_line(tmp_path):
+    path = save_encoder(build_vit("vit_test", img_size=32, window_size=4, rel_pos=True),
+                        tmp_path / "run" / "encoder.safetensors", step=0)
+    with pytest.raises(ValueError, match=r"^--to timm: this encoder has ViTDet / SAM parts \({'window_size': 4, "
+                                         r"'rel_pos': True}\) that a timm ViT does not hold"):
+        export_script().export(str(path), "timm", str(tmp_path / "out"))

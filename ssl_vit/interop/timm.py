@@ -26,11 +26,13 @@ from timm.models.eva import Eva
 from timm.models.resnetv2 import ResNetV2
 from timm.models.vision_transformer import Block, ParallelScalingBlock
 from timm.models.vision_transformer import VisionTransformer as TimmViT
+from timm.models.vision_transformer_sam import VisionTransformerSAM
 from torch import nn
 
 from ssl_vit.artifacts import file_fingerprint
 from ssl_vit.files import save_safetensors
 from ssl_vit.interop.native import NativeEncoder, from_timm_native, not_a_vit
+from ssl_vit.interop.sam import from_timm_sam
 from ssl_vit.preprocess import INTERPOLATIONS, Preprocess
 from ssl_vit.rope import ROPE_KINDS, ROPE_THETA
 from ssl_vit.stem import RESNET_CHANNELS
@@ -118,6 +120,8 @@ def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embe
     """
     if isinstance(model, Eva):
         return _from_timm_dinov3(model, layer_scale)
+    if isinstance(model, VisionTransformerSAM):
+        return from_timm_sam(model)
     if not isinstance(model, TimmViT):
         raise ValueError(f"only timm VisionTransformer models and its RoPE models (Eva with DINOv3's or RoPE-ViT's "
                          f"RoPE) can be imported, not {type(model).__name__}")
@@ -425,8 +429,9 @@ def timm_native_preprocess(model) -> Preprocess:
 
 
 def converts(model: nn.Module) -> bool:
-    """Whether timm's model is one of the ViTs that become ours (VisionTransformer, hybrids, the RoPE Eva models)."""
-    return isinstance(model, (TimmViT, Eva))
+    """Whether timm's model is one of the ViTs that become ours (VisionTransformer, hybrids, the RoPE Eva models,
+    SAM's image encoder)."""
+    return isinstance(model, (TimmViT, Eva, VisionTransformerSAM))
 
 
 def load_timm_spec(rest: str, native: str = "never") -> tuple[VisionTransformer | NativeEncoder, Preprocess, dict]:
