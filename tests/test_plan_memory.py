@@ -78,6 +78,28 @@ def test_kept_activations_are_what_the_forward_leaves_alive_for_backward(name, c
         assert full < kept < none
 
 
+@pytest.mark.parametrize("prefix, windows, tolerance", [
+    (False, {"window_size": 5}, 0.03),  # SAM / ViTDet's layout: no class token; a 12 x 12 grid padded to 15 x 15
+    (False, {"window_size": 4, "global_attn_indexes": [1], "rel_pos": True}, 0.03),
+    (False, {"rel_pos": True}, 0.03),
+    (True, {"window_size": 5}, 0.10),
+    (True, {"window_size": 5, "global_attn_indexes": [1], "rel_pos": True}, 0.10),
+])
+def test_windowed_blocks_keep_what_the_planner_says(prefix, windows, tolerance):
+    """Windowed attention and relative positions (ssl_vit.windows) against the storages a real fp32 forward keeps
+    for its backward."""
+    size = dict(img_size=48, embed_dim=64, depth=3, num_heads=4, **({} if prefix else
+                                                                    {"class_token": False, "global_pool": "avg"}))
+    model = build_vit("vit_test", **size, **windows)
+    images = torch.randn(2, 3, 48, 48)
+    kept, loss = kept_for_backward(lambda: model.forward_features(images).sum(), model)
+    planned, _ = activation_terms(ModelShape.of("vit_test", **size, **windows), 2, "fp32", False)
+    assert kept == pytest.approx(planned, rel=tolerance), (kept, planned)
+    loss.backward()
+    global_, _ = activation_terms(ModelShape.of("vit_test", **size), 2, "fp32", False)
+    assert planned > global_  # at this size windows cost memory: the padding and the partition's copy
+
+
 def test_smallest_gpu_count_is_the_first_that_fits():
     shape = ModelShape.of("vit_22b")
     fewest = smallest_gpu_count(shape, "zero3", 80 * GIB, batch_per_gpu=1)

@@ -45,6 +45,14 @@ stage's input and one stage's outputs; plus, once per step, a standardised copy 
 standardisation; counted whole with or without checkpointing). Measured against autograd's saved tensors
 (tests/test_hybrid.py): per image within 10%, the kernel copies within 5%. Dropout masks, drop-path and the
 objective's head and loss are not counted.
+Windowed blocks (ViTDet / SAM: window w, the grid's s patches padded to s_p, n windows, p prefix tokens) keep beyond
+a global block, per image: the partition's copy h s_p, q, k, v and the output over the padding 4h (s_p - s) (and
+a (s_p - s) fp32 statistics); with prefix tokens, which every window sees and which attend to every token, the
+windows' longer k, v 2h n p, the prefix's query, output and k, v over all tokens 2h p + 2h (p + s), and 2h s of
+copies. Relative positions add, per block, the bias (a x queries x keys), the two per-axis terms (a x queries x
+(rows + columns) of a window or the grid) and the two gathered tables. Measured against autograd's saved tensors
+(tests/test_plan_memory.py): within 3% without prefix tokens (SAM's and ViTDet's layout), within 10% with a class
+token (the CPU attention kernels keep different copies with and without a bias).
 """
 
 from __future__ import annotations
@@ -86,6 +94,12 @@ class ModelShape:
     stem_elements: int = 0  # per image, kept by a hybrid's ResNet for backward
     stem_checkpointed: int = 0  # the same with per-stage gradient checkpointing
     stem_weights: int = 0  # per step: the standardised copy of every kernel (weight standardisation) it keeps
+    # ViTDet / SAM (ssl_vit.windows): the patch grid, each block's window (0: global), relative positions, and the
+    # prefix tokens (class, registers) the windows see
+    grid: tuple[int, int] = (0, 0)
+    windows: tuple[int, ...] = ()
+    rel_pos: bool = False
+    prefix: int = 0
 
     @classmethod
     def of(cls, name: str, **overrides) -> ModelShape:
@@ -107,7 +121,10 @@ class ModelShape:
             final_norm=not isinstance(model.norm, torch.nn.Identity),
             **dict(zip(("stem_elements", "stem_checkpointed"), stem_activation_elements(model), strict=True)),
             stem_weights=sum(p.numel() for p in getattr(model.patch_embed, "backbone", torch.nn.Module()).parameters()
-                             if p.ndim == 4))
+                             if p.ndim == 4),
+            grid=tuple(model.grid_size), prefix=model.num_prefix_tokens,
+            windows=tuple(block.attn.window for block in model.blocks) if model.windowed else (),
+            rel_pos=bool(model.config.get("rel_pos")))
 
 
 def stem_activation_elements(model) -> tuple[int, int]:
@@ -172,6 +189,29 @@ def check_choice(name: str, value, choices) -> None:
         raise ConfigError(not_one_of(name, value, choices))
 
 
+def spatial_terms(shape: ModelShape, window: int) -> tuple[int, int]:
+    """(elements of c bytes, fp32 elements) one image's windowed / relative-position block keeps beyond a global
+    block (module docstring), `window` 0 for a global block with relative positions."""
+    (height, width), h, a, prefix = shape.grid, shape.width, shape.heads, shape.prefix
+    tokens = height * width
+    elements = stats = 0
+    if window:
+        padded = math.ceil(height / window) * math.ceil(width / window) * window * window
+        count = padded // (window * window)
+        elements += h * padded + 4 * h * (padded - tokens)  # the partition's copy; q, k, v, output over padding
+        stats += a * (padded - tokens)
+        if prefix:  # each window's k, v gain the prefix's; the prefix's q, output and k, v over every token
+            elements += 2 * h * count * prefix + 2 * h * prefix + 2 * h * (prefix + tokens) + 2 * h * tokens
+            stats += a * prefix
+        queries, keys, side = count * window * window, prefix + window * window, (window, window)
+    else:
+        queries, keys, side = prefix + tokens, prefix + tokens, (height, width)
+    if shape.rel_pos:  # the bias (queries x keys per head), the two per-axis terms, the gathered tables
+        rows = queries if window else tokens
+        elements += a * queries * keys + a * rows * (side[0] + side[1]) + 2 * (h // a) * side[0] * side[1]
+    return elements, stats
+
+
 def activation_terms(shape: ModelShape, batch: int, precision: str, grad_checkpointing: bool | str
                      ) -> tuple[int, int]:
     """(bytes kept from forward to backward, bytes live only while a checkpointed block is recomputed) on one GPU
@@ -182,6 +222,10 @@ def activation_terms(shape: ModelShape, batch: int, precision: str, grad_checkpo
     per_element = (6 * h if shape.parallel_block else 8 * h) + 2 * m + 3 * h * shape.qk_norm + m * shape.mlp_bias
     attention_stats = shape.heads * tokens * 4
     block = per_element * tokens * c + attention_stats
+    extras = [spatial_terms(shape, window) for window in shape.windows]
+    spatial = [(elements * c + stats * 4) * batch for elements, stats in extras]
+    if spatial:  # windowed / relative-position blocks: each block's own extra (the largest recomputed)
+        return _spatial_activations(shape, batch, c, grad_checkpointing, block, spatial, tokens)
     final_norm = h * tokens * c * shape.final_norm
     if grad_checkpointing == "selective":
         kept = (7 * h + m) * tokens * c + attention_stats
@@ -191,6 +235,18 @@ def activation_terms(shape: ModelShape, batch: int, precision: str, grad_checkpo
         stem = (shape.stem_checkpointed * batch + shape.stem_weights) * c
         return shape.depth * h * tokens * c + final_norm + stem, block
     return shape.depth * block + final_norm + (shape.stem_elements * batch + shape.stem_weights) * c, 0
+
+
+def _spatial_activations(shape, batch, c, grad_checkpointing, block, spatial, tokens) -> tuple[int, int]:
+    """activation_terms for a model with windowed / relative-position blocks (no hybrid stem: refused there)."""
+    h, m = shape.width, shape.mlp_width
+    final_norm = h * tokens * c * shape.final_norm
+    if grad_checkpointing == "selective":
+        kept = (7 * h + m) * tokens * c + shape.heads * tokens * 4
+        return shape.depth * kept + sum(spatial) + final_norm, block - kept + max(spatial)
+    if grad_checkpointing:
+        return shape.depth * h * tokens * c + final_norm, block + max(spatial)
+    return shape.depth * block + sum(spatial) + final_norm, 0
 
 
 def activation_bytes(shape: ModelShape, batch: int, precision: str, grad_checkpointing: bool | str) -> int:
