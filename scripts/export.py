@@ -4,6 +4,7 @@
     python scripts/export.py outputs/<run> --to timm --out exported/timm
     python scripts/export.py outputs/<run> --to onnx --out exported/onnx
     python scripts/export.py outputs/<clip run> --to open_clip --out exported/clip
+    python scripts/export.py outputs/<mae run> --to detectron2 --out exported/vitdet   # ViTDet's backbone
     python scripts/export.py hf:<transformers dir> --to safetensors --out exported/ours   # any import, as ours
 then, offline:
     transformers.AutoModel.from_pretrained("exported/hf"); AutoImageProcessor.from_pretrained("exported/hf")
@@ -30,13 +31,15 @@ from ssl_vit.artifacts import load_heads, read_preprocess, run_files, save_encod
 from ssl_vit.interop.hf import HF_ARCHS, default_arch, export_hf
 from ssl_vit.interop.onnx import export_onnx
 from ssl_vit.interop.open_clip import export_open_clip
+from ssl_vit.interop.sam import export_timm_sam
 from ssl_vit.interop.sources import LIBRARIES, load_pretrained
 from ssl_vit.interop.timm import export_timm
+from ssl_vit.interop.vitdet import export_vitdet
 from ssl_vit.model_card import write_model_card
 from ssl_vit.objectives import load_trained, objective_class
 from ssl_vit.run_dirs import resolve_run
 
-TARGETS = ("hf", "timm", "onnx", "open_clip", "safetensors")
+TARGETS = ("hf", "timm", "onnx", "open_clip", "safetensors", "detectron2")
 
 
 def main(argv=None) -> int:
@@ -64,9 +67,16 @@ def export(source: str, to: str, out: str, hf_arch: str | None = None, license: 
     encoder, preprocess = pretrained.encoder, pretrained.preprocess
     spatial = {key: encoder.config[key] for key in ("window_size", "rel_pos", "neck_channels")
                if encoder.config.get(key)}
-    if spatial and to in ("hf", "timm", "open_clip"):
-        raise ValueError(f"--to {to}: this encoder has ViTDet / SAM parts ({spatial}) that a {to} ViT does not hold; "
-                         "--to onnx or --to safetensors keep them")
+    if spatial and to in ("hf", "open_clip", "timm"):
+        return _export_windowed(encoder, preprocess, spatial, source, to, out, license)
+    if to == "detectron2":
+        path, note = export_vitdet(encoder, out)
+        if note:
+            print(f"export: {note}", file=sys.stderr)
+        load = (f"train.init_checkpoint='{path}' with model.backbone.net = ViT(**{path.parent}/vitdet_args.json) "
+                "in a ViTDet LazyConfig")
+        card = write_model_card(out, source, to, load, encoder, preprocess, license)
+        return f"wrote {path} and its model card {card.name}: {load}"
     if to == "open_clip":
         encoder_file, _ = run_files(source)
         try:
@@ -95,6 +105,20 @@ def export(source: str, to: str, out: str, hf_arch: str | None = None, license: 
         load = f"ssl_vit.artifacts.load_encoder('{path}')  # or checkpoint={path.parent} in ssl-vit's scripts"
         if _copy_adaptors(source, Path(out)):
             load += f"; its adaptors: ssl_vit.objectives.load_trained('{path.parent}')"
+    card = write_model_card(out, source, to, load, encoder, preprocess, license)
+    return f"wrote {path} and its model card {card.name}: {load}"
+
+
+def _export_windowed(encoder, preprocess, spatial: dict, source: str, to: str, out: str, license: str) -> str:
+    """An encoder with ViTDet / SAM parts: timm's SAM ViT holds them (a prefix token dropped is said on stderr);
+    transformers' and open_clip's ViTs do not (one line)."""
+    if to != "timm":
+        raise ValueError(f"--to {to}: this encoder has ViTDet / SAM parts ({spatial}) that a {to} ViT does not hold; "
+                         "--to timm (timm's SAM ViT), onnx or safetensors keep them")
+    path, note = export_timm_sam(encoder, out, preprocess)
+    if note:
+        print(f"export: {note}", file=sys.stderr)
+    load = f"timm.create_model('local-dir:{path}', pretrained=True)  # timm's SAM ViT"
     card = write_model_card(out, source, to, load, encoder, preprocess, license)
     return f"wrote {path} and its model card {card.name}: {load}"
 

@@ -20,10 +20,11 @@ from ssl_vit.run_dirs import METRICS_FILE, SUMMARY_FILE
 
 CARD_FILE = "README.md"
 LIBRARY_NAMES = {"hf": "transformers", "timm": "timm", "open_clip": "open_clip", "onnx": "onnx",
-                 "safetensors": "ssl-vit"}  # the Hub's library_name of each export target
+                 "safetensors": "ssl-vit", "detectron2": "detectron2"}  # the Hub's library_name of each export target
 ARCHITECTURE_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_dim", "mlp_ratio",
                      "class_token", "global_pool", "num_registers", "dist_token", "qk_norm", "parallel_block",
-                     "layer_scale", "pre_norm", "stem")
+                     "layer_scale", "pre_norm", "stem", "window_size", "global_attn_indexes", "rel_pos",
+                     "neck_channels")
 
 
 def write_model_card(out_dir: str | Path, source: str, target: str, how_to_load: str, encoder, preprocess,

@@ -2,6 +2,8 @@
 window_size / global_attn_indexes / rel_pos): identities, a block against timm's SAM block, timm's SAM ViT imported,
 a pre-trained run windowed for evaluation and fine-tuning, bad settings."""
 
+import json
+
 import pytest
 import timm
 import torch
@@ -198,6 +200,64 @@ def test_timms_sam_vit_imports_with_its_windows_relative_positions_and_neck():
 def test_exporting_a_windowed_encoder_to_a_library_vit_is_one_line(tmp_path):
     path = save_encoder(build_vit("vit_test", img_size=32, window_size=4, rel_pos=True),
                         tmp_path / "run" / "encoder.safetensors", step=0)
-    with pytest.raises(ValueError, match=r"^--to timm: this encoder has ViTDet / SAM parts \({'window_size': 4, "
-                                         r"'rel_pos': True}\) that a timm ViT does not hold"):
-        export_script().export(str(path), "timm", str(tmp_path / "out"))
+    with pytest.raises(ValueError, match=r"^--to hf: this encoder has ViTDet / SAM parts \({'window_size': 4, "
+                                         r"'rel_pos': True}\) that a hf ViT does not hold"):
+        export_script().export(str(path), "hf", str(tmp_path / "out"))
+
+
+def test_a_windowed_encoder_exports_to_timms_sam_vit_with_our_outputs(tmp_path, capsys):
+    """Windows of 5 on a 12 x 12 grid (padded), block 1 global, relative positions and a neck, every weight off its
+    init: `ssl-vit export --to timm` writes timm's SAM ViT, which timm.create_model loads and which gives our
+    forward_neck (1e-5). With a class token the export says in one line that it was dropped."""
+    torch.manual_seed(0)
+    ours = build_vit("vit_test", img_size=48, class_token=False, global_pool="avg", window_size=5,
+                     global_attn_indexes=[1], rel_pos=True, neck_channels=16, norm_eps=1e-5).eval()
+    with torch.no_grad():
+        for param in ours.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    path = save_encoder(ours, tmp_path / "run" / "encoder.safetensors", step=0)
+    line = export_script().export(str(path), "timm", str(tmp_path / "out"))
+    assert "timm's SAM ViT" in line and capsys.readouterr().err == ""
+    theirs = timm.create_model(f"local-dir:{tmp_path / 'out'}", pretrained=True).eval()
+    images = torch.randn(2, 3, 48, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs.forward_features(images), ours.forward_neck(images), atol=1e-5, rtol=0)
+    with_class = save_encoder(build_vit("vit_test", img_size=32, window_size=4),
+                              tmp_path / "cls" / "encoder.safetensors", step=0)
+    export_script().export(str(with_class), "timm", str(tmp_path / "out_cls"))
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("export: timm's SAM ViT has no class or register tokens: the 1 prefix token(s) were "
+                          "dropped") and "\n" not in err
+
+
+# detectron2/modeling/backbone/vit.py (commit 0818132), read: ViT.__init__ builds patch_embed (PatchEmbed: proj),
+# pos_embed (1, num_positions, D) with num_positions = (pretrain_img_size // patch_size) ** 2 + 1 if
+# pretrain_use_cls_token, blocks[i] = Block(norm1, attn (qkv, proj, rel_pos_h, rel_pos_w if use_rel_pos), norm2,
+# mlp = timm Mlp (fc1, fc2)); rel_pos tables (2 x input_size - 1, head_dim) with input_size the window for
+# windowed blocks and the grid for the others; no class token, no final norm.
+def _detectron2_names(depth: int, rel_pos: bool) -> set[str]:
+    names = {"patch_embed.proj.weight", "patch_embed.proj.bias", "pos_embed"}
+    for i in range(depth):
+        names |= {f"blocks.{i}.{part}" for part in (
+            "norm1.weight", "norm1.bias", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "attn.proj.bias",
+            "norm2.weight", "norm2.bias", "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias",
+            *(("attn.rel_pos_h", "attn.rel_pos_w") if rel_pos else ()))}
+    return {"backbone.net." + name for name in names}
+
+
+def test_the_detectron2_export_has_vitdets_names_and_layouts(tmp_path, capsys):
+    torch.manual_seed(0)
+    encoder = build_vit("vit_test", img_size=32, window_size=3, global_attn_indexes=[1], rel_pos=True)
+    path = save_encoder(encoder, tmp_path / "run" / "encoder.safetensors", step=0)
+    line = export_script().export(str(path), "detectron2", str(tmp_path / "out"))
+    assert "train.init_checkpoint=" in line
+    assert "left out" in capsys.readouterr().err  # the class token and the final norm
+    state = torch.load(tmp_path / "out" / "vitdet_backbone.pth", weights_only=True)["model"]
+    assert set(state) == _detectron2_names(2, rel_pos=True)
+    assert state["backbone.net.pos_embed"].shape == (1, 1 + 8 * 8, 32)  # the class slot first, pre-training grid
+    torch.testing.assert_close(state["backbone.net.pos_embed"], encoder.pos_embed.detach())
+    assert state["backbone.net.blocks.0.attn.rel_pos_h"].shape == (2 * 3 - 1, 16)  # windowed block: the window
+    assert state["backbone.net.blocks.1.attn.rel_pos_h"].shape == (2 * 8 - 1, 16)  # global block: the grid
+    args = json.loads((tmp_path / "out" / "vitdet_args.json").read_text())
+    assert args["window_block_indexes"] == [0] and args["pretrain_use_cls_token"] and args["pretrain_img_size"] == 32
+    assert args["use_rel_pos"] and args["window_size"] == 3 and args["mlp_ratio"] == 4.0
