@@ -34,7 +34,7 @@ def test_launches_that_are_not_deepspeed_print_no_deepspeed_warning(pool):
 
 
 @distributed
-@pytest.mark.parametrize("objective", ["dinov3", "clip", "deit", "mocov3", "ijepa", "distill"])
+@pytest.mark.parametrize("objective", ["dinov3", "clip", "deit", "mocov3", "ijepa", "distill", "windowed"])
 def test_every_strategy_gives_the_same_losses_encoders_and_heads(pool, objective):
     reference = [m["loss"] for m in read_metrics(pool[objective, "ddp_cpu2"]) if "loss" in m]
     reference_eval = [m for m in read_metrics(pool[objective, "ddp_cpu2"]) if "eval/knn" in m]
@@ -69,7 +69,17 @@ def test_every_strategy_gives_the_same_losses_encoders_and_heads(pool, objective
                 # ZeRO-3's reduce order can flip them (measured 3.3e-3 after 5 steps with a learned position table;
                 # the key bias was such a case too until RoPE gave it a real gradient). Bounded, not compared.
                 tolerance = 1e-2
+            if objective == "windowed" and name.endswith("attn.qkv.bias"):
+                # The key third of the qkv bias has an exact gradient of zero (each query's logits all shift by
+                # q . b_k); its computed gradient is rounding noise, which Adam turns into lr-sized steps, and the
+                # compiled FSDP2 run rounds otherwise: bounded, the query and value thirds compared as the rest.
+                third = len(value) // 3
+                torch.testing.assert_close(ours[third:2 * third], value[third:2 * third], atol=1e-2, rtol=0)
+                ours, value = torch.cat([ours[:third], ours[2 * third:]]), torch.cat([value[:third], value[2 * third:]])
             torch.testing.assert_close(ours, value, atol=tolerance, rtol=1e-4, msg=f"{config}: {name}")
+    if objective == "windowed":  # fine-tuned windowed from the 16 px source; the FSDP2 run compiled its blocks
+        assert reference_encoder["blocks.0.attn.rel_pos_h"].abs().sum() > 0  # the zero tables trained
+        assert "compiled 2 transformer blocks" in pool.log(("windowed", "fsdp2_cpu2"))
     if objective == "clip":
         assert "eval/zeroshot" in reference_eval[0] and "text.token_embedding.weight" in reference_heads
     if objective == "mocov3":  # the momentum encoder moved, the frozen patch projection did not (nor its copy)

@@ -57,6 +57,10 @@ OBJECTIVES = {
                 "objective.teachers=[{source: '{distill_teacher}', name: ours, img_size: 21}, "
                 "{source: 'timm:vit_tiny_patch16_224:{vit_teacher}', name: vit, img_size: 32}]"],
     "supervised": ["objective=supervised"],
+    # ViTDet's fine-tuning: a globally pre-trained 16 px encoder ({windowed_source}) continued at 48 px (a 12 x 12
+    # grid) with windows of 5 (padded to 15), block 1 global and zero-initialised relative positions
+    "windowed": ["objective=supervised", "model.init_from={windowed_source}", "data.img_size=48",
+                 "model.window_size=5", "model.global_attn_indexes=[1]", "model.rel_pos=true"],
 }
 # CLIP (a second tower, a loss gathered across ranks, accumulation) under all five strategies; masked_patch under
 # DDP (the reference of the ZeRO-2 non-finite, ZeRO-3 offload and bf16 tests; MAE and masked_patch ran under all
@@ -74,7 +78,11 @@ RUNS += [(objective, config) for objective in ("deit", "distill") for config in 
                                                                                  "fsdp2_cpu2")]
 RUNS += [("supervised", "ddp_cpu2")]  # the eager reference of a compiled run (test_compile)
 RUNS += [("masked_patch", "zero3_cpu2"), ("mae", "zero3_cpu2")]  # consolidated with their heads (test_checkpoint)
-PER_RUN = {("distill", "zero3_cpu2"): ["objective.teachers.0.shard=true"]}
+# The windowed fine-tune under DDP, ZeRO-3 and FSDP2, the last with its blocks compiled and checkpointed selectively
+RUNS += [("windowed", config) for config in ("ddp_cpu2", "zero3_cpu2", "fsdp2_cpu2")]
+PER_RUN = {("distill", "zero3_cpu2"): ["objective.teachers.0.shard=true"],
+           ("windowed", "fsdp2_cpu2"): ["trainer.compile=true", "model.grad_checkpointing=true",
+                                        "model.checkpoint_policy=selective"]}
 # CLIP under FSDP2 through the real launcher, the FSDP2 config file alone setting it up (CLIP ran under all five
 # launched for real until the suite was tiered: the forked ranks get their environment from the same accelerate
 # functions, and DDP and ZeRO-3 are launched for real by test_preemption, test_fault_injection and the two-machine
@@ -118,7 +126,10 @@ class RunPool:
 
             files = {"teacher": self.root / "resnet10t.safetensors",
                      "distill_teacher": self.root / "distill_teacher.safetensors",
-                     "vit_teacher": self.root / "vit_tiny.safetensors"}
+                     "vit_teacher": self.root / "vit_tiny.safetensors",
+                     "windowed_source": self.root / "windowed_source.safetensors"}
+            save_encoder(build_vit("vit_test"), files["windowed_source"],
+                         Preprocess(16, mean=[0.5] * 3, std=[0.25] * 3))
             save_file(timm.create_model("resnet10t", num_classes=8).state_dict(), str(files["teacher"]))
             save_encoder(build_vit("vit_test", img_size=21, patch_size=3), files["distill_teacher"],
                          Preprocess(21, mean=[0.5] * 3, std=[0.25] * 3))
