@@ -15,6 +15,7 @@ from timm.models import vision_transformer_sam as timm_sam
 from ssl_vit.artifacts import load_encoder, save_encoder
 from ssl_vit.cli import register_configs
 from ssl_vit.eval.run import evaluate
+from ssl_vit.interop.sources import load_pretrained
 from ssl_vit.interop.timm import converts, from_timm
 from ssl_vit.schema import ConfigError
 from ssl_vit.vit import Block, build_vit, with_windows
@@ -261,3 +262,24 @@ def test_the_detectron2_export_has_vitdets_names_and_layouts(tmp_path, capsys):
     args = json.loads((tmp_path / "out" / "vitdet_args.json").read_text())
     assert args["window_block_indexes"] == [0] and args["pretrain_use_cls_token"] and args["pretrain_img_size"] == 32
     assert args["use_rel_pos"] and args["window_size"] == 3 and args["mlp_ratio"] == 4.0
+
+
+@pytest.mark.slow
+def test_a_segment_anything_checkpoint_imports_through_timms_port(tmp_path):
+    """segment-anything's own names (image_encoder.*, mlp.lin1 / lin2; the prompt encoder and mask decoder beside
+    them) as timm:samvit_base_patch16:<file> reads them (timm's checkpoint filter): our encoder gives the neck
+    output of timm's model holding the same weights (at 256 px: positions resampled on the fly from 64 x 64)."""
+    torch.manual_seed(0)
+    reference = timm.create_model("samvit_base_patch16", pretrained=False, num_classes=0).eval()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    sam = {"image_encoder." + name.replace("mlp.fc", "mlp.lin"): value
+           for name, value in reference.state_dict().items() if not name.startswith("head")}
+    sam["prompt_encoder.pe_layer.positional_encoding_gaussian_matrix"] = torch.randn(2, 128)
+    torch.save(sam, tmp_path / "sam_vit_b.pth")
+    encoder = load_pretrained(f"timm:samvit_base_patch16:{tmp_path / 'sam_vit_b.pth'}").encoder.eval()
+    images = torch.randn(1, 3, 256, 256)
+    with torch.no_grad():
+        torch.testing.assert_close(encoder.forward_neck(images), reference.forward_features(images), atol=1e-5,
+                                   rtol=0)
