@@ -14,14 +14,14 @@ Sections:
   memory-efficient / cuDNN, or the math fallback).
 - speed: every objective's training step through the trainer's own step (accelerate's autocast, the objective's
   micro-steps, clipping, fused AdamW on CUDA, EMA teachers), eager and with trainer.compile's per-block compile:
-  images/s, model FLOPs per image, utilisation of the measured and the datasheet peak, peak memory; ViT-B/16 for
-  every objective, ViT-L/16 for supervised and MAE; timm's ViT-B/16 supervised step (eager, and compiled whole as
-  timm's train.py --torchcompile does) as the reference in the same run. Batches are drawn once by the real data
-  path (synthetic shapes, the objective's views) and reused, so the rows measure the model, not the loader.
-  FLOPs per image are counted, not estimated: torch.utils.flop_counter over one training step (forward and
-  backward of every matmul, convolution and attention; an EMA update and the optimizer are not counted), / batch;
-  DeiT's include its teacher's forward. Graphs are shared between rows of one shape, so a row's compile seconds
-  are what it compiled itself (the first row of a shape pays the most).
+  images/s, model FLOPs per image, utilisation of the measured and the datasheet peak, peak memory; ViT-B/16 for every
+  objective, ViT-L/16 for supervised and MAE, ViT-B/16 at 1024 px global against SAM's windows (eager); timm's
+  ViT-B/16 supervised step (eager, and compiled whole as timm's train.py --torchcompile does) as the reference in the
+  same run. Batches are drawn once by the real data path (synthetic shapes, the objective's views) and reused, so the
+  rows measure the model, not the loader. FLOPs per image are counted, not estimated: torch.utils.flop_counter over
+  one training step (forward and backward of every matmul, convolution and attention; an EMA update and the optimizer
+  are not counted), / batch; DeiT's include its teacher's forward. Graphs are shared between rows of one shape, so a
+  row's compile seconds are what it compiled itself (the first row of a shape pays the most).
 - loader: DINO's multi-crop loader (2 x 224 + 6 x 96 crops; --tiny: the test sizes) in images/s with every core as a
   worker, to set against the DINO rows' consumption: the photometric augmentation in the workers, and on the device
   (data.multicrop_photometric=device: the workers only cut uint8 crops; the device's batched stage timed apart).
@@ -282,8 +282,24 @@ def speed_section(args, device: torch.device, peak: dict, work: Path, rows: list
                        "compiled": compiled}
                 workers = 0 if args.tiny else min(8, os.cpu_count() or 1)
                 measure(row, partial(StepRunner, accelerator, cfg, compiled, args.compile_backend, workers))
+    for name, overrides in windowed_rows(args.tiny):  # ViTDet / SAM at high resolution: global against windowed
+        model, img_size, batch = ("vit_test", 32, 4) if args.tiny else ("vit_b16", 1024, max(args.batch // 32, 1))
+        cfg = compose_config(f"model={model}", "data=synthetic", f"data.img_size={img_size}",
+                             f"data.batch_size={batch}", f"output_dir={work / name}", "objective=supervised",
+                             *overrides)
+        row = {"objective": name, "model": model, "img_size": img_size, "batch": batch, "compiled": False}
+        measure(row, partial(StepRunner, accelerator, cfg, False, args.compile_backend, 0))
     AcceleratorState._reset_state(reset_partial_state=True)
     return rows
+
+
+def windowed_rows(tiny: bool) -> list[tuple[str, list[str]]]:
+    """Supervised at high resolution (ViT-B/16 at 1024 px; --tiny: vit_test at 32 px): global attention, SAM ViT-B's
+    windows (14, blocks 2, 5, 8, 11 global), and those with decomposed relative positions."""
+    window, global_blocks = ("4", "[1]") if tiny else ("14", "[2,5,8,11]")
+    windows = [f"model.window_size={window}", f"model.global_attn_indexes={global_blocks}"]
+    return [("supervised global", []), ("supervised windowed", windows),
+            ("supervised windowed + rel_pos", [*windows, "model.rel_pos=true"])]
 
 
 def measure_row(row: dict, make_runner, device: torch.device, peak: dict, steps: int, keep_going: bool) -> dict:

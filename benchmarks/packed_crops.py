@@ -32,7 +32,9 @@ def block_diagonal_attention(mask: torch.Tensor):
     """Every scaled_dot_product_attention call inside gets `mask` ((S, S) bool: True = may attend)."""
     original = F.scaled_dot_product_attention
 
-    def masked(q, k, v, *args, **kwargs):
+    def masked(q, k, v, *args, attn_mask=None, **kwargs):
+        if attn_mask is not None:
+            raise ValueError("packing crops of a model with its own attention bias (relative positions) is not built")
         return original(q, k, v, *args, attn_mask=mask, **kwargs)
 
     F.scaled_dot_product_attention = masked
