@@ -285,7 +285,7 @@ class Attention(nn.Module):
         q, k, v = self._heads(x)
         q, k = apply_rope(q, k, rope)
         prefix = N - math.prod(grid) if grid is not None else 0
-        bias = self._rel_bias(q, tuple(grid), prefix, prefix) if self.rel_pos_h is not None else None
+        bias = self._rel_bias(q, grid, prefix, prefix)
         out, weights = _attend(q, k, v, self.attn_drop if self.training else 0.0, return_attention, bias)
         out = self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, C)))
         return (out, weights) if return_attention else out

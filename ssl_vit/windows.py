@@ -37,13 +37,19 @@ def window_unpartition(windows: torch.Tensor, window: int, size: tuple[int, int]
     return x.reshape(batch, padded[0], padded[1], -1)[:, :size[0], :size[1]]
 
 
+def resample_rel_pos(table: torch.Tensor, offsets: int) -> torch.Tensor:
+    """A (2L - 1, C) relative-position table resampled linearly along its offsets to `offsets` rows (as it is when
+    used at another size, or loaded where a table of another length is expected)."""
+    if table.shape[0] == offsets:
+        return table
+    return F.interpolate(table.T[None], size=offsets, mode="linear")[0].T
+
+
 def rel_pos_table(query_size: int, key_size: int, table: torch.Tensor) -> torch.Tensor:
     """(query_size, key_size, C): the row of `table` ((2L - 1, C), offsets -L+1 .. L-1) for each query-key pair,
     the table resampled linearly to 2 max(q, k) - 1 offsets when it was made for another size; sizes that differ
     are compared on the longer one's scale."""
-    offsets = 2 * max(query_size, key_size) - 1
-    if table.shape[0] != offsets:
-        table = F.interpolate(table.T[None], size=offsets, mode="linear")[0].T
+    table = resample_rel_pos(table, 2 * max(query_size, key_size) - 1)
     q_scale, k_scale = max(key_size / query_size, 1.0), max(query_size / key_size, 1.0)
     relative = (torch.arange(query_size, device=table.device)[:, None] * q_scale
                 - torch.arange(key_size, device=table.device)[None, :] * k_scale + (key_size - 1) * k_scale)

@@ -116,6 +116,8 @@ def test_bad_input_is_one_line_each(tmp_path):
         (["encoders=[timm:resnet18]", "datasets=[mnist]"], "datasets: 'mnist' is not a data set of benchmark=default"),
         (["encoders=[timm:resnet18]", "protocols=[auto,linear]"], "auto stands alone"),
         (["encoders=[timm:resnet18,timm:resnet18]"], "two encoders are labelled 'timm:resnet18'"),
+        (["encoders=[timm:resnet18]", "eval.window_size=4"],
+         "eval: ssl-vit benchmark does not take window_size=4 (ssl-vit evaluate does"),
     ]
     for overrides, message in cases:
         with pytest.raises(ConfigError) as err:

@@ -175,6 +175,13 @@ def test_a_globally_pre_trained_run_fine_tunes_windowed_from_init_from_with_over
     assert encoder.grid_size == (12, 12) and encoder.blocks[0].attn.rel_pos_h.abs().sum() > 0  # trained from 0
     source_encoder = load_encoder(source / "encoder.safetensors")
     assert source_encoder.blocks[0].attn.rel_pos_h is None
+    # continued again with another window: its trained tables (7 rows for window 4) resampled to window 3's 5
+    again = tmp_path / "window3"
+    proc = pretrain(*TINY, "objective=supervised", f"model.init_from={out}", "data.img_size=48",
+                    "model.window_size=3", "model.global_attn_indexes=[1]", "model.rel_pos=true",
+                    "trainer.max_steps=1", f"hydra.run.dir={again}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert load_encoder(again / "encoder.safetensors").blocks[0].attn.rel_pos_h.shape == (5, 16)
 
 
 def test_timms_sam_vit_imports_with_its_windows_relative_positions_and_neck():

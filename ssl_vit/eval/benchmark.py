@@ -112,6 +112,12 @@ class Cell:
 def run_benchmark(cfg, progress: bool = True) -> dict:
     """Every cell of the benchmark `cfg` (configs/benchmark.yaml) computed or read back; the report's content."""
     validate_config(cfg)
+    unsupported = {key: cfg.eval[key] for key in ("window_size", "global_attn_indexes", "pyramid_stride")
+                   if cfg.eval[key]}
+    if unsupported:
+        given = ", ".join(f"{key}={value}" for key, value in unsupported.items())
+        raise ConfigError(f"eval: ssl-vit benchmark does not take {given} (ssl-vit evaluate does, one encoder at a "
+                          "time)")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out).expanduser()
@@ -128,11 +134,12 @@ def run_benchmark(cfg, progress: bool = True) -> dict:
             results[cell.key] = stored
     log.info("benchmark: %d encoders x %d data sets: %d cells, %d read back from %s, %d to compute", len(encoders),
              len(datasets), len(cells), len(cells) - len(missing), out / "cells", len(missing))
+    held: dict = {}  # the current data set's frozen features per encoder, read once for its four protocols
     bar = progress_bar(total=len(missing), desc="benchmark", enabled=progress, unit="cell")
     for number, cell in enumerate(missing, 1):
         bar.set_postfix_str(f"{cell.encoder.label} | {cell.data.label} | {cell.protocol}")
         start = time.perf_counter()
-        result = compute_cell(cell, cfg, cache_dir, progress)
+        result = compute_cell(cell, cfg, cache_dir, progress, held)
         result["seconds"] = time.perf_counter() - start
         results[cell.key] = write_cell(out, cell, result)
         log.info("cell %d/%d: %s on %s, %s: %s (%.1f s)", number, len(missing), cell.encoder.label, cell.data.label,
@@ -329,18 +336,24 @@ def describe_scores(scores: dict) -> str:
     return ", ".join(f"{metric} {'-' if value is None else f'{100 * value:.1f}%'}" for metric, value in scores.items())
 
 
-def compute_cell(cell: Cell, cfg, cache_dir: Path, progress: bool) -> dict:
-    """{"scores": {metric: value}, "chance": {metric: value}, "details": the evaluator's own result}."""
+def compute_cell(cell: Cell, cfg, cache_dir: Path, progress: bool, held: dict | None = None) -> dict:
+    """{"scores": {metric: value}, "chance": {metric: value}, "details": the evaluator's own result}. `held`: frozen
+    features kept between cells, by (encoder, data set), of one data set at a time."""
     encoder, seed = cell.encoder, cfg.seed
     encoder_size(cell.img_size, encoder.module, encoder.recorded)  # the size this cell was planned at
     train_set, test_set = cell.data.at(cell.img_size, seed)
     identity = {"encoder": encoder.identity, "data": OmegaConf.to_container(cell.data.cfg),
                 "preprocess": cell.preprocess.to_json()}
     if cell.protocol in ("linear", "knn", "fewshot", "vtab"):
-        ecfg = OmegaConf.merge(cfg.eval, {"features": feature_kind(encoder, cfg.eval.features)})
-        features = frozen_features(encoder.module, {"train": train_set, "test": test_set}, ecfg, cell.preprocess,
-                                   cache_dir, identity, progress, None, {})
-        return frozen_protocol(cell.protocol, *features["train"], *features["test"], cfg)
+        held = {} if held is None else held
+        key = (encoder.label, cell.data.label)
+        if key not in held:
+            for other in [k for k in held if k[1] != cell.data.label]:
+                del held[other]
+            ecfg = OmegaConf.merge(cfg.eval, {"features": feature_kind(encoder, cfg.eval.features)})
+            held[key] = frozen_features(encoder.module, {"train": train_set, "test": test_set}, ecfg,
+                                        cell.preprocess, cache_dir, identity, progress, None, {})
+        return frozen_protocol(cell.protocol, *held[key]["train"], *held[key]["test"], cfg)
     if cell.protocol == "segmentation":
         return segmentation_cell(cell, train_set, test_set, cfg, cache_dir, identity, progress)
     return text_cell(cell, test_set, cfg, progress)

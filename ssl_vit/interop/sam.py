@@ -20,6 +20,7 @@ from timm.models.vision_transformer_sam import VisionTransformerSAM
 
 from ssl_vit.files import save_safetensors
 from ssl_vit.vit import VisionTransformer
+from ssl_vit.windows import resample_rel_pos
 
 # timm's neck (Conv2d, LayerNorm2d, Conv2d, LayerNorm2d) -> ours (ConvNorm, ConvNorm)
 _NECK = {"neck.0.weight": "neck.0.weight", "neck.1.weight": "neck.0.norm.weight", "neck.1.bias": "neck.0.norm.bias",
@@ -108,10 +109,7 @@ def sam_state(encoder: VisionTransformer, args: dict) -> dict:
         for axis, side in (("h", 0), ("w", 1)):
             name = f"blocks.{index}.attn.rel_pos_{axis}"
             if name in state:
-                length = 2 * (window or grid[side]) - 1
-                table = state[name]
-                if table.shape[0] != length:
-                    state[name] = torch.nn.functional.interpolate(table.T[None], size=length, mode="linear")[0].T
+                state[name] = resample_rel_pos(state[name], 2 * (window or grid[side]) - 1)
     inverse = {ours: theirs for theirs, ours in _NECK.items()}
     state = {inverse.get(name, name): value for name, value in state.items()}
     if not args["neck_chans"]:  # timm's neck is then a LayerNorm2d: our final norm (token pooling) or none

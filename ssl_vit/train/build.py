@@ -25,6 +25,7 @@ from ssl_vit.optim import build_optimizer, schedule, weight_decay_schedule
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
 from ssl_vit.schema import ConfigError, validate_config
 from ssl_vit.vit import PRESETS, WINDOW_SETTINGS, VisionTransformer, build_vit, resample_pos_embed
+from ssl_vit.windows import resample_rel_pos
 
 log = logging.getLogger("ssl_vit")
 
@@ -147,8 +148,12 @@ def _backbone_from(source: Pretrained, cfg, img_size: int) -> VisionTransformer:
     except ValueError as err:
         raise ConfigError(f"model.init_from={cfg.model.init_from} at data.img_size={img_size}: {err}") from err
     expected = set(backbone.state_dict())
-    state = {name: value for name, value in encoder.state_dict().items() if name in expected or "rel_pos" not in name}
-    fresh = {name for name in expected - set(state) if "rel_pos" in name}  # ViTDet's: zero, added to the source
+    # relative-position tables: made for another window, resampled to this one's length (as they are when used at
+    # another size); dropped where the run has none; new ones stay at zero (ViTDet's, added to the source)
+    tables = {name: getattr(p, "ds_shape", p.shape)[0] for name, p in backbone.named_parameters() if "rel_pos" in name}
+    state = {name: resample_rel_pos(value, tables[name]) if name in tables else value
+             for name, value in encoder.state_dict().items() if name in expected or "rel_pos" not in name}
+    fresh = {name for name in expected - set(state) if "rel_pos" in name}
     if fresh:
         log.info("model.init_from: %d relative-position tables start at zero (model.rel_pos=true; the source has "
                  "none)", len(fresh))

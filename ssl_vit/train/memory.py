@@ -222,31 +222,34 @@ def activation_terms(shape: ModelShape, batch: int, precision: str, grad_checkpo
     per_element = (6 * h if shape.parallel_block else 8 * h) + 2 * m + 3 * h * shape.qk_norm + m * shape.mlp_bias
     attention_stats = shape.heads * tokens * 4
     block = per_element * tokens * c + attention_stats
-    extras = [spatial_terms(shape, window) for window in shape.windows]
-    spatial = [(elements * c + stats * 4) * batch for elements, stats in extras]
-    if spatial:  # windowed / relative-position blocks: each block's own extra (the largest recomputed)
-        return _spatial_activations(shape, batch, c, grad_checkpointing, block, spatial, tokens)
     final_norm = h * tokens * c * shape.final_norm
     if grad_checkpointing == "selective":
         kept = (7 * h + m) * tokens * c + attention_stats
         stem = (shape.stem_checkpointed * batch + shape.stem_weights) * c
-        return shape.depth * kept + final_norm + stem, block - kept
-    if grad_checkpointing:
+        terms = shape.depth * kept + final_norm + stem, block - kept
+    elif grad_checkpointing:
         stem = (shape.stem_checkpointed * batch + shape.stem_weights) * c
-        return shape.depth * h * tokens * c + final_norm + stem, block
-    return shape.depth * block + final_norm + (shape.stem_elements * batch + shape.stem_weights) * c, 0
+        terms = shape.depth * h * tokens * c + final_norm + stem, block
+    else:
+        terms = shape.depth * block + final_norm + (shape.stem_elements * batch + shape.stem_weights) * c, 0
+    return _with_spatial_terms(shape, batch, c, grad_checkpointing, terms)
 
 
-def _spatial_activations(shape, batch, c, grad_checkpointing, block, spatial, tokens) -> tuple[int, int]:
-    """activation_terms for a model with windowed / relative-position blocks (no hybrid stem: refused there)."""
-    h, m = shape.width, shape.mlp_width
-    final_norm = h * tokens * c * shape.final_norm
+def _with_spatial_terms(shape: ModelShape, batch: int, c: int, grad_checkpointing, terms: tuple[int, int]
+                        ) -> tuple[int, int]:
+    """`terms` (kept, live while recomputing) plus what windowed / relative-position blocks keep beyond a global
+    block (`spatial_terms`): all of it without checkpointing or with the selective policy (its matmul and attention
+    outputs are among them), the largest block's while it is recomputed under a checkpoint."""
+    extras = [(elements * c + stats * 4) * batch for elements, stats in
+              (spatial_terms(shape, window) for window in shape.windows)]
+    if not extras:
+        return terms
+    kept, live = terms
     if grad_checkpointing == "selective":
-        kept = (7 * h + m) * tokens * c + shape.heads * tokens * 4
-        return shape.depth * kept + sum(spatial) + final_norm, block - kept + max(spatial)
+        return kept + sum(extras), live + max(extras)
     if grad_checkpointing:
-        return shape.depth * h * tokens * c + final_norm, block + max(spatial)
-    return shape.depth * block + sum(spatial) + final_norm, 0
+        return kept, live + max(extras)
+    return kept + sum(extras), live
 
 
 def activation_bytes(shape: ModelShape, batch: int, precision: str, grad_checkpointing: bool | str) -> int:
