@@ -35,6 +35,7 @@ from torch.utils.checkpoint import (
 
 from ssl_vit.geometry import check_divisible, pair
 from ssl_vit.init import LayerScale, Linear, PatchProjection, check_scheme, init_embeddings
+from ssl_vit.naflex import NaFlexLayout, is_naflex, patch_valid
 from ssl_vit.pyramid import ConvNorm
 from ssl_vit.rope import apply_rope, build_rope
 from ssl_vit.stem import HybridPatchEmbed, check_stem
@@ -179,6 +180,16 @@ class PatchEmbed(nn.Module):
         self.grid_size = self.grid_for(*img_size)
         self.img_size, self.num_patches = tuple(img_size), self.grid_size[0] * self.grid_size[1]
 
+    def embed_flat(self, patches: torch.Tensor) -> torch.Tensor:
+        """(B, N, P * P * C) flat patches (row, column, channel: ssl_vit.naflex) -> (B, N, D): the same
+        projection as a linear layer over the flattened kernel."""
+        weight = self.proj.weight
+        expected = weight[0].numel()
+        if patches.shape[-1] != expected:
+            raise ValueError(f"NaFlex patches have {patches.shape[-1]} values each, this patch embedding takes "
+                             f"{self.patch_size[0]}x{self.patch_size[1]}x{weight.shape[1]} = {expected}")
+        return F.linear(patches.to(weight.dtype), weight.permute(0, 2, 3, 1).flatten(1), self.proj.bias)
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         self.grid_for(images.shape[-2], images.shape[-1])
         # In the weights' dtype (bf16 weights under DeepSpeed's bf16 mode; a no-op otherwise), as HF's ViT does.
@@ -186,11 +197,14 @@ class PatchEmbed(nn.Module):
 
 
 def _attend(q, k, v, dropout_p: float, return_attention: bool, bias: torch.Tensor | None = None):
-    """SDPA, or the explicit softmax(q k^T / sqrt(d) + bias) v that also returns the weights (for analysis)."""
+    """SDPA, or the explicit softmax(q k^T / sqrt(d) + bias) v that also returns the weights (for analysis).
+    `bias`: an additive float bias, or a boolean mask (true: attend)."""
     if not return_attention:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p), None
     weights = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
-    if bias is not None:
+    if bias is not None and bias.dtype == torch.bool:  # a NaFlex batch's key mask: true where attended
+        weights = weights.masked_fill(~bias, float("-inf"))
+    elif bias is not None:
         weights = weights + bias
     weights = weights.softmax(dim=-1)
     return weights @ v, weights
@@ -272,8 +286,10 @@ class Attention(nn.Module):
         bias = decomposed_rel_pos_bias(q[..., query_prefix:, :], self.rel_pos_h, self.rel_pos_w, grid, grid)
         return F.pad(bias, (prefix, 0, query_prefix, 0))
 
-    def forward(self, x: torch.Tensor, rope=None, return_attention: bool = False, grid: Sequence[int] | None = None):
-        """`grid`: the patch tokens' (h, w), which windows and relative positions need (the last h x w tokens)."""
+    def forward(self, x: torch.Tensor, rope=None, return_attention: bool = False, grid: Sequence[int] | None = None,
+                attn_mask: torch.Tensor | None = None):
+        """`grid`: the patch tokens' (h, w), which windows and relative positions need (the last h x w tokens);
+        `attn_mask`: a NaFlex batch's (B, 1, 1, n) boolean key mask (ssl_vit.naflex), or None."""
         if self.needs_grid and grid is None:
             raise ValueError("windowed attention and relative positions need the patch grid (all patch tokens, none "
                              "dropped)")
@@ -285,7 +301,7 @@ class Attention(nn.Module):
         q, k, v = self._heads(x)
         q, k = apply_rope(q, k, rope)
         prefix = N - math.prod(grid) if grid is not None else 0
-        bias = self._rel_bias(q, grid, prefix, prefix)
+        bias = self._rel_bias(q, grid, prefix, prefix) if attn_mask is None else attn_mask
         out, weights = _attend(q, k, v, self.attn_drop if self.training else 0.0, return_attention, bias)
         out = self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, C)))
         return (out, weights) if return_attention else out
@@ -368,15 +384,17 @@ class TransformerBlock(nn.Module):
 
     checkpointing: str | None = None  # None, "full" or "selective" (CHECKPOINTING)
 
-    def forward(self, x: torch.Tensor, rope=None, return_attention: bool = False, grid: Sequence[int] | None = None):
+    def forward(self, x: torch.Tensor, rope=None, return_attention: bool = False, grid: Sequence[int] | None = None,
+                attn_mask: torch.Tensor | None = None):
         """`rope`: the (sin, cos) tables of the patch tokens (`VisionTransformer.rope_tables`), or None; `grid`:
-        the patch grid (windowed attention and relative positions need it)."""
+        the patch grid (windowed attention and relative positions need it); `attn_mask`: a NaFlex batch's key
+        mask (ssl_vit.naflex.NaFlexLayout.attention_mask), or None."""
         if self.checkpointing and torch.is_grad_enabled() and not return_attention:
-            return checkpoint(self.residual, x, rope, False, grid, use_reentrant=False,
+            return checkpoint(self.residual, x, rope, False, grid, attn_mask, use_reentrant=False,
                               context_fn=_CHECKPOINT_CONTEXTS[self.checkpointing])
-        return self.residual(x, rope, return_attention, grid)
+        return self.residual(x, rope, return_attention, grid, attn_mask)
 
-    def residual(self, x: torch.Tensor, rope=None, return_attention: bool = False, grid=None):
+    def residual(self, x: torch.Tensor, rope=None, return_attention: bool = False, grid=None, attn_mask=None):
         raise NotImplementedError
 
 
@@ -401,8 +419,8 @@ class Block(TransformerBlock):
         self.ls2 = _layer_scale(dim, layer_scale)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def residual(self, x: torch.Tensor, rope=None, return_attention: bool = False, grid=None):
-        attn = self.attn(self.norm1(x), rope, return_attention, grid)
+    def residual(self, x: torch.Tensor, rope=None, return_attention: bool = False, grid=None, attn_mask=None):
+        attn = self.attn(self.norm1(x), rope, return_attention, grid, attn_mask)
         attn, weights = attn if return_attention else (attn, None)
         x = x + self.drop_path1(self.ls1(attn))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
@@ -451,14 +469,14 @@ class ParallelBlock(TransformerBlock):
             else:
                 nn.init.zeros_(self.mlp_bias)
 
-    def residual(self, x: torch.Tensor, rope=None, return_attention: bool = False, grid=None):
+    def residual(self, x: torch.Tensor, rope=None, return_attention: bool = False, grid=None, attn_mask=None):
         B, N, C = x.shape
         hidden, q, k, v = torch.split(self.in_proj(self.in_norm(x)), self.in_split, dim=-1)
         if self.mlp_bias is not None:
             hidden = hidden + self.mlp_bias
         q, k, v = (t.view(B, N, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(self.q_norm(q), self.k_norm(k), rope)
-        attn, weights = _attend(q, k, v, self.attn_drop if self.training else 0.0, return_attention)
+        attn, weights = _attend(q, k, v, self.attn_drop if self.training else 0.0, return_attention, attn_mask)
         attn = self.attn_out_proj(attn.transpose(1, 2).reshape(B, N, C))
         mlp = self.mlp_out_proj(self.mlp_drop(self.mlp_act(hidden)))
         x = x + self.drop_path(self.ls(attn + mlp))
@@ -701,15 +719,23 @@ class VisionTransformer(nn.Module):
         return tables if isinstance(tables, list) else [tables] * len(self.blocks)
 
     def run_blocks(self, tokens: torch.Tensor, grid: Sequence[int] | None = None,
-                   keep: torch.Tensor | None = None) -> torch.Tensor:
+                   keep: torch.Tensor | None = None, layout: NaFlexLayout | None = None) -> torch.Tensor:
         """Pre-norm, all blocks (each activation-checkpointed when set), then the final norm. `grid` and `keep`
-        (as given to `embed_patches`) place the patch tokens for rotary position embeddings."""
-        ropes = self.rope_tables(grid, keep) or [None] * len(self.blocks)
-        spatial = self.spatial_grid(grid, keep)
+        (as given to `embed_patches`) place the patch tokens for rotary position embeddings; `layout`, for a
+        NaFlex batch instead, places each image's tokens and masks its padding."""
         x = self.norm_pre(tokens)
-        for block, rope in zip(self.blocks, ropes, strict=True):
-            x = block(x, rope, grid=spatial)
+        for block, rope, spatial, mask in self._block_inputs(grid, keep, layout):
+            x = block(x, rope, grid=spatial, attn_mask=mask)
         return self.norm(x)
+
+    def _block_inputs(self, grid, keep=None, layout: NaFlexLayout | None = None):
+        """(block, its rope tables, the grid windows need, the attention mask) for each block."""
+        if layout is not None:
+            ropes, spatial, mask = self.naflex_rope_tables(layout), None, layout.attention_mask(self.num_prefix_tokens)
+        else:
+            ropes, spatial, mask = self.rope_tables(grid, keep), self.spatial_grid(grid, keep), None
+        ropes = ropes or [None] * len(self.blocks)
+        return [(block, rope, spatial, mask) for block, rope in zip(self.blocks, ropes, strict=True)]
 
     def spatial_grid(self, grid: Sequence[int] | None, keep: torch.Tensor | None = None) -> tuple[int, int] | None:
         """The grid windowed blocks and relative positions partition (None where no block needs one); ValueError
@@ -740,11 +766,62 @@ class VisionTransformer(nn.Module):
         grid = self.patch_embed.grid_for(images.shape[-2], images.shape[-1])
         return self.embed_patches(self.patch_embed(images), grid, mask, mask_token, keep)
 
-    def forward_features(self, images: torch.Tensor, mask: torch.Tensor | None = None,
+    def forward_features(self, images: torch.Tensor | dict, mask: torch.Tensor | None = None,
                          mask_token: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
-        """Output tokens (B, prefix + N or K, D), after the final norm; `mask`, `keep`: see `embed_patches`."""
+        """Output tokens (B, prefix + N or K, D), after the final norm; `mask`, `keep`: see `embed_patches`.
+        `images` may be a NaFlex batch (ssl_vit.naflex): the tokens then follow its patches, padding included."""
+        if is_naflex(images):
+            if keep is not None:
+                raise ValueError("dropping patches (keep: MAE's and I-JEPA's encoders) is not built for NaFlex "
+                                 "batches; train those objectives with data.resolution=fixed")
+            layout = self.naflex_layout(images)
+            return self.run_blocks(self.embed_naflex(images, layout, mask, mask_token), layout=layout)
         grid = self.patch_embed.grid_for(images.shape[-2], images.shape[-1])
         return self.run_blocks(self.embed(images, mask, mask_token, keep), grid, keep)
+
+    # ----- NaFlex batches: images at their own sizes as padded flat patches (ssl_vit.naflex) -----
+    def naflex_layout(self, batch: dict) -> NaFlexLayout:
+        """The batch's layout; ValueError where this backbone cannot read NaFlex batches."""
+        if not isinstance(self.patch_embed, PatchEmbed):
+            raise ValueError("NaFlex batches need the patch stem (model.stem=patch): a hybrid's ResNet reads whole "
+                             "images")
+        if self.windowed:
+            raise ValueError("NaFlex batches with windowed attention or relative positions (window_size, rel_pos) "
+                             "are not built: windows partition one grid")
+        return NaFlexLayout.of(batch)
+
+    def naflex_pos_embed(self, layout: NaFlexLayout) -> torch.Tensor | None:
+        """(B, N, D): each patch's position embedding from its image's own grid (resampled once per distinct
+        grid, as a dense batch of that grid gets them), zero on padding; None without added ones."""
+        if self.pos_embed is None:
+            return None
+        pos = layout.per_image(lambda grid, index: self.patch_pos_embed(grid)[0][index])
+        return pos * layout.valid[..., None].to(pos.dtype)
+
+    def naflex_rope_tables(self, layout: NaFlexLayout):
+        """`rope_tables` for a NaFlex batch: each image's rows of its own grid's tables (once per distinct grid)."""
+        if self.rope is None:
+            return None
+        tables = layout.per_image(lambda grid, index: self.rope(grid, index))
+        return tables if isinstance(tables, list) else [tables] * len(self.blocks)
+
+    def embed_naflex(self, batch: dict, layout: NaFlexLayout, mask: torch.Tensor | None = None,
+                     mask_token: torch.Tensor | None = None) -> torch.Tensor:
+        """A NaFlex batch -> its input token sequence (B, prefix + N, D): `embed_patches` with per-image
+        positions."""
+        patches = self.patch_embed.embed_flat(batch["patches"])
+        if mask is not None:
+            patches = torch.where(mask[..., None], mask_token.to(patches.dtype), patches)
+        pos = self.naflex_pos_embed(layout)
+        return self.prepend_tokens(patches if pos is None else patches + pos.to(patches.dtype))
+
+    def _input_tokens(self, images):
+        """(input tokens, per-block inputs) of images or a NaFlex batch, nothing dropped."""
+        if is_naflex(images):
+            layout = self.naflex_layout(images)
+            return self.embed_naflex(images, layout), self._block_inputs(None, layout=layout)
+        grid = self.patch_embed.grid_for(*images.shape[-2:])
+        return self.embed(images), self._block_inputs(grid)
 
     def forward_neck(self, images: torch.Tensor) -> torch.Tensor:
         """(B, C, h, w): the last patch tokens on their grid, through SAM's neck where the encoder has one (what
@@ -754,31 +831,36 @@ class VisionTransformer(nn.Module):
         patch_map = tokens.transpose(1, 2).reshape(len(images), -1, *grid)
         return self.neck(patch_map) if self.neck is not None else patch_map
 
-    def pool(self, tokens: torch.Tensor) -> torch.Tensor:
+    def pool(self, tokens: torch.Tensor, patch_valid: torch.Tensor | None = None) -> torch.Tensor:
         """(B, n, D) output tokens -> (B, D) image embedding (with a distillation token: the mean of the class and
-        distillation tokens, as timm's DeiT pre-logits)."""
+        distillation tokens, as timm's DeiT pre-logits). `patch_valid` (B, N): a NaFlex batch's mask, so that the
+        average leaves the padding out."""
         if self.global_pool == "avg":
-            return self.fc_norm(tokens[:, self.num_prefix_tokens:].mean(dim=1))
+            patches = tokens[:, self.num_prefix_tokens:]
+            if patch_valid is None:
+                return self.fc_norm(patches.mean(dim=1))
+            weights = patch_valid.to(patches.dtype)[..., None]
+            return self.fc_norm((patches * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1))
         if self.dist_token is not None:
             return (tokens[:, 0] + tokens[:, 1]) / 2
         return tokens[:, 0]
 
-    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        pooled = self.pool(tokens)
+    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False,
+                     patch_valid: torch.Tensor | None = None) -> torch.Tensor:
+        pooled = self.pool(tokens, patch_valid)
         return pooled if pre_logits else self.head(pooled)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(images))
+    def forward(self, images: torch.Tensor | dict) -> torch.Tensor:
+        return self.forward_head(self.forward_features(images), patch_valid=patch_valid(images))
 
     def forward_intermediates(self, images: torch.Tensor, last_k: int = 1) -> list[torch.Tensor]:
         """Token outputs (B, n, D) of the last `last_k` blocks, each through the final norm (DINO's eval features)."""
         if not 1 <= last_k <= len(self.blocks):
             raise ValueError(f"last_k must be in [1, {len(self.blocks)}], got {last_k}")
-        grid = self.patch_embed.grid_for(*images.shape[-2:])
-        x, ropes, spatial = self.norm_pre(self.embed(images)), self.rope_tables(grid), self.spatial_grid(grid)
-        outputs = []
-        for index, (block, rope) in enumerate(zip(self.blocks, ropes or [None] * len(self.blocks), strict=True)):
-            x = block(x, rope, grid=spatial)
+        x, inputs = self._input_tokens(images)
+        x, outputs = self.norm_pre(x), []
+        for index, (block, rope, spatial, mask) in enumerate(inputs):
+            x = block(x, rope, grid=spatial, attn_mask=mask)
             if index >= len(self.blocks) - last_k:
                 outputs.append(self.norm(x))
         return outputs
@@ -786,11 +868,10 @@ class VisionTransformer(nn.Module):
     @torch.no_grad()
     def attention_maps(self, images: torch.Tensor) -> list[torch.Tensor]:
         """Softmax attention weights (B, heads, n, n) of every block, through the explicit attention path."""
-        grid = self.patch_embed.grid_for(*images.shape[-2:])
-        x, ropes, spatial = self.norm_pre(self.embed(images)), self.rope_tables(grid), self.spatial_grid(grid)
-        maps = []
-        for block, rope in zip(self.blocks, ropes or [None] * len(self.blocks), strict=True):
-            x, weights = block(x, rope, return_attention=True, grid=spatial)
+        x, inputs = self._input_tokens(images)
+        x, maps = self.norm_pre(x), []
+        for block, rope, spatial, mask in inputs:
+            x, weights = block(x, rope, return_attention=True, grid=spatial, attn_mask=mask)
             maps.append(weights)
         return maps
 

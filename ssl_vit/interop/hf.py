@@ -13,6 +13,7 @@ differ: ViTConfig eps 1e-12, CLIPVisionConfig quick_gelu, SigLIP tanh-GELU). Wha
     dinov2  required     yes        no        all tokens (`layernorm`)        `lambda1`       our embedding
     clip    required     no         required  pooled class token only         folded (exact)  our embedding
     siglip  none         no         no        all tokens (our `fc_norm`) (**) folded (exact)  none (no MAP head)
+    siglip2 as siglip; NaFlex: flat patches (`Siglip2VisionModel`), bilinear antialiased position resampling
 
 (*) ViT's pooler is written as the identity (dense = I, `pooler_act` linear). (**) Our average-pooling models
 normalise after pooling; SigLIP normalises every token: its `last_hidden_state` is `fc_norm` of each token, and
@@ -40,7 +41,7 @@ from ssl_vit.interop.native import NativeEncoder, from_hf_native, not_a_vit
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.vit import VisionTransformer
 
-HF_ARCHS = ("vit", "dinov2", "clip", "siglip", "dinov3")
+HF_ARCHS = ("vit", "dinov2", "clip", "siglip", "siglip2", "dinov3")
 HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu"}
 # transformers activation names -> ours (gelu_new is the same tanh formula as gelu_pytorch_tanh)
 FROM_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_python": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -65,6 +66,7 @@ _LAYOUTS = {
     "dinov2": (_DINOV2_BLOCK, "encoder.layer.{i}.", "encoder.layer.{i}.", ""),
     "clip": (_CLIP_BLOCK, "encoder.layers.{i}.", "encoder.layers.{i}.", "vision_model."),
     "siglip": (_CLIP_BLOCK, "encoder.layers.{i}.", "encoder.layers.{i}.", "vision_model."),
+    "siglip2": (_CLIP_BLOCK, "encoder.layers.{i}.", "encoder.layers.{i}.", "vision_model."),
 }
 _OTHER_TARGETS = "timm, onnx and safetensors export every option"
 
@@ -94,7 +96,12 @@ def refusals(config: dict, arch: str) -> list[str]:
     if config.get("num_registers", 0) and arch != "dinov2":
         problems.append(f"num_registers={config['num_registers']} (of these, only --hf-arch dinov2 has registers)")
     class_token, pool = config.get("class_token", True), config.get("global_pool", "token")
-    if arch == "siglip":
+    if arch == "siglip2" and (config.get("pos_embed_interp", "bicubic") != "bilinear"
+                              or not config.get("pos_embed_antialias", True)):
+        problems.append(f"pos_embed_interp={config.get('pos_embed_interp', 'bicubic')!r}, pos_embed_antialias="
+                        f"{config.get('pos_embed_antialias', True)} (SigLIP 2 resamples its position grid bilinear "
+                        "antialiased for each image: train with model.pos_embed_interp=bilinear)")
+    if arch in ("siglip", "siglip2"):
         if class_token:
             problems.append("class_token=True (SigLIP has no class token; use --hf-arch vit, dinov2 or clip)")
     elif not class_token or pool != "token":
@@ -170,6 +177,11 @@ def hf_config(config: dict, arch: str, projection_dim: int | None = None):
                                              projection_dim=projection_dim or width,
                                              architectures=["CLIPVisionModelWithProjection" if projection_dim
                                                             else "CLIPVisionModel"])
+    if arch == "siglip2":
+        common.pop("image_size")
+        return transformers.Siglip2VisionConfig(**common, intermediate_size=mlp_dim, attention_dropout=0.0,
+                                                num_patches=(_side(config["img_size"]) // common["patch_size"]) ** 2,
+                                                vision_use_head=False, architectures=["Siglip2VisionModel"])
     return transformers.SiglipVisionConfig(**common, intermediate_size=mlp_dim, attention_dropout=0.0,
                                            vision_use_head=False, architectures=["SiglipVisionModel"])
 
@@ -234,8 +246,10 @@ def hf_state(state: dict, config: dict, arch: str, projection: torch.Tensor | No
         out["embeddings.position_embedding.weight"] = torch.cat([class_pos, patch_pos])
         norm("pre_layrnorm", "norm_pre")
         norm("post_layernorm", "norm")
-    else:
-        out["embeddings.patch_embedding.weight"] = state["patch_embed.proj.weight"]
+    else:  # SigLIP 2's patch embedding is a linear layer over flat (row, column, channel) patches
+        weight = state["patch_embed.proj.weight"]
+        flat = arch == "siglip2"
+        out["embeddings.patch_embedding.weight"] = weight.permute(0, 2, 3, 1).flatten(1) if flat else weight
         out["embeddings.patch_embedding.bias"] = patch_bias if patch_bias is not None else torch.zeros(width)
         out["embeddings.position_embedding.weight"] = patch_pos
         norm("post_layernorm", "fc_norm")
@@ -278,14 +292,27 @@ def export_hf(encoder, out_dir: str | Path, arch: str | None = None, projection:
              else hf_state(encoder.state_dict(), config, arch, projection))
     save_safetensors(state, out_dir / "model.safetensors", metadata={"format": "pt"})
     if preprocess is None:  # nothing recorded: our eval transform's defaults at the encoder's size
-        preprocess = Preprocess(img_size=hf.image_size)
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(processor_config(preprocess), indent=2) + "\n")
+        preprocess = Preprocess(img_size=_side(config["img_size"]))
+    processor = (siglip2_processor_config(preprocess, hf.patch_size, hf.num_patches) if arch == "siglip2"
+                 else processor_config(preprocess))
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
     return out_dir
+
+
+def siglip2_processor_config(preprocess, patch_size: int, max_num_patches: int) -> dict:
+    """Siglip2ImageProcessor settings: each image resized (aspect kept) to at most `max_num_patches` patches and
+    patchified, normalised with our statistics."""
+    resample = {"nearest": 0, "bilinear": 2, "bicubic": 3}[preprocess.interpolation]
+    return {"image_processor_type": "Siglip2ImageProcessor", "patch_size": patch_size,
+            "max_num_patches": max_num_patches, "do_resize": True, "resample": resample, "do_rescale": True,
+            "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(preprocess.mean),
+            "image_std": list(preprocess.std), "do_convert_rgb": True}
 
 
 # ----- import -----
 _MODEL_TYPES = {"vit": "vit", "dinov2": "dinov2", "dinov2_with_registers": "dinov2", "clip_vision_model": "clip",
-                "clip": "clip", "siglip_vision_model": "siglip", "siglip": "siglip", "dinov3_vit": "dinov3"}
+                "clip": "clip", "siglip_vision_model": "siglip", "siglip": "siglip", "dinov3_vit": "dinov3",
+                "siglip2_vision_model": "siglip2", "siglip2": "siglip2"}
 
 
 def _arch_of(hf_cfg) -> str:
@@ -306,10 +333,11 @@ def load_hf_vision(path: str | Path):
         raise FileNotFoundError(f"{str(path)!r} is not a transformers model directory (no config.json)")
     hf_cfg = transformers.AutoConfig.from_pretrained(path)
     arch = _arch_of(hf_cfg)
-    if hf_cfg.model_type in ("clip", "siglip", "clip_vision_model"):  # a CLIP / SigLIP model: its vision tower
+    if hf_cfg.model_type in ("clip", "siglip", "siglip2", "clip_vision_model"):  # an image-text model's vision tower
         with_projection = "CLIPVisionModelWithProjection" in (hf_cfg.architectures or [])
         cls = transformers.CLIPVisionModelWithProjection if with_projection else \
-            transformers.CLIPVisionModel if arch == "clip" else transformers.SiglipVisionModel
+            transformers.CLIPVisionModel if arch == "clip" else \
+            transformers.Siglip2VisionModel if arch == "siglip2" else transformers.SiglipVisionModel
         model = cls.from_pretrained(path)
     else:
         model = transformers.AutoModel.from_pretrained(path)
@@ -337,22 +365,31 @@ def from_hf(path: str | Path):
     width, depth = hf_cfg.hidden_size, hf_cfg.num_hidden_layers
     registers = getattr(hf_cfg, "num_register_tokens", 0) if arch == "dinov2" else 0
     mlp_dim = int(width * hf_cfg.mlp_ratio) if arch == "dinov2" else hf_cfg.intermediate_size
-    size, patch = hf_cfg.image_size, hf_cfg.patch_size
+    patch = hf_cfg.patch_size
+    siglip = arch in ("siglip", "siglip2")
+    # SigLIP 2 keeps a square grid of num_patches position embeddings
+    size = int(round(hf_cfg.num_patches ** 0.5)) * _side(patch) if arch == "siglip2" else hf_cfg.image_size
     kwargs = dict(img_size=size, patch_size=patch, in_chans=hf_cfg.num_channels, embed_dim=width, depth=depth,
                   num_heads=hf_cfg.num_attention_heads, mlp_dim=mlp_dim, act_layer=act, norm_eps=hf_cfg.layer_norm_eps,
-                  class_token=arch != "siglip", global_pool="avg" if arch == "siglip" else "token",
+                  class_token=not siglip, global_pool="avg" if siglip else "token",
                   num_registers=registers, pre_norm=arch == "clip", layer_scale=None,
                   # transformers' interpolate_pos_encoding: bicubic, antialiased only in Dinov2WithRegisters (as the
                   # original DINOv2 register models: interpolate_antialias=True)
                   pos_embed_interp="bicubic", pos_embed_antialias=hf_cfg.model_type == "dinov2_with_registers")
     if arch == "dinov2":
         kwargs["layer_scale"] = float(hf_cfg.layerscale_value)
+    if arch == "siglip2":  # resize_positional_embeddings: F.interpolate bilinear, antialiased, per image
+        kwargs.update(pos_embed_interp="bilinear", pos_embed_antialias=True)
     try:
         ours = _our_state(state, arch, width, depth, registers)
     except KeyError as err:
         raise ValueError(f"{path}: a {type(module).__name__} without the weight {err} (a layout this import does "
                          f"not know; supported: {sorted(_MODEL_TYPES)})") from None
     encoder = VisionTransformer(**kwargs)
+    if arch == "siglip2":  # a linear layer over flat (row, column, channel) patches -> our conv kernel
+        kernel = encoder.patch_embed.proj.weight
+        ours["patch_embed.proj.weight"] = ours["patch_embed.proj.weight"].reshape(
+            len(kernel), *kernel.shape[2:], kernel.shape[1]).permute(0, 3, 1, 2)
     if "patch_embed.proj.bias" in encoder.state_dict() and "patch_embed.proj.bias" not in ours:
         ours["patch_embed.proj.bias"] = torch.zeros(width)
     encoder.load_state_dict(ours, strict=True)

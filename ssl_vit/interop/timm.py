@@ -12,11 +12,7 @@ import timm
 import torch
 from timm.data import resolve_data_config
 from timm.layers import (
-    GELU,
-    GELUTanh,
     HybridEmbed,
-    LayerScale,
-    QuickGELU,
     RotaryEmbeddingCat,
     RotaryEmbeddingDinoV3,
     RotaryEmbeddingMixed,
@@ -33,6 +29,8 @@ from ssl_vit.artifacts import file_fingerprint
 from ssl_vit.files import save_safetensors
 from ssl_vit.interop.native import NativeEncoder, from_timm_native, not_a_vit
 from ssl_vit.interop.sam import from_timm_sam
+from ssl_vit.interop.timm_layers import activation_name, layer_scale_init
+from ssl_vit.interop.timm_naflex import from_timm_naflex, is_timm_naflex
 from ssl_vit.preprocess import INTERPOLATIONS, Preprocess
 from ssl_vit.rope import ROPE_KINDS, ROPE_THETA
 from ssl_vit.stem import RESNET_CHANNELS
@@ -50,41 +48,6 @@ def is_dinov2(model: nn.Module) -> bool:
     cfg = getattr(model, "pretrained_cfg", None) or {}
     names = (cfg.get("architecture"), cfg.get("hf_hub_id"), cfg.get("url"))
     return any("dinov2" in str(name).lower() for name in names if name)
-
-
-def layer_scale_init(model: nn.Module) -> float | None:
-    """The layer-scale init value the timm model was built with (its `init_values`), or None without layer scale.
-
-    Rules, first that applies: timm's `LayerScale` keeps `init_values` as an attribute (every timm release this
-    package supports); else the constructor arguments timm recorded (`_model_args` / `pretrained_model_args`);
-    else the gammas, when they all hold one value (an untrained model). A trained model that recorded nothing is an
-    error: pass `layer_scale=` to `from_timm`.
-    """
-    scales = [m for m in model.modules() if isinstance(m, LayerScale)]
-    if not scales:
-        return None
-    recorded = {float(m.init_values) for m in scales if getattr(m, "init_values", None) is not None}
-    if len(recorded) == 1:
-        return recorded.pop()
-    for args in (getattr(model, "_model_args", None), getattr(model, "pretrained_model_args", None)):
-        if args and args.get("init_values") is not None:
-            return float(args["init_values"])
-    gammas = torch.cat([m.gamma.detach().flatten().float() for m in scales])
-    if gammas.numel() and bool((gammas == gammas[0]).all()):
-        return float(gammas[0])
-    raise ValueError("cannot tell the layer-scale init value of this timm model (no init_values recorded and the "
-                     "gammas differ); pass it as from_timm(model, layer_scale=...)")
-
-
-def activation_name(act: nn.Module) -> str:
-    """Our `act_layer` name for a timm block's MLP activation (ValueError for one we do not have)."""
-    if isinstance(act, QuickGELU):
-        return "quick_gelu"
-    if isinstance(act, GELUTanh) or (isinstance(act, nn.GELU) and act.approximate == "tanh"):
-        return "gelu_tanh"
-    if isinstance(act, (nn.GELU, GELU)):  # timm's GELU is F.gelu, exact
-        return "gelu"
-    raise ValueError(f"unsupported timm MLP activation {type(act).__name__}; supported: GELU, GELU(tanh), QuickGELU")
 
 
 # timm's hybrid ViTs, by their ResNet part: (stem_layers, stem_width) with ResNet's stage widths -> architecture.
@@ -122,6 +85,8 @@ def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embe
         return _from_timm_dinov3(model, layer_scale)
     if isinstance(model, VisionTransformerSAM):
         return from_timm_sam(model)
+    if is_timm_naflex(model):
+        return from_timm_naflex(model)
     if not isinstance(model, TimmViT):
         raise ValueError(f"only timm VisionTransformer models and its RoPE models (Eva with DINOv3's or RoPE-ViT's "
                          f"RoPE) can be imported, not {type(model).__name__}")
@@ -431,7 +396,7 @@ def timm_native_preprocess(model) -> Preprocess:
 def converts(model: nn.Module) -> bool:
     """Whether timm's model is one of the ViTs that become ours (VisionTransformer, hybrids, the RoPE Eva models,
     SAM's image encoder)."""
-    return isinstance(model, (TimmViT, Eva, VisionTransformerSAM))
+    return isinstance(model, (TimmViT, Eva, VisionTransformerSAM)) or is_timm_naflex(model)
 
 
 def load_timm_spec(rest: str, native: str = "never") -> tuple[VisionTransformer | NativeEncoder, Preprocess, dict]:

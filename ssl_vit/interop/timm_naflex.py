@@ -1,0 +1,193 @@
+"""timm's NaFlex ViT (`timm.models.naflexvit.NaFlexVit`, the `naflexvit_*` models) both ways.
+
+NaFlexVit is timm's classic ViT with a linear patch embedding over flat (row, column, channel) patches, position
+embeddings stored as a (1, h, w, D) grid without prefix slots, and the prefix tokens in front; its blocks carry the
+classic names. So the mapping is three tensors: the patch projection (a Conv2d kernel flattened channel-last), the
+position grid, and a class-token position slot folded into the class token (timm's own `checkpoint_filter_fn` does
+the same for classic checkpoints). What it cannot hold is refused in one line: MAP pooling, RoPE, factorized
+position embeddings, grid-sampled or aspect-preserving position resampling (import); parallel blocks, hybrids,
+bias-free norms, distillation tokens, windows (export).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from timm.models.naflexvit import NaFlexVit
+from torch import nn
+
+from ssl_vit.files import save_safetensors
+from ssl_vit.interop.timm_layers import activation_name, layer_scale_init
+from ssl_vit.vit import VisionTransformer
+
+_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "quick_gelu": "quick_gelu"}
+
+
+def _import_refusals(model: NaFlexVit) -> list[str]:
+    embeds = model.embeds
+    problems = []
+    if model.global_pool not in ("token", "avg"):
+        problems.append(f"global_pool={model.global_pool!r} (ours pools the class token or the average; build it with "
+                        "global_pool='avg' to import the trunk)")
+    if getattr(model, "rope", None) is not None:
+        problems.append("RoPE (use timm's Eva / vit_*_rope models, which import)")
+    if getattr(embeds, "pos_embed_type", "learned") not in ("learned", "none"):
+        problems.append(f"pos_embed={embeds.pos_embed_type!r}")
+    if embeds.pos_embed_ar_preserving or embeds.pos_embed_align_corners or embeds.pos_embed_use_grid_sample:
+        problems.append("pos_embed_ar_preserving / align_corners / use_grid_sample (ours resamples each image's grid "
+                        "with F.interpolate, timm's default)")
+    if embeds.norm_input is not None or not isinstance(embeds.norm, nn.Identity):
+        problems.append("an input or embedding norm")
+    if not isinstance(embeds.proj, nn.Linear):
+        problems.append("a convolutional patch embedding (embed_proj_type='conv')")
+    if model.pool_include_prefix:
+        problems.append("pool_include_prefix=True")
+    if model.global_pool == "avg" and not isinstance(model.norm, nn.Identity):
+        problems.append("average pooling of normalised tokens (final_norm without fc_norm: ours normalises after "
+                        "pooling)")
+    return problems
+
+
+def from_timm_naflex(model: NaFlexVit) -> VisionTransformer:
+    """Rebuild a timm NaFlexVit as ours (learned or no position embeddings, class-token or average pooling),
+    weights included; it then reads NaFlex batches (ssl_vit.naflex) and images. Pooled outputs are timm's; with
+    class-token pooling after a `fc_norm` (naflexvit_*_gap built with global_pool='token') our token outputs are
+    normalised where timm's are not."""
+    problems = _import_refusals(model)
+    if problems:
+        raise ValueError("this timm NaFlexVit cannot be imported: " + "; ".join(problems))
+    embeds, block = model.embeds, model.blocks[0]
+    patch = embeds.patch_size
+    grid = embeds.pos_embed_grid_size or (16, 16)
+    has_ls = not isinstance(block.ls1, nn.Identity)
+    norm = block.norm1
+    kwargs = dict(
+        img_size=[grid[0] * patch[0], grid[1] * patch[1]], patch_size=list(patch), in_chans=embeds.in_chans,
+        embed_dim=model.embed_dim, depth=len(model.blocks), num_heads=block.attn.num_heads,
+        mlp_dim=block.mlp.fc1.out_features, class_token=model.has_class_token, global_pool=model.global_pool,
+        num_registers=model.num_reg_tokens, no_embed_class=True,
+        pos_embed="learned" if getattr(embeds, "pos_embed", None) is not None else "none",
+        pos_embed_interp=embeds.pos_embed_interp_mode, pos_embed_antialias=embeds.pos_embed_antialias,
+        qkv_bias=block.attn.qkv.bias is not None, qk_norm=not isinstance(block.attn.q_norm, nn.Identity),
+        norm_bias=norm.bias is not None, norm_eps=norm.eps, pre_norm=not isinstance(model.norm_pre, nn.Identity),
+        act_layer=activation_name(block.mlp.act), layer_scale=layer_scale_init(model) if has_ls else None,
+    )
+    ours = VisionTransformer(**kwargs)
+    state = {}
+    for name, value in model.state_dict().items():
+        if name.startswith("head.") and not isinstance(model.head, nn.Linear):
+            continue
+        if name == "embeds.proj.weight":
+            value = value.reshape(len(value), patch[0], patch[1], embeds.in_chans).permute(0, 3, 1, 2)
+            name = "patch_embed.proj.weight"
+        elif name == "embeds.proj.bias":
+            name = "patch_embed.proj.bias"
+        elif name == "embeds.pos_embed":
+            value = value.flatten(1, 2)
+            name = "pos_embed"
+        elif name.startswith("embeds."):
+            name = name.removeprefix("embeds.")
+        elif name.startswith("fc_norm.") and model.global_pool == "token":
+            # the class token normalised after pooling = every token normalised, then the class token taken (ours)
+            name = name.replace("fc_norm.", "norm.")
+        state[name] = value
+    if "head.weight" in state and not isinstance(ours.head, nn.Linear):
+        state = {k: v for k, v in state.items() if not k.startswith("head.")}
+    ours.load_state_dict(state, strict=True)
+    return ours.train(model.training)
+
+
+def _export_refusals(config: dict) -> list[str]:
+    problems = []
+    for key, default, why in (("parallel_block", False, "ViT-22B's parallel block"), ("dist_token", False,
+                              "a distillation token"), ("window_size", 0, "windowed attention"),
+                              ("rel_pos", False, "relative positions"), ("neck_channels", 0, "SAM's neck")):
+        if config.get(key, default) != default:
+            problems.append(f"{key}={config[key]!r} ({why})")
+    if config.get("stem", "patch") != "patch":
+        problems.append(f"stem={config['stem']!r} (NaFlexVit embeds pixel patches)")
+    if config.get("pos_embed", "learned") == "rope":
+        problems.append("pos_embed='rope' (--to timm writes timm's RoPE models)")
+    if not config.get("norm_bias", True):
+        problems.append("norm_bias=False")
+    return problems
+
+
+def naflex_model_args(config: dict) -> dict:
+    """timm NaFlexVit keyword arguments (classic ones plus NaFlexVitCfg fields) that rebuild our encoder."""
+    problems = _export_refusals(config)
+    if problems:
+        raise ValueError("timm's NaFlexVit cannot hold: " + "; ".join(problems)
+                         + ". --to timm (classic), onnx or safetensors take these.")
+    width = config["embed_dim"]
+    mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
+    size = config["img_size"]
+    size = list(size) if isinstance(size, (list, tuple)) else [size, size]
+    patch = config["patch_size"]
+    patch = list(patch) if isinstance(patch, (list, tuple)) else [patch, patch]
+    pool = config.get("global_pool", "token")
+    return dict(img_size=size, patch_size=patch, in_chans=config.get("in_chans", 3), embed_dim=width,
+                depth=config["depth"], num_heads=config["num_heads"], mlp_ratio=mlp_dim / width,
+                qkv_bias=config.get("qkv_bias", True), qk_norm=config.get("qk_norm", False),
+                init_values=config.get("layer_scale"), class_token=config.get("class_token", True),
+                reg_tokens=config.get("num_registers", 0), global_pool=pool, fc_norm=pool == "avg",
+                pos_embed="none" if config.get("pos_embed") == "none" else "learned",
+                pos_embed_grid_size=[size[0] // patch[0], size[1] // patch[1]],
+                pos_embed_interp_mode=config.get("pos_embed_interp", "bicubic"),
+                pos_embed_antialias=config.get("pos_embed_antialias", True), pre_norm=config.get("pre_norm", False),
+                act_layer=_ACTIVATIONS[config.get("act_layer", "gelu")], num_classes=0)
+
+
+def naflex_state(encoder: VisionTransformer) -> dict[str, torch.Tensor]:
+    """Our encoder's weights under NaFlexVit's names (position slots of prefix tokens folded into the tokens)."""
+    state = {k: v.detach().float() for k, v in encoder.state_dict().items() if not k.startswith("head.")}
+    out = {}
+    prefix = encoder.num_pos_prefix
+    for name, value in state.items():
+        if name == "patch_embed.proj.weight":
+            out["embeds.proj.weight"] = value.permute(0, 2, 3, 1).flatten(1)
+        elif name == "patch_embed.proj.bias":
+            out["embeds.proj.bias"] = value
+        elif name == "pos_embed":
+            grid = encoder.grid_size
+            out["embeds.pos_embed"] = value[:, prefix:].reshape(1, *grid, -1)
+        elif name in ("cls_token", "reg_token"):
+            out[f"embeds.{name}"] = value
+        else:
+            out[name] = value
+    if prefix:  # a prefix token's position embedding is a constant: fold it into the token
+        pos = state["pos_embed"][:, :prefix]
+        tokens = [name for name in ("cls_token", "reg_token") if name in state]
+        folded = torch.cat([state[name] for name in tokens], dim=1) + pos
+        start = 0
+        for name in tokens:
+            count = state[name].shape[1]
+            out[f"embeds.{name}"] = folded[:, start:start + count]
+            start += count
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def export_timm_naflex(encoder: VisionTransformer, out_dir, preprocess=None) -> Path:
+    """A timm model directory of `naflexvit_base_patch16_gap` rebuilt at our sizes (model_args): load with
+    `timm.create_model("local-dir:DIR", pretrained=True)`; it takes NaFlex dicts and images."""
+    config = encoder.config
+    args = naflex_model_args(config)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pretrained_cfg = {"input_size": [args["in_chans"], *args["img_size"]], "num_classes": 0,
+                      "fixed_input_size": False, "interpolation": "bilinear", "crop_pct": 1.0, "crop_mode": "center"}
+    if preprocess is not None:
+        pretrained_cfg.update(mean=list(preprocess.mean), std=list(preprocess.std),
+                              interpolation=preprocess.interpolation, crop_pct=preprocess.crop_pct)
+    hub = {"architecture": "naflexvit_base_patch16_gap", "num_classes": 0, "num_features": config["embed_dim"],
+           "global_pool": args["global_pool"], "model_args": args, "pretrained_cfg": pretrained_cfg}
+    (out_dir / "config.json").write_text(json.dumps(hub, indent=2) + "\n")
+    save_safetensors(naflex_state(encoder), out_dir / "model.safetensors", metadata={"format": "pt"})
+    return out_dir
+
+
+def is_timm_naflex(model: nn.Module) -> bool:
+    return isinstance(model, NaFlexVit)
+

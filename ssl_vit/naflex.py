@@ -1,0 +1,149 @@
+"""NaFlex batches: images at their own aspect ratio and resolution, as flat patches padded to one sequence length.
+
+A NaFlex batch is the dict timm's NaFlex collator makes (and `timm.models.naflexvit.NaFlexVit` reads), so the
+same batch runs in both:
+
+    patches      (B, N, P * P * C) float   each patch flattened (row, column, channel): channel fastest, as timm
+                                           (`batch_patchify`) and transformers' SigLIP 2 processor lay them out
+    patch_coord  (B, N, 2) int64           the patch's (row, column) on its image's grid
+    patch_valid  (B, N) bool               false for the padding after an image's h x w patches
+
+An image of h x w patches fills the first h * w rows in raster order; the rest is padding (zeros, coordinate 0).
+`NaFlexLayout` is what the backbone derives from a batch once per forward: each image's grid (read from the
+coordinates, one host sync, as timm does), the flat position of every patch on its grid, and the attention mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ssl_vit.geometry import pair
+
+NAFLEX_KEYS = ("patches", "patch_coord", "patch_valid")
+
+
+def is_naflex(images) -> bool:
+    """Whether `images` is a NaFlex batch (a dict with flat patches) rather than an image tensor."""
+    return isinstance(images, dict) and "patches" in images
+
+
+def patch_valid(images) -> torch.Tensor | None:
+    """The batch's valid-patch mask (B, N), or None for a dense image batch."""
+    return images["patch_valid"] if is_naflex(images) else None
+
+
+def patchify(image: torch.Tensor, patch_size: int | Sequence[int]) -> tuple[torch.Tensor, tuple[int, int]]:
+    """(C, H, W) or (B, C, H, W) -> ((..., h * w, P * P * C) patches in raster order, (h, w)); H and W must be
+    multiples of the patch size."""
+    ph, pw = pair(patch_size)
+    *lead, channels, height, width = image.shape
+    if height % ph or width % pw:
+        raise ValueError(f"a {height}x{width} image does not divide into {ph}x{pw} patches")
+    rows, cols = height // ph, width // pw
+    grid = image.reshape(*lead, channels, rows, ph, cols, pw)
+    order = (*range(len(lead)), len(lead) + 1, len(lead) + 3, len(lead) + 2, len(lead) + 4, len(lead))
+    return grid.permute(order).reshape(*lead, rows * cols, ph * pw * channels), (rows, cols)
+
+
+def unpatchify(patches: torch.Tensor, grid: Sequence[int], patch_size: int | Sequence[int],
+               channels: int = 3) -> torch.Tensor:
+    """The inverse of `patchify` for one image: (h * w, P * P * C) -> (C, h * P, w * P)."""
+    ph, pw = pair(patch_size)
+    rows, cols = grid
+    image = patches[: rows * cols].reshape(rows, cols, ph, pw, channels)
+    return image.permute(4, 0, 2, 1, 3).reshape(channels, rows * ph, cols * pw)
+
+
+def grid_coords(grid: Sequence[int], device=None) -> torch.Tensor:
+    """(h * w, 2) (row, column) of a grid's patches in raster order."""
+    rows, cols = grid
+    row, col = torch.meshgrid(torch.arange(rows, device=device), torch.arange(cols, device=device), indexing="ij")
+    return torch.stack([row, col], dim=-1).flatten(0, 1)
+
+
+def pack(images: Sequence[torch.Tensor], patch_size: int | Sequence[int], seq_len: int | None = None) -> dict:
+    """Images (C, H_i, W_i) of any sizes (multiples of the patch size) -> one NaFlex batch padded to `seq_len`
+    (None: the longest image's patch count). ValueError when an image has more patches than `seq_len`."""
+    flat = [patchify(image, patch_size) for image in images]
+    longest = max(len(patches) for patches, _ in flat)
+    seq_len = longest if seq_len is None else int(seq_len)
+    if longest > seq_len:
+        raise ValueError(f"an image of {longest} patches does not fit a sequence of {seq_len}")
+    first = flat[0][0]
+    patches = first.new_zeros(len(flat), seq_len, first.shape[-1])
+    coords = torch.zeros(len(flat), seq_len, 2, dtype=torch.long)
+    valid = torch.zeros(len(flat), seq_len, dtype=torch.bool)
+    for i, (image_patches, grid) in enumerate(flat):
+        n = len(image_patches)
+        patches[i, :n], coords[i, :n], valid[i, :n] = image_patches, grid_coords(grid), True
+    return {"patches": patches, "patch_coord": coords, "patch_valid": valid}
+
+
+def batch_grids(batch: dict) -> list[tuple[int, int]]:
+    """Each image's (h, w) patch grid, read from its coordinates (one host sync)."""
+    coords = batch["patch_coord"].masked_fill(~batch["patch_valid"][..., None], 0)
+    return [(int(h) + 1, int(w) + 1) for h, w in coords.amax(dim=1).tolist()]
+
+
+def unpack(tokens: torch.Tensor, batch: dict) -> list[torch.Tensor]:
+    """(B, N, D) patch-token outputs of a NaFlex batch -> each image's (n_i, D) valid tokens, in batch order."""
+    return [row[mask] for row, mask in zip(tokens, batch["patch_valid"], strict=True)]
+
+
+@dataclass
+class NaFlexLayout:
+    """Where a NaFlex batch's patches sit: each image's grid, and every patch's flat index on its own grid
+    (row * w + column; 0 for padding), grouped by grid so that a table is built once per distinct grid."""
+
+    grids: list[tuple[int, int]]
+    index: torch.Tensor  # (B, N) int64
+    valid: torch.Tensor  # (B, N) bool
+
+    @classmethod
+    def of(cls, batch: dict) -> NaFlexLayout:
+        grids = batch_grids(batch)
+        coords, valid = batch["patch_coord"], batch["patch_valid"]
+        widths = torch.tensor([w for _, w in grids], device=coords.device)[:, None]
+        index = (coords[..., 0] * widths + coords[..., 1]).masked_fill(~valid, 0)
+        return cls(grids, index, valid)
+
+    def groups(self) -> dict[tuple[int, int], list[int]]:
+        """grid -> the batch rows on it, in order of first appearance."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for row, grid in enumerate(self.grids):
+            groups.setdefault(grid, []).append(row)
+        return groups
+
+    def per_image(self, table_of):
+        """`table_of(grid, index)` (a tensor, or nested tuples / lists of tensors, with the rows of that grid's
+        images first; `index` their (b, N) flat indices) for the whole batch, built once per distinct grid."""
+        groups = self.groups()
+        if len(groups) == 1:
+            return table_of(next(iter(groups)), self.index)
+        parts = [(torch.tensor(rows, device=self.index.device), table_of(grid, self.index[rows]))
+                 for grid, rows in groups.items()]
+        return _scatter(parts, len(self.grids))
+
+    def attention_mask(self, num_prefix_tokens: int) -> torch.Tensor:
+        """(B, 1, 1, prefix + N) bool, true for keys a query may attend (the prefix tokens and valid patches):
+        SDPA's boolean mask. Key-only, as timm's `use_key_only_attn_mask`: a padding query still attends the valid
+        keys, so no row is empty; the valid tokens' outputs are those of the image alone."""
+        prefix = self.valid.new_ones(len(self.grids), num_prefix_tokens)
+        return torch.cat([prefix, self.valid], dim=1)[:, None, None, :]
+
+
+def _scatter(parts: list, batch: int):
+    """Put each group's rows (a tensor, or nested tuples / lists of them; anything else is a constant) back in
+    batch order."""
+    first = parts[0][1]
+    if isinstance(first, torch.Tensor):
+        out = first.new_empty(batch, *first.shape[1:])
+        for rows, table in parts:
+            out[rows] = table
+        return out
+    if isinstance(first, (tuple, list)):
+        return type(first)(_scatter([(rows, table[i]) for rows, table in parts], batch) for i in range(len(first)))
+    return first

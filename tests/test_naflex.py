@@ -1,0 +1,198 @@
+"""NaFlex batches in the backbone (ssl_vit.naflex, VisionTransformer on patch dicts): one image equals the dense
+forward at its grid for every position-embedding kind, padding and batch company change no valid token, and parity
+with timm's NaFlexVit and transformers' Siglip2VisionModel in both directions."""
+
+import pytest
+import timm
+import torch
+import transformers
+
+from ssl_vit.interop.hf import export_hf, from_hf
+from ssl_vit.interop.timm import converts, from_timm
+from ssl_vit.interop.timm_naflex import export_timm_naflex
+from ssl_vit.naflex import NaFlexLayout, batch_grids, pack, patchify, unpack, unpatchify
+from ssl_vit.vit import build_vit
+
+IMAGES = ((24, 40), (32, 32), (16, 48), (8, 12))  # pixels; 4 x 4 patches: grids 6x10, 8x8, 4x12, 2x3
+
+POSITIONS = {
+    "learned": {}, "sincos": dict(pos_embed="sincos"), "rope_dinov3": dict(pos_embed="rope"),
+    "rope_axial": dict(pos_embed="rope", rope_kind="axial"), "rope_mixed": dict(pos_embed="rope", rope_kind="mixed"),
+    "registers_avg": dict(num_registers=2, class_token=False, global_pool="avg"),
+    "bilinear_no_antialias": dict(pos_embed_interp="bilinear", pos_embed_antialias=False),
+    "parallel_22b": dict(parallel_block=True, qk_norm=True, class_token=False, global_pool="avg"),
+}
+
+
+def _moved(model, scale=0.05, seed=0):
+    """Weights moved off their init (a zero-init part would hide a mapping error)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * scale)
+    return model.eval()
+
+
+def _images(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(3, h, w, generator=generator) for h, w in IMAGES]
+
+
+def test_patchify_is_timm_and_transformers_layout_and_inverts():
+    image = torch.randn(3, 8, 12)
+    patches, grid = patchify(image, 4)
+    theirs, their_grid = timm.models.naflexvit.batch_patchify(image[None], (4, 4))
+    assert grid == tuple(their_grid) == (2, 3) and torch.equal(patches, theirs[0])
+    from transformers.models.siglip2.image_processing_siglip2 import convert_image_to_patches
+    assert torch.equal(patches, convert_image_to_patches(image, 4))
+    assert torch.equal(unpatchify(patches, grid, 4), image)
+
+
+@pytest.mark.parametrize("kind", list(POSITIONS))
+def test_one_image_equals_the_dense_forward_at_its_grid(kind):
+    vit = _moved(build_vit("vit_tiny", **POSITIONS[kind]))
+    images = _images()
+    batch = pack(images, 4, seq_len=64)
+    with torch.no_grad():
+        tokens, pooled = vit.forward_features(batch), vit(batch)
+        for row, image in enumerate(images):
+            dense = vit.forward_features(image[None])[0]
+            assert torch.allclose(tokens[row, :len(dense)], dense, atol=1e-5), kind
+            assert torch.allclose(pooled[row], vit(image[None])[0], atol=1e-5), kind
+
+
+def test_padding_and_batch_company_change_no_valid_token():
+    # in float64, so that the bound measures the masking and not fp32 rounding (fp32 differs by ~1e-6 relative)
+    vit = _moved(build_vit("vit_tiny", pos_embed="rope", num_registers=1, global_pool="avg")).double()
+    images = [image.double() for image in _images()]
+    with torch.no_grad():
+        alone = [vit.forward_features(pack([image], 4)) for image in images]  # no padding at all
+        padded = vit.forward_features(pack(images, 4, seq_len=96))
+        pooled_alone = [vit(pack([image], 4)) for image in images]
+        pooled = vit(pack(images, 4, seq_len=96))
+    prefix = vit.num_prefix_tokens
+    for row, single in enumerate(alone):
+        assert (padded[row, :single.shape[1]] - single[0]).abs().max() < 1e-6
+        assert (pooled[row] - pooled_alone[row][0]).abs().max() < 1e-6
+    valid = unpack(padded[:, prefix:], pack(images, 4, seq_len=96))
+    assert [len(t) for t in valid] == [60, 64, 48, 6]
+
+
+def test_layout_reads_grids_and_places_shuffled_patches_by_their_coordinates():
+    images = _images()
+    batch = pack(images, 4, seq_len=64)
+    assert batch_grids(batch) == [(6, 10), (8, 8), (4, 12), (2, 3)]
+    layout = NaFlexLayout.of(batch)
+    assert layout.index[0, :12].tolist() == list(range(12)) and layout.index[3, 6:].eq(0).all()
+    # the same patches in another order (a token drop or shuffle keeps coordinates): same outputs, permuted
+    vit = _moved(build_vit("vit_tiny", pos_embed="rope"))
+    order = torch.randperm(60, generator=torch.Generator().manual_seed(1))
+    one = pack(images[:1], 4)
+    shuffled = {key: value[:, order] for key, value in one.items()}
+    with torch.no_grad():
+        reference, permuted = vit.forward_features(one)[0, 1:], vit.forward_features(shuffled)[0, 1:]
+    assert torch.allclose(permuted, reference[order], atol=1e-5)
+
+
+def test_gradients_of_padding_are_zero_for_the_patch_embedding():
+    vit = build_vit("vit_tiny", global_pool="avg")
+    batch = pack(_images(), 4, seq_len=64)
+    batch["patches"].requires_grad_(True)
+    pooled = vit(batch)
+    (pooled * torch.randn(pooled.shape, generator=torch.Generator().manual_seed(0))).sum().backward()
+    grad = batch["patches"].grad
+    assert grad[~batch["patch_valid"]].abs().max() == 0 and grad[batch["patch_valid"]].abs().max() > 0
+
+
+def test_bad_naflex_inputs_are_one_line_each():
+    batch = pack(_images()[:1], 4)
+    with pytest.raises(ValueError, match="does not fit a sequence of 8"):
+        pack(_images()[:1], 4, seq_len=8)
+    with pytest.raises(ValueError, match="does not divide into 4x4 patches"):
+        patchify(torch.zeros(3, 10, 12), 4)
+    with pytest.raises(ValueError, match="this patch embedding takes 8x8x3 = 192"):
+        build_vit("vit_tiny", patch_size=8)(batch)
+    with pytest.raises(ValueError, match="need the patch stem"):
+        build_vit("vit_tiny_r")(batch)
+    with pytest.raises(ValueError, match="windowed attention or relative positions"):
+        build_vit("vit_tiny", window_size=4)(batch)
+    with pytest.raises(ValueError, match="dropping patches"):
+        build_vit("vit_tiny").forward_features(batch, keep=torch.zeros(1, 4, dtype=torch.long))
+
+
+# ----- timm's NaFlexVit both ways -----
+@pytest.mark.parametrize("pool", ["token", "avg"])
+def test_timm_naflexvit_imports_exactly(pool):
+    torch.manual_seed(0)
+    theirs = _moved(timm.create_model("naflexvit_base_patch16_gap", num_classes=0, img_size=32, patch_size=4,
+                                      embed_dim=64, depth=2, num_heads=4, reg_tokens=1, class_token=True,
+                                      global_pool=pool, init_values=0.1))
+    assert converts(theirs)
+    ours = from_timm(theirs).eval()
+    batch = pack(_images(), 4, seq_len=64)
+    with torch.no_grad():
+        assert torch.allclose(ours(batch), theirs(batch), atol=1e-6)
+        image = torch.randn(1, 3, 24, 40)
+        assert torch.allclose(ours(image), theirs(image), atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["learned", "sincos_avg", "registers"])
+def test_our_encoder_exports_to_timm_naflexvit_exactly(tmp_path, kind):
+    options = {"learned": {}, "sincos_avg": dict(pos_embed="sincos", class_token=False, global_pool="avg"),
+               "registers": dict(num_registers=2, act_layer="gelu_tanh")}[kind]
+    ours = _moved(build_vit("vit_tiny", **options))
+    export_timm_naflex(ours, tmp_path)
+    theirs = timm.create_model(f"local-dir:{tmp_path}", pretrained=True).eval()
+    assert type(theirs).__name__ == "NaFlexVit"
+    batch = pack(_images(), 4, seq_len=64)
+    with torch.no_grad():
+        assert torch.allclose(theirs(batch), ours(batch), atol=1e-6)
+
+
+def test_timm_naflexvit_with_map_pooling_is_refused_in_one_line():
+    theirs = timm.create_model("naflexvit_base_patch16_map", num_classes=0, img_size=32, patch_size=4, embed_dim=64,
+                               depth=1, num_heads=4)
+    with pytest.raises(ValueError, match="global_pool='map'"):
+        from_timm(theirs)
+
+
+# ----- transformers' SigLIP 2 NaFlex vision model both ways -----
+def _siglip2_inputs(batch):
+    return dict(pixel_values=batch["patches"], pixel_attention_mask=batch["patch_valid"].long(),
+                spatial_shapes=torch.tensor(batch_grids(batch)))
+
+
+def test_siglip2_export_and_import_match_transformers(tmp_path):
+    ours = _moved(build_vit("vit_tiny", class_token=False, global_pool="avg", pos_embed_interp="bilinear",
+                            act_layer="gelu_tanh"))
+    export_hf(ours, tmp_path, "siglip2")
+    theirs = transformers.Siglip2VisionModel.from_pretrained(tmp_path).eval()
+    batch = pack(_images(), 4, seq_len=64)
+    valid = batch["patch_valid"]
+    with torch.no_grad():
+        hidden = theirs(**_siglip2_inputs(batch)).last_hidden_state
+        tokens = ours.fc_norm(ours.forward_features(batch))  # SigLIP normalises every token (post_layernorm)
+        assert (hidden[valid] - tokens[valid]).abs().max() < 1e-5
+        back = from_hf(tmp_path)
+        assert back.config["pos_embed_interp"] == "bilinear"
+        assert torch.allclose(back.forward_features(batch)[valid], ours.forward_features(batch)[valid], atol=1e-6)
+
+
+def test_siglip2_model_from_transformers_imports(tmp_path):
+    config = transformers.Siglip2VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                              num_attention_heads=4, patch_size=4, num_patches=64,
+                                              vision_use_head=False)
+    torch.manual_seed(0)
+    theirs = _moved(transformers.Siglip2VisionModel(config))
+    theirs.save_pretrained(tmp_path)
+    ours = from_hf(tmp_path)
+    batch = pack(_images(), 4, seq_len=64)
+    valid = batch["patch_valid"]
+    with torch.no_grad():
+        hidden = theirs(**_siglip2_inputs(batch)).last_hidden_state
+        assert (hidden[valid] - ours.fc_norm(ours.forward_features(batch))[valid]).abs().max() < 1e-5
+
+
+def test_siglip2_export_refuses_bicubic_position_resampling_in_one_line(tmp_path):
+    with pytest.raises(ValueError, match="train with model.pos_embed_interp=bilinear"):
+        export_hf(build_vit("vit_tiny", class_token=False, global_pool="avg"), tmp_path, "siglip2")
