@@ -84,6 +84,7 @@ class Requirements:
     """What an objective needs from the run, declared as data; the build step and the strategy read only this.
 
     views: the batch entries it reads (ssl_vit.data.views.VIEW_KINDS; "label" needs class labels, "text" captions).
+    naflex: its `image` may be a NaFlex batch (patches, coordinates, valid mask) instead of an image tensor.
     ema_teacher: it holds a teacher updated shard by shard after each step (DeepSpeed then keeps no parameter whole
       on every rank). image_text: it embeds images and texts (`encode_image`, `encode_text`, `text_tokenizer`), so
       zero-shot and retrieval evaluate it. fixed_backbone: its own backbone, replacing `model=`. init_from: why
@@ -92,6 +93,7 @@ class Requirements:
       gives one `model=` preset, on top of model_defaults (MoCo v3's ViT-S: 12 heads)."""
 
     views: tuple[str, ...] = ("image",)
+    naflex: bool = False  # it trains on NaFlex batches (data.resolution=naflex; ssl_vit.naflex)
     ema_teacher: bool = False
     image_text: bool = False
     fixed_backbone: FixedBackbone | None = None
@@ -129,6 +131,8 @@ class Objective(nn.Module, ABC):
 
     config_class: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
     needs: ClassVar[Requirements] = Requirements()
+    # why it does not train on NaFlex batches (needs.naflex False), said in one line at start-up
+    naflex_refusal: ClassVar[str] = "its views and losses are built for fixed-size images"
     # State-dict prefixes of the heads saved beside the encoder (heads.safetensors), to continue training from them.
     saved_heads: ClassVar[tuple[str, ...]] = ()
     # Buffers that stay fp32 whatever the training precision (DINO's centres); zero.Init keeps them so too.

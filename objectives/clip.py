@@ -41,6 +41,7 @@ from torch import nn
 from ssl_vit.artifacts import ENCODER_FILE, read_metadata, read_preprocess
 from ssl_vit.extras import require
 from ssl_vit.init import rng_devices, writable
+from ssl_vit.naflex import patch_valid
 from ssl_vit.objectives.base import DataInfo, FixedBackbone, Objective, ObjectiveConfig, Requirements
 from ssl_vit.schema import checked
 from ssl_vit.vit import Block, ParallelBlock, VisionTransformer
@@ -193,7 +194,7 @@ def encoder_file(spec: str) -> Path:
 class CLIP(Objective):
     config_class: ClassVar[type[ObjectiveConfig]] = CLIPConfig
     # CLIP's norm before the blocks (and no patch-embedding bias)
-    needs = Requirements(views=("image", "text"), image_text=True, model_defaults={"pre_norm": True})
+    needs = Requirements(views=("image", "text"), image_text=True, naflex=True, model_defaults={"pre_norm": True})
     saved_heads = ("image_proj.", "text.", "logit_scale", "logit_bias")
     loss_name = "clip"
 
@@ -284,8 +285,9 @@ class CLIP(Objective):
         return self._loss
 
     def encode_image(self, images: torch.Tensor, normalize: bool = False) -> torch.Tensor:
-        """Image embeddings; normalised ones in fp32 (the logits and the loss are computed in fp32)."""
-        features = self.image_proj(self.backbone.pool(self.backbone.forward_features(images)))
+        """Image embeddings (of images or a NaFlex batch); normalised ones in fp32 (the logits and the loss are
+        computed in fp32)."""
+        features = self.image_proj(self.backbone.pool(self.backbone.forward_features(images), patch_valid(images)))
         return F.normalize(features.float(), dim=-1) if normalize else features
 
     def encode_text(self, tokens: torch.Tensor, normalize: bool = False) -> torch.Tensor:

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,7 @@ from torch import nn
 
 from ssl_vit.collectives import all_reduce
 from ssl_vit.init import whole_modules
+from ssl_vit.naflex import NaFlexLayout, is_naflex, patch_valid
 from ssl_vit.objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
 from ssl_vit.objectives.feature_teacher import (
     TEACHER_FORMS,
@@ -153,9 +155,20 @@ def cosine_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (1 - F.cosine_similarity(prediction, target, dim=-1)).mean()
 
 
+def _resize_per_image(tokens: torch.Tensor, grid: tuple[int, int], layout: NaFlexLayout) -> torch.Tensor:
+    """(B, h * w, D) teacher patch features -> (valid patches, D): each image's resized to its own grid (bilinear,
+    as the dense path) and taken at its patches' positions, in the order of the student's valid tokens."""
+    out = tokens.new_empty(*layout.valid.shape, tokens.shape[-1])
+    for to, rows in layout.groups().items():
+        resized = resize_patch_features(tokens[rows], grid, to, "bilinear")  # (b, H * W, D)
+        index = layout.index[rows]
+        out[rows] = torch.gather(resized, 1, index[..., None].expand(-1, -1, resized.shape[-1]))
+    return out[layout.valid]
+
+
 class Distill(Objective):
     config_class = DistillConfig
-    needs = Requirements(views=("image", "teacher_images"))
+    needs = Requirements(views=("image", "teacher_images"), naflex=True)
     saved_heads = ("summary_adaptors.", "patch_adaptors.", "summary_stats.", "patch_stats.")
 
     def __init__(self, backbone, cfg: DistillConfig, data: DataInfo):
@@ -214,7 +227,7 @@ class Distill(Objective):
         """An image-text model (zero-shot, retrieval) when a teacher embeds text too."""
         image_text = any(t.image_text if t.image_text is not None else is_image_text_source(t.source)
                          for t in cfg.teachers)
-        return Requirements(views=cls.needs.views, image_text=image_text)
+        return replace(cls.needs, image_text=image_text)
 
     @classmethod
     def rebuild_config(cls, cfg):
@@ -257,8 +270,15 @@ class Distill(Objective):
     def forward(self, batch: dict) -> dict[str, torch.Tensor]:
         images = batch["image"]
         tokens = self.backbone.forward_features(images)
-        summary, patches = self.backbone.pool(tokens), tokens[:, self.backbone.num_prefix_tokens:]
-        grid = self.backbone.patch_embed.grid_for(images.shape[-2], images.shape[-1])
+        summary = self.backbone.pool(tokens, patch_valid(images))
+        patches = tokens[:, self.backbone.num_prefix_tokens:]
+        if is_naflex(images):  # each image on its own grid: the teachers' maps resized per image, padding left out
+            layout = NaFlexLayout.of(images)
+            resize = partial(_resize_per_image, layout=layout)
+            patches = patches[layout.valid]
+        else:
+            grid = self.backbone.patch_embed.grid_for(images.shape[-2], images.shape[-1])
+            resize = partial(resize_patch_features, to=grid, mode="bilinear")
         cfg, loss, metrics = self.cfg, 0.0, {}
         for teacher_cfg, (target_summary, target_patches, teacher_grid) in zip(
                 cfg.teachers, self.teacher_features(batch["teacher_images"]), strict=True):
@@ -269,8 +289,7 @@ class Distill(Objective):
                 patch_stats.update(target_patches.flatten(0, 1))
             target_summary = summary_stats.standardize(target_summary)
             # standardising first is the same (a per-channel affine map commutes with bilinear weights summing to 1)
-            target_patches = resize_patch_features(patch_stats.standardize(target_patches), teacher_grid, grid,
-                                                   "bilinear")
+            target_patches = resize(patch_stats.standardize(target_patches), teacher_grid)
             predicted_summary = self.summary_adaptors[name](summary).float()
             predicted_patches = self.patch_adaptors[name](patches).float()
             summary_loss = cosine_loss(predicted_summary, target_summary)

@@ -92,6 +92,7 @@ def corrupt_patches(tokens: torch.Tensor, mask_ratio: float, probs: tuple[float,
 class MaskedPatch(Objective):
     config_class = MaskedPatchConfig
     needs = Requirements(views=("image", "pixels"))
+    naflex_refusal = "its targets are the raw `pixels` of a fixed-size crop, which NaFlex batches do not carry"
     saved_heads = ("mask_token", "head.")  # to continue pre-training
 
     def __init__(self, backbone, cfg: MaskedPatchConfig, data: DataInfo):

@@ -17,6 +17,7 @@ from timm.loss import SoftTargetCrossEntropy
 from torch import nn
 
 from ssl_vit.init import WEIGHT_INITS, Linear
+from ssl_vit.naflex import patch_valid
 from ssl_vit.objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
 from ssl_vit.schema import checked
 
@@ -74,7 +75,7 @@ def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class Supervised(Objective):
     config_class = SupervisedConfig
-    needs = Requirements(views=("image", "label"))
+    needs = Requirements(views=("image", "label"), naflex=True)
     saved_heads = ("head.",)  # heads.safetensors: the run is a classifier (e.g. a DeiT teacher: objectives/teacher.py)
 
     def __init__(self, backbone, cfg: SupervisedConfig, data: DataInfo):
@@ -85,8 +86,8 @@ class Supervised(Objective):
                                head_scheme(cfg.head_init, backbone))
 
     def predict(self, images: torch.Tensor) -> torch.Tensor:
-        """Class logits."""
-        return self.head(self.backbone.pool(self.backbone.forward_features(images)))
+        """Class logits (of images or a NaFlex batch)."""
+        return self.head(self.backbone.pool(self.backbone.forward_features(images), patch_valid(images)))
 
     def forward(self, batch):
         logits = self.predict(batch["image"]).float()  # the loss in fp32 when the weights are bf16

@@ -1,7 +1,7 @@
 """Export an encoder (or a CLIP / SigLIP model) for other libraries.
 
     python scripts/export.py outputs/<run> --to hf --out exported/hf     # --hf-arch vit|dinov2|clip|siglip|dinov3
-    python scripts/export.py outputs/<run> --to timm --out exported/timm
+    python scripts/export.py outputs/<run> --to timm --out exported/timm   # --timm-arch naflexvit: timm's NaFlex ViT
     python scripts/export.py outputs/<run> --to onnx --out exported/onnx
     python scripts/export.py outputs/<clip run> --to open_clip --out exported/clip
     python scripts/export.py outputs/<mae run> --to detectron2 --out exported/vitdet   # ViTDet's backbone
@@ -34,12 +34,14 @@ from ssl_vit.interop.open_clip import export_open_clip
 from ssl_vit.interop.sam import export_timm_sam
 from ssl_vit.interop.sources import LIBRARIES, load_pretrained
 from ssl_vit.interop.timm import export_timm
+from ssl_vit.interop.timm_naflex import export_timm_naflex
 from ssl_vit.interop.vitdet import export_vitdet
 from ssl_vit.model_card import write_model_card
 from ssl_vit.objectives import load_trained, objective_class
 from ssl_vit.run_dirs import resolve_run
 
 TARGETS = ("hf", "timm", "onnx", "open_clip", "safetensors", "detectron2")
+TIMM_ARCHS = ("vit", "naflexvit")  # --to timm: the classic VisionTransformer, or NaFlexVit (NaFlex batches)
 
 
 def main(argv=None) -> int:
@@ -48,20 +50,23 @@ def main(argv=None) -> int:
     parser.add_argument("--to", required=True, choices=TARGETS, help="the target library's format")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--hf-arch", choices=HF_ARCHS, default=None, help="--to hf: the transformers model class")
+    parser.add_argument("--timm-arch", choices=TIMM_ARCHS, default="vit",
+                        help="--to timm: timm's classic VisionTransformer, or NaFlexVit (images at their own sizes)")
     parser.add_argument("--license", default="other",
                         help="the model card's Hub license id (e.g. apache-2.0, cc-by-nc-4.0; default: other): the "
                              "weights' terms follow the data they were trained on")
     args = parser.parse_args(argv)
     args.source = resolve_run(args.source.removeprefix("checkpoint="))  # as evaluate.py; a group: its newest run
     try:
-        print(export(args.source, args.to, args.out, args.hf_arch, args.license))
+        print(export(args.source, args.to, args.out, args.hf_arch, args.license, args.timm_arch))
     except (ValueError, FileNotFoundError) as err:
         print(f"export: error: {err}", file=sys.stderr)
         return 2
     return 0
 
 
-def export(source: str, to: str, out: str, hf_arch: str | None = None, license: str = "other") -> str:
+def export(source: str, to: str, out: str, hf_arch: str | None = None, license: str = "other",
+           timm_arch: str = "vit") -> str:
     """Write the export and its model card (README.md); returns the line telling how to load it."""
     pretrained = load_pretrained(source)
     encoder, preprocess = pretrained.encoder, pretrained.preprocess
@@ -94,6 +99,9 @@ def export(source: str, to: str, out: str, hf_arch: str | None = None, license: 
         arch = hf_arch or default_arch(encoder.config)
         path = export_hf(encoder, out, arch, _clip_projection(source) if arch == "clip" else None, preprocess)
         load = f"transformers.AutoModel.from_pretrained('{path}')"
+    elif to == "timm" and timm_arch == "naflexvit":
+        path = export_timm_naflex(encoder, out, preprocess)
+        load = f"timm.create_model('local-dir:{path}', pretrained=True)  # NaFlexVit: images or NaFlex dicts"
     elif to == "timm":
         path = export_timm(encoder, out, preprocess)
         load = f"timm.create_model('local-dir:{path}', pretrained=True)"

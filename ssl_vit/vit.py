@@ -782,13 +782,19 @@ class VisionTransformer(nn.Module):
     # ----- NaFlex batches: images at their own sizes as padded flat patches (ssl_vit.naflex) -----
     def naflex_layout(self, batch: dict) -> NaFlexLayout:
         """The batch's layout; ValueError where this backbone cannot read NaFlex batches."""
-        if not isinstance(self.patch_embed, PatchEmbed):
-            raise ValueError("NaFlex batches need the patch stem (model.stem=patch): a hybrid's ResNet reads whole "
-                             "images")
-        if self.windowed:
-            raise ValueError("NaFlex batches with windowed attention or relative positions (window_size, rel_pos) "
-                             "are not built: windows partition one grid")
+        refusal = self.naflex_refusal()
+        if refusal:
+            raise ValueError(refusal)
         return NaFlexLayout.of(batch)
+
+    def naflex_refusal(self) -> str | None:
+        """Why this backbone cannot read NaFlex batches, or None."""
+        if not isinstance(self.patch_embed, PatchEmbed):
+            return "NaFlex batches need the patch stem (model.stem=patch): a hybrid's ResNet reads whole images"
+        if self.windowed:
+            return ("NaFlex batches with windowed attention or relative positions (window_size, rel_pos) are not "
+                    "built: windows partition one grid")
+        return None
 
     def naflex_pos_embed(self, layout: NaFlexLayout) -> torch.Tensor | None:
         """(B, N, D): each patch's position embedding from its image's own grid (resampled once per distinct

@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from ssl_vit.data.naflex import RESOLUTIONS, NaFlexConfig
 from ssl_vit.schema import checked
 
 AUGMENTS = ("none", "crop_flip", "crop", "augreg")
@@ -60,6 +61,10 @@ class DataConfig:
     std: list[float] | None = checked(None, gt=0, length=3)
     max_train_samples: int | None = checked(None, ge=1)  # a stratified subset of the training set
     max_test_samples: int | None = checked(None, ge=1)  # a stratified subset of the test set (evaluation)
+    # fixed: every image resized to data.img_size squared | naflex: each at its own aspect ratio, sized to a sequence
+    # length per batch under a token budget (data.naflex.*; ssl_vit.data.naflex), for objectives that take it
+    resolution: str = checked("fixed", choices=RESOLUTIONS)
+    naflex: NaFlexConfig = field(default_factory=NaFlexConfig)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ssl_vit.data.errors import BadSampleError, NoUsableSamplesError, SkipLog
+from ssl_vit.data.naflex import NaFlexBatchSampler, NaFlexSchedule, NaFlexViews
 from ssl_vit.data.seeds import sample_seed
 from ssl_vit.data.shard_stream import ShardStream
 from ssl_vit.data.workers import ignore_stop_signals
@@ -104,8 +105,10 @@ class SeededViews(Dataset):
             self.skip_log(f"{err} (replaced by the next readable sample)")
             return None
 
-    def __getitem__(self, key: tuple[int, int]) -> dict:
-        index, seed = key
+    def __getitem__(self, key: tuple[int, ...]) -> dict:
+        """`key`: (index, seed), or (index, seed, seq_len) from the NaFlex sampler (the sample carries its batch's
+        sequence length to the collate)."""
+        index, seed, *batch_shape = key
         size = len(self.dataset)
         searched = min(size, self.max_search)
         with torch.random.fork_rng(devices=[]):
@@ -126,6 +129,8 @@ class SeededViews(Dataset):
                 out["skipped"] = int(offset > 0)
                 out["key"] = position  # the index read (trainer.record_sample_keys)
                 out["seed"] = seed  # for batch-level augmentation (ViewBuilder.collate removes it)
+                if batch_shape:
+                    out["seq_len"] = batch_shape[0]
                 return out
         describe = getattr(self.dataset, "describe", lambda: type(self.dataset).__name__)()
         scope = ("no sample of it is readable" if searched == size else
@@ -135,7 +140,10 @@ class SeededViews(Dataset):
 
 def build_loader(dataset: Dataset, views, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
                  start: int = 0, num_workers: int = 0, pin_memory: bool = False, repeats: int = 1) -> DataLoader:
-    sampler = StepBatchSampler(len(dataset), batch_size, rank, world_size, seed, start, repeats=repeats)
+    if isinstance(views, NaFlexViews):  # the batch shape of each step from the schedule (ssl_vit.data.naflex)
+        sampler = NaFlexBatchSampler(len(dataset), NaFlexSchedule(views.settings, seed, world_size), rank, seed, start)
+    else:
+        sampler = StepBatchSampler(len(dataset), batch_size, rank, world_size, seed, start, repeats=repeats)
     return DataLoader(
         SeededViews(dataset, views),
         batch_sampler=sampler,
@@ -156,6 +164,8 @@ def make_loader(dataset, views, batch_size: int, *, rank: int = 0, world_size: i
     if isinstance(dataset, ShardStream):
         return dataset.loader(views, batch_size, seed=seed, start=start, num_workers=num_workers,
                               pin_memory=pin_memory, need_label="label" in views.views,
-                              need_text="text" in views.views)
+                              need_text="text" in views.views,
+                              schedule=NaFlexSchedule(views.settings, seed, world_size)
+                              if isinstance(views, NaFlexViews) else None)
     return build_loader(dataset, views, batch_size, rank=rank, world_size=world_size, seed=seed, start=start,
                         num_workers=num_workers, pin_memory=pin_memory, repeats=repeats)

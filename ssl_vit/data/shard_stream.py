@@ -66,19 +66,24 @@ class ShardStream:
         return f"{len(self.urls)} WebDataset shard(s){samples}{classes}"
 
     def pipeline(self, views, batch_size: int | None, seed: int = 0, need_label: bool = False,
-                 need_text: bool = False, epochs: int | None = None) -> tuple[ShardBatches, DecodeAndCount]:
-        """The sample (batch_size None) or batch stream; endless unless `epochs` (resampled=False only) is given."""
+                 need_text: bool = False, epochs: int | None = None, schedule=None,
+                 start: int = 0) -> tuple[ShardBatches, DecodeAndCount]:
+        """The sample (batch_size None) or batch stream; endless unless `epochs` (resampled=False only) is given.
+        `schedule`: NaFlex batch shapes per micro-step (ssl_vit.data.naflex), from micro-step `start`."""
         if epochs is not None and self.resampled:
             raise ValueError("epochs applies to resampled=False only (resampled draws have no epochs)")
         decode = DecodeAndCount(views, need_label, need_text, self.max_consecutive_bad)
-        return ShardBatches(self, decode, batch_size, seed, getattr(views, "collate", default_collate), epochs), decode
+        return ShardBatches(self, decode, batch_size, seed, getattr(views, "collate", default_collate), epochs,
+                            schedule, start), decode
 
     def loader(self, views, batch_size: int, *, seed: int = 0, start: int = 0, num_workers: int = 0,
-               pin_memory: bool = False, need_label: bool = False, need_text: bool = False) -> StatefulDataLoader:
+               pin_memory: bool = False, need_label: bool = False, need_text: bool = False,
+               schedule=None) -> StatefulDataLoader:
         """Endless batches, from a loader whose `state_dict` is the stream's position (`load_state_dict` before
         iterating resumes exactly). Without a saved position, a run started at micro-step `start` > 0 continues
-        with fresh draws (seeded by the step) rather than replaying the start."""
-        batches, _ = self.pipeline(views, batch_size, seed * 1_000_003 + start, need_label, need_text)
+        with fresh draws (seeded by the step) rather than replaying the start. `schedule`: NaFlex batch shapes."""
+        batches, _ = self.pipeline(views, batch_size, seed * 1_000_003 + start, need_label, need_text,
+                                   schedule=schedule, start=start)
         with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.14: harmless
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             return StatefulDataLoader(batches, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
@@ -89,9 +94,9 @@ class ShardBatches(IterableDataset):
     """What a DataLoader iterates: each worker process gets its own `WorkerStream`."""
 
     def __init__(self, stream: ShardStream, decode: DecodeAndCount, batch_size: int | None, seed: int, collate,
-                 epochs: int | None):
+                 epochs: int | None, schedule=None, start: int = 0):
         self.stream, self.decode, self.batch_size, self.seed = stream, decode, batch_size, seed
-        self.collate, self.epochs = collate, epochs
+        self.collate, self.epochs, self.schedule, self.start = collate, epochs, schedule, start
 
     def __iter__(self) -> WorkerStream:
         return WorkerStream(self)
@@ -105,6 +110,7 @@ class WorkerStream:
         self.rank, self.world, self.worker, self.workers = wds.utils.pytorch_worker_info()
         self._seed_from(source.seed)
         self.draws = self.offset = 0  # shard reads started before the current one; samples taken from it
+        self.batches, self.first_step = 0, source.start  # batches this worker gave; the micro-step it began at
         self.buffer: list[tuple[tuple[int, int], dict]] = []  # ((draw, index), raw sample)
         self.rng = random.Random(self.seed)  # the shuffle buffer's
         self.shard_log = SkipLog(log, "shard")
@@ -125,7 +131,8 @@ class WorkerStream:
     def state_dict(self) -> dict:
         return {"where": [self.rank, self.world, self.worker, self.workers], "stream": self._stream_settings(),
                 "base": self.base, "draws": self.draws,
-                "offset": self.offset, "buffer": [ref for ref, _ in self.buffer], "rng": self.rng.getstate()}
+                "offset": self.offset, "buffer": [ref for ref, _ in self.buffer], "rng": self.rng.getstate(),
+                "batches": self.batches, "first_step": self.first_step}
 
     def load_state_dict(self, state: dict) -> None:
         where = [self.rank, self.world, self.worker, self.workers]
@@ -143,6 +150,7 @@ class WorkerStream:
         self._seed_from(int(state["base"]))  # the seed the stream began with, not this loader's (seeded by the step)
         self._epoch_shares = {}
         self.draws, self.offset = int(state["draws"]), int(state["offset"])
+        self.batches, self.first_step = int(state.get("batches", 0)), int(state.get("first_step", self.first_step))
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
         self.buffer = self._reread([tuple(ref) for ref in state["buffer"]])
@@ -262,9 +270,20 @@ class WorkerStream:
             yield item if isinstance(item, dict) else (sample_seed(self.seed, *item[0]), item[1])
 
     def _batched(self, samples: Iterator) -> Iterator:
-        batch_size, collate = self.source.batch_size, self.source.collate
-        while batch := list(itertools.islice(samples, batch_size)):
+        """Batches of the fixed batch size, or NaFlex batches whose shape the schedule gives this worker's micro-step
+        (the loader takes the workers' batches in turn: worker w gives steps w, w + workers, ...)."""
+        collate, schedule = self.source.collate, self.source.schedule
+        while True:
+            batch_size, seq_len = self.source.batch_size, None
+            if schedule is not None:
+                seq_len, batch_size = schedule.at(self.first_step + self.batches * self.workers + self.worker)
+            batch = list(itertools.islice(samples, batch_size))
+            if not batch:
+                return
             if len(batch) == batch_size or self.source.epochs is not None:  # a finite stream keeps its last part
+                for sample in batch if seq_len is not None else ():
+                    sample["seq_len"] = seq_len
+                self.batches += 1
                 yield collate(batch)
 
 

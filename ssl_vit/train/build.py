@@ -17,10 +17,11 @@ from omegaconf import OmegaConf
 from ssl_vit.config import model_kwargs, peak_lr, warmup_steps
 from ssl_vit.data import DATASETS, DataError, ViewBuilder, build_dataset, dataset_kind
 from ssl_vit.data.augreg import mixes
+from ssl_vit.data.naflex import NaFlexSettings, NaFlexViews
 from ssl_vit.data.subset import limit_samples
 from ssl_vit.init import without_transformers_zero3, writable
 from ssl_vit.interop.sources import SOURCES, Pretrained, load_pretrained
-from ssl_vit.objectives import DataInfo, Objective, Requirements, build_objective, objective_class
+from ssl_vit.objectives import OBJECTIVES, DataInfo, Objective, Requirements, build_objective, objective_class
 from ssl_vit.optim import build_optimizer, schedule, weight_decay_schedule
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
 from ssl_vit.schema import ConfigError, validate_config
@@ -290,6 +291,8 @@ def build_components(cfg, source: Pretrained | None = None, device_type: str = "
     placement = photometric_on(cfg.data, device_type, (multicrop or {}).get("global_size", img_size))
     if multicrop is not None:
         multicrop = dict(multicrop, photometric_on=placement)
+    if cfg.data.get("resolution", "fixed") == "naflex":
+        return objective, dataset, naflex_views(cfg, objective, needs, preprocess, img_size), preprocess
     try:
         views = preprocess.view_builder(needs.views, augment, cfg.data.crop_scale, multicrop,
                                         objective.text_tokenizer() if "text" in needs.views else None,
@@ -302,6 +305,28 @@ def build_components(cfg, source: Pretrained | None = None, device_type: str = "
 
 
 # On a CPU the batched photometric stage in the workers' collate beats torchvision per crop up to global crops of
+def naflex_views(cfg, objective: Objective, needs: Requirements, preprocess: Preprocess, img_size: int) -> NaFlexViews:
+    """The NaFlex view builder (data.resolution=naflex); ConfigError where the objective or backbone cannot take
+    NaFlex batches, or a data.naflex setting does not fit."""
+    if not needs.naflex:
+        takes = sorted(name for name, cls in OBJECTIVES.items() if cls.needs.naflex)
+        raise ConfigError(f"objective={cfg.objective.name} does not train on NaFlex batches (data.resolution=naflex): "
+                          f"{objective.naflex_refusal}; objectives that do: {takes}")
+    refusal = objective.backbone.naflex_refusal()
+    if refusal:
+        raise ConfigError(f"data.resolution=naflex: {refusal}")
+    patch = objective.backbone.patch_embed.patch_size
+    if patch[0] != patch[1]:
+        raise ConfigError(f"data.resolution=naflex takes square patches, model.patch_size={list(patch)}")
+    try:
+        settings = NaFlexSettings.resolve(cfg.data.naflex, patch[0], img_size, cfg.data.batch_size)
+        return NaFlexViews(needs.views, settings, preprocess.mean, preprocess.std, cfg.data.augment,
+                           cfg.data.crop_scale, preprocess.interpolation,
+                           objective.text_tokenizer() if "text" in needs.views else None, objective.teacher_inputs())
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
 # about 80 px (per image, 2 + 6 crops: 2.5x at 32 px, 1.23x at 64, 1.03x at 80, 0.88x at 96, 0.81x at 224;
 # docs/benchmarks.md, "Where DINO's photometric augmentation runs").
 COLLATE_BELOW_PX = 80

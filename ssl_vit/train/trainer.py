@@ -204,8 +204,9 @@ class MicroSteps:
     on the device."""
 
     def __init__(self, accelerator: Accelerator, model, optimizer, grad_clip: float | None, step: int, meter: Meter,
-                 on_device: bool = False):
+                 on_device: bool = False, batch_factor=None):
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
+        self.batch_factor = batch_factor  # NaFlex loss scaling: images in the batch -> the loss's factor
         self.grad_clip, self.step_number, self.meter, self.on_device = grad_clip, step, meter, on_device
         self.applied = torch.zeros((), dtype=torch.bool)
         self.loss_finite = torch.ones((), dtype=torch.bool, device=accelerator.device)  # on this rank
@@ -215,6 +216,8 @@ class MicroSteps:
 
     def step(self, batch: dict, loss_scale: float = 1.0) -> dict:
         accelerator = self.accelerator
+        if self.batch_factor is not None:
+            loss_scale *= self.batch_factor(len(batch["image"]["patches"]))
         with accelerator.accumulate(self.model):
             outputs = self.model(batch)
             outputs["loss"] = poisoned(outputs["loss"], self.step_number)
@@ -260,6 +263,9 @@ class Trainer:
         self._begin(begin)
         self.run_start = self.interval_start = time.perf_counter()  # train() starts the clocks again
         self.interval_step = self.state.step
+        # NaFlex batches vary in size: images and valid patches counted (all ranks', every step the same shape)
+        self.naflex = getattr(self.run.views, "settings", None)
+        self.interval_images = self.interval_tokens = self.run_images = 0
 
     @property
     def is_main(self) -> bool:
@@ -315,6 +321,7 @@ class Trainer:
                                 enabled=self.is_main and self.settings.progress)
         self.run_start = self.interval_start = time.perf_counter()
         self.interval_step, error = self.state.step, None
+        self.interval_images = self.interval_tokens = self.run_images = 0
         try:
             with StopRequests(self.settings.preempt_signals) as requests, \
                     StepWatchdog(self.settings.step_timeout_s) as watchdog:
@@ -354,7 +361,8 @@ class Trainer:
                        state.step)
         self.objective.begin_step(state.step, settings.max_steps)
         micro = MicroSteps(self.accelerator, self.model, self.optimizer, self.run.grad_clip, state.step + 1,
-                           self.meter, self.skips_on_device)
+                           self.meter, self.skips_on_device,
+                           self.naflex.loss_factor if self.naflex and self.naflex.loss_scale != "none" else None)
         self.objective.micro_steps(self._micro_batches(), micro)
         state.step += 1
         if self.compiled_blocks and state.step == self.start_step + 1 and self.is_main:
@@ -390,6 +398,11 @@ class Trainer:
                 self.state.skipped_samples += int(batch.pop("skipped").sum())
             key = batch.pop("key", [])
             keys.extend(key.tolist() if isinstance(key, torch.Tensor) else key)
+            if self.naflex:  # still on the host
+                world = self.accelerator.num_processes
+                self.interval_images += len(batch["image"]["patches"]) * world
+                self.run_images += len(batch["image"]["patches"]) * world
+                self.interval_tokens += int(batch["image"]["patch_valid"].sum()) * world
             batches.append(self.run.views.on_device(_to_device(batch, self.accelerator.device)))
         if self.sample_keys is not None:
             self.sample_keys.write(self.state.step + 1, keys)
@@ -440,9 +453,13 @@ class Trainer:
         state.last_record = {
             "step": state.step, **self.meter.summary(self.accelerator),
             "lr": float(run.learning_rates[state.step - 1]), "wd": float(run.weight_decays[state.step - 1]),
-            "images_per_s": run.global_batch * (state.step - self.interval_step) / max(now - self.interval_start, 1e-9),
+            "images_per_s": (self.interval_images if self.naflex else run.global_batch * (
+                state.step - self.interval_step)) / max(now - self.interval_start, 1e-9),
             "nonfinite_steps": state.nonfinite_steps, "skipped_samples": state.skipped_samples}
+        if self.naflex:
+            state.last_record["tokens_per_s"] = self.interval_tokens / max(now - self.interval_start, 1e-9)
         self.interval_start, self.interval_step = now, state.step
+        self.interval_images = self.interval_tokens = 0
         on_main_process(self.accelerator, self.outputs.log, state.last_record, "train/")
 
     @property
@@ -512,7 +529,8 @@ class Trainer:
             "step": state.step, "max_steps": settings.max_steps, "finished": state.step >= settings.max_steps,
             "error": error, "world_size": accelerator.num_processes, "threads_per_process": self.threads,
             "global_batch": self.run.global_batch, "steps_this_run": steps, "wall_s": elapsed,
-            "images_per_s": self.run.global_batch * steps / elapsed if steps > 0 else None,
+            "images_per_s": (self.run_images if self.naflex else self.run.global_batch * steps) / elapsed
+            if steps > 0 else None,
             "nonfinite_steps": state.nonfinite_steps, "skipped_samples": state.skipped_samples,
             "strategy": strategy_name(accelerator), "last": state.last_record, "param_digests": digests,
             "replicas_in_sync": None if is_sharded(accelerator) else len(set(digests)) <= 1,
@@ -550,6 +568,8 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     def move(value):
         if isinstance(value, torch.Tensor):
             return value.to(device, non_blocking=True)
+        if isinstance(value, dict):  # a NaFlex batch's image
+            return {k: move(v) for k, v in value.items()}
         return [move(v) for v in value] if isinstance(value, list) else value
 
     return {k: move(v) for k, v in batch.items()}
