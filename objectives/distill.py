@@ -311,7 +311,7 @@ class Distill(Objective):
         """(B, Ds): the student's prediction of teacher `name`'s summary, in that teacher's own space."""
         if name not in self.summary_adaptors:
             raise ValueError(f"no adaptor {name!r}; valid choices: {self.feature_names}")
-        summary = self.backbone.pool(self.backbone.forward_features(images))
+        summary = self.backbone.pool(self.backbone.forward_features(images), patch_valid(images))
         return self.summary_stats[name].restore(self.summary_adaptors[name](summary).float())
 
     def patch_features(self, images: torch.Tensor, name: str) -> torch.Tensor:

@@ -239,6 +239,10 @@ class EvalConfig:
     # segmentation on a level of ViTDet's simple feature pyramid over the last feature map (ssl_vit.pyramid: stride
     # patch/4 .. 2 x patch; seeded, untrained: the frozen-feature protocol fits only the linear head); None: the tokens
     pyramid_stride: int | None = checked(None, ge=1)
+    # fixed: every image resized and cropped to data.img_size | naflex: each whole image at its own aspect ratio,
+    # resized to fit eval.seq_len patches (ssl_vit.data.naflex), for linear, knn, fewshot, zeroshot, retrieval
+    resolution: str = checked("fixed", choices=("fixed", "naflex"))
+    seq_len: int | None = checked(None, ge=1)  # None: the encoder's patches at data.img_size
 
 
 @dataclass

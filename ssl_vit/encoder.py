@@ -14,6 +14,14 @@ drops index 0, the same without registers; Prismatic drops all prefix tokens).
     pixels = encoder.preprocess([Image.open("cat.jpg")])                    # (1, 3, S, S), the encoder's transform
     tokens = encoder(pixels)                                                # (1, patches, D)
     projector = mlp_projector(encoder.hidden_size, 4096)                    # LLaVA-1.5's 2-layer MLP
+
+NaFlex (SigLIP 2-style VLMs): `preprocess_naflex` resizes each image at its own aspect ratio to fit a patch budget
+and packs them (ssl_vit.naflex); `forward` takes that batch as it takes pixels (padded tokens), and `token_sets`
+gives each image's tokens with their (row, column) coordinates and grid, what a projector that merges neighbouring
+patches (LFM2-VL's pixel unshuffle) consumes.
+
+    batch = encoder.preprocess_naflex([Image.open("chart.png"), Image.open("photo.jpg")], seq_len=256)
+    for tokens, coords, grid in encoder.token_sets(batch): ...               # (n_i, D), (n_i, 2), (h_i, w_i)
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from ssl_vit.data.naflex import NaFlexEvalViews
 from ssl_vit.interop.sources import load_pretrained
+from ssl_vit.naflex import batch_grids, is_naflex
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.vit import VisionTransformer
 
@@ -67,25 +77,38 @@ class VisionEncoder(nn.Module):
         scale to [0, 1], normalise (the encoder's recorded eval transform; transformers' CLIPImageProcessor from
         our HF export gives the same pixels)."""
         views = self.preprocessing.view_builder(("image",))
-        batch = []
-        for image in images if isinstance(images, (list, tuple)) else [images]:
-            if not isinstance(image, torch.Tensor):
-                array = np.asarray(image.convert("RGB") if hasattr(image, "convert") else image)
-                image = torch.from_numpy(np.array(array, dtype=np.uint8)).permute(2, 0, 1)
-            batch.append(views({"image": image})["image"])
-        return torch.stack(batch)
+        return torch.stack([views({"image": image})["image"] for image in _uint8_images(images)])
 
-    def hidden_states(self, pixel_values: torch.Tensor, stop: int | None = None) -> list[torch.Tensor]:
+    def preprocess_naflex(self, images, seq_len: int | None = None) -> dict:
+        """Images (as `preprocess` takes them) -> one NaFlex batch: each whole image resized at its own aspect ratio
+        to its largest grid within `seq_len` patches (default: the patches of the recorded image size), scaled and
+        normalised as `preprocess`, padded to `seq_len`."""
+        patch = int(self.vit.patch_embed.patch_size[0])
+        seq_len = seq_len or (self.preprocessing.img_size // patch) ** 2
+        views = NaFlexEvalViews(("image",), patch, seq_len, self.preprocessing.mean, self.preprocessing.std,
+                                self.preprocessing.interpolation)
+        return views.stack_images([views({"image": image})["image"] for image in _uint8_images(images)])
+
+    def hidden_states(self, pixel_values: torch.Tensor | dict, stop: int | None = None) -> list[torch.Tensor]:
         """[tokens entering the blocks, output of block 1, ..., output of block L]: transformers' hidden_states
-        (up to index `stop` only: later blocks are not run)."""
-        x = self.vit.norm_pre(self.vit.embed(pixel_values))
-        grid = self.vit.patch_embed.grid_for(*pixel_values.shape[-2:])
-        ropes, spatial = self.vit.rope_tables(grid), self.vit.spatial_grid(grid)
+        (up to index `stop` only: later blocks are not run); pixels or a NaFlex batch (its padding masked)."""
+        x, inputs = self.vit._input_tokens(pixel_values)
+        x = self.vit.norm_pre(x)
         states = [x]
-        for block, rope in list(zip(self.vit.blocks, ropes or [None] * len(self.vit.blocks), strict=True))[:stop]:
-            x = block(x, rope, grid=spatial)
+        for block, rope, spatial, mask in inputs[:stop]:
+            x = block(x, rope, grid=spatial, attn_mask=mask)
             states.append(x)
         return states
+
+    def token_sets(self, batch: dict) -> list[tuple[torch.Tensor, torch.Tensor, tuple[int, int]]]:
+        """A NaFlex batch -> per image (its patch tokens (n_i, D) from `layer`, their (row, column) coordinates
+        (n_i, 2), its grid (h_i, w_i)): the padding and the prefix tokens left out."""
+        if not is_naflex(batch):
+            raise ValueError("token_sets takes a NaFlex batch (preprocess_naflex); for pixels call the encoder")
+        tokens = VisionEncoder(self.vit, self.preprocessing, self.layer, drop_prefix=True)(batch)
+        valid, coords = batch["patch_valid"], batch["patch_coord"]
+        return [(row[mask], coord[mask], grid)
+                for row, mask, coord, grid in zip(tokens, valid, coords, batch_grids(batch), strict=True)]
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         if self.layer is None:
@@ -93,6 +116,17 @@ class VisionEncoder(nn.Module):
         else:
             tokens = self.hidden_states(pixel_values, stop=self.layer % (len(self.vit.blocks) + 1))[-1]
         return tokens[:, self.vit.num_prefix_tokens:] if self.drop_prefix else tokens
+
+
+def _uint8_images(images) -> list[torch.Tensor]:
+    """PIL images, HWC uint8 arrays or CHW uint8 tensors (one or a list) -> CHW uint8 tensors."""
+    out = []
+    for image in images if isinstance(images, (list, tuple)) else [images]:
+        if not isinstance(image, torch.Tensor):
+            array = np.asarray(image.convert("RGB") if hasattr(image, "convert") else image)
+            image = torch.from_numpy(np.array(array, dtype=np.uint8)).permute(2, 0, 1)
+        out.append(image)
+    return out
 
 
 def mlp_projector(vision_width: int, llm_width: int) -> nn.Sequential:

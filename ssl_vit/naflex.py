@@ -93,6 +93,22 @@ def unpack(tokens: torch.Tensor, batch: dict) -> list[torch.Tensor]:
     return [row[mask] for row, mask in zip(tokens, batch["patch_valid"], strict=True)]
 
 
+def from_siglip2(pixel_values: torch.Tensor, spatial_shapes: torch.Tensor, pixel_attention_mask: torch.Tensor) -> dict:
+    """transformers' SigLIP 2 inputs (Siglip2ImageProcessor: each image's patches in raster order, then padding)
+    -> a NaFlex batch."""
+    position = torch.arange(pixel_values.shape[1], device=pixel_values.device)[None]
+    widths = spatial_shapes[:, 1:2].to(position.device)
+    valid = pixel_attention_mask.bool()
+    coords = torch.stack([position // widths, position % widths], dim=-1).masked_fill(~valid[..., None], 0)
+    return {"patches": pixel_values, "patch_coord": coords, "patch_valid": valid}
+
+
+def to_siglip2(batch: dict) -> dict:
+    """A NaFlex batch in raster order (`pack`'s) -> transformers' Siglip2VisionModel keyword arguments."""
+    return {"pixel_values": batch["patches"], "pixel_attention_mask": batch["patch_valid"].long(),
+            "spatial_shapes": torch.tensor(batch_grids(batch), device=batch["patches"].device)}
+
+
 @dataclass
 class NaFlexLayout:
     """Where a NaFlex batch's patches sit: each image's grid, and every patch's flat index on its own grid
@@ -126,6 +142,14 @@ class NaFlexLayout:
         parts = [(torch.tensor(rows, device=self.index.device), table_of(grid, self.index[rows]))
                  for grid, rows in groups.items()]
         return _scatter(parts, len(self.grids))
+
+    def points(self) -> tuple[torch.Tensor, ...]:
+        """(rows, cols, heights, widths), each (B x N,): every patch's place and its image's grid (padding: row 0,
+        column 0 of its image), for rotary tables built patch by patch (ssl_vit.rope)."""
+        sizes = torch.tensor(self.grids, device=self.index.device)  # (B, 2)
+        heights, widths = (sizes[:, i, None].expand_as(self.index) for i in (0, 1))
+        rows, cols = self.index // widths, self.index % widths
+        return tuple(t.reshape(-1) for t in (rows, cols, heights, widths))
 
     def attention_mask(self, num_prefix_tokens: int) -> torch.Tensor:
         """(B, 1, 1, prefix + N) bool, true for keys a query may attend (the prefix tokens and valid patches):

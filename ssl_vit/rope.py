@@ -95,10 +95,21 @@ class Rope2D(nn.Module):
     def augmented(self, coords: torch.Tensor) -> torch.Tensor:
         return augment_coords(coords, self.shift, self.jitter, self.rescale) if self.training else coords
 
-    def forward(self, grid: Sequence[int], keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def point_coords(self, points: Sequence[torch.Tensor]) -> torch.Tensor:
+        """(N, 2) coordinates of patches given one by one: `points` = (rows, cols, heights, widths), each (N,), a
+        patch's place and its own image's grid (NaFlex batches), as `coords` gives a whole grid's."""
+        rows, cols, heights, widths = (t.to(self.periods.device, torch.float32) for t in points)
+        scale = {"separate": (heights, widths), "min": (torch.minimum(heights, widths),) * 2,
+                 "max": (torch.maximum(heights, widths),) * 2}[self.normalize]
+        return torch.stack([(rows + 0.5) / scale[0], (cols + 0.5) / scale[1]], dim=-1) * 2 - 1
+
+    def forward(self, grid: Sequence[int] | None, keep: torch.Tensor | None = None,
+                points: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(sin, cos) of the grid's patches, (H * W, head_dim) each; with `keep` (B, K) patch indices, (B, K,
-        head_dim) rows of those patches."""
-        angles = 2 * math.pi * self.coords(grid)[:, :, None] / self.periods  # (HW, 2, head_dim / 4)
+        head_dim) rows of those patches; with `points` instead of a grid (see `point_coords`), (N, head_dim) rows of
+        those patches, moved by one draw of the training augmentation for all of them."""
+        coords = self.augmented(self.point_coords(points)) if points is not None else self.coords(grid)
+        angles = 2 * math.pi * coords[:, :, None] / self.periods  # (HW, 2, head_dim / 4)
         angles = angles.flatten(1).tile(2)  # (HW, head_dim): [rows, cols] frequencies, twice (rotate-half)
         sin, cos = angles.sin(), angles.cos()
         if keep is not None:
@@ -114,6 +125,12 @@ def index_coords(grid: Sequence[int], device=None) -> torch.Tensor:
     return torch.stack([col, row], dim=-1).flatten(0, 1)
 
 
+def point_index_coords(points: Sequence[torch.Tensor], device=None) -> torch.Tensor:
+    """(N, 2) (column, row) patch indices of patches given one by one (rows, cols, heights, widths)."""
+    rows, cols = points[0], points[1]
+    return torch.stack([cols, rows], dim=-1).to(device, torch.float32)
+
+
 class AxialRope(Rope2D):
     """RoPE-ViT's axial variant (timm's RotaryEmbeddingCat): (sin, cos, "interleaved") tables."""
 
@@ -126,8 +143,10 @@ class AxialRope(Rope2D):
         self.periods.copy_((self.theta ** (torch.arange(quarter, dtype=torch.float32) / quarter)).to(
             self.periods.device))  # 1 / frequency
 
-    def forward(self, grid, keep=None):
-        angles = (self.augmented(index_coords(grid, self.periods.device))[:, :, None] / self.periods).flatten(1)
+    def forward(self, grid, keep=None, points=None):
+        coords = point_index_coords(points, self.periods.device) if points is not None else \
+            index_coords(grid, self.periods.device)
+        angles = (self.augmented(coords)[:, :, None] / self.periods).flatten(1)
         angles = angles.repeat_interleave(2, dim=-1)  # (HW, head_dim): [column, row] frequencies, each pair twice
         sin, cos = angles.sin(), angles.cos()
         if keep is not None:
@@ -160,9 +179,10 @@ class MixedRope(nn.Module):
     def no_weight_decay(self) -> set[str]:
         return {"freqs"}
 
-    def forward(self, grid, keep=None):
-        """One table set per block: a list of `depth` (sin, cos, "interleaved")."""
-        coords = index_coords(grid, self.freqs.device)  # (HW, 2) column, row
+    def forward(self, grid, keep=None, points=None):
+        """One table set per block: a list of `depth` (sin, cos, "interleaved"); `points` as Rope2D's."""
+        coords = point_index_coords(points, self.freqs.device) if points is not None else \
+            index_coords(grid, self.freqs.device)  # (HW, 2) column, row
         if self.training:
             coords = augment_coords(coords, self.shift, self.jitter, self.rescale)
         freqs = self.freqs.float()

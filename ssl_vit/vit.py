@@ -191,6 +191,9 @@ class PatchEmbed(nn.Module):
         return F.linear(patches.to(weight.dtype), weight.permute(0, 2, 3, 1).flatten(1), self.proj.bias)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Images (B, C, H, W), or a NaFlex batch's flat patches (B, N, P * P * C) (`embed_flat`)."""
+        if images.ndim == 3:
+            return self.embed_flat(images)
         self.grid_for(images.shape[-2], images.shape[-1])
         # In the weights' dtype (bf16 weights under DeepSpeed's bf16 mode; a no-op otherwise), as HF's ViT does.
         return self.proj(images.to(self.proj.weight.dtype)).flatten(2).transpose(1, 2)
@@ -798,24 +801,42 @@ class VisionTransformer(nn.Module):
 
     def naflex_pos_embed(self, layout: NaFlexLayout) -> torch.Tensor | None:
         """(B, N, D): each patch's position embedding from its image's own grid (resampled once per distinct
-        grid, as a dense batch of that grid gets them), zero on padding; None without added ones."""
-        if self.pos_embed is None:
+        grid, as a dense batch of that grid gets them), zero on padding; None without added ones. The parameter is
+        read once: under ZeRO-3 a read may gather it, and the count of distinct grids differs between ranks."""
+        table = self.pos_embed
+        if table is None:
             return None
-        pos = layout.per_image(lambda grid, index: self.patch_pos_embed(grid)[0][index])
+
+        def rows(grid, index):
+            grid_table = table if tuple(grid) == self.grid_size else self._resample_pos_embed(table, grid)
+            return grid_table[0, self.num_pos_prefix:][index]
+
+        pos = layout.per_image(rows)
         return pos * layout.valid[..., None].to(pos.dtype)
 
     def naflex_rope_tables(self, layout: NaFlexLayout):
-        """`rope_tables` for a NaFlex batch: each image's rows of its own grid's tables (once per distinct grid)."""
+        """`rope_tables` for a NaFlex batch: each patch's rows from its place on its own image's grid, in one call
+        of the rope module (one augmentation draw per batch, as DINOv3's; one parameter gather under ZeRO-3)."""
         if self.rope is None:
             return None
-        tables = layout.per_image(lambda grid, index: self.rope(grid, index))
-        return tables if isinstance(tables, list) else [tables] * len(self.blocks)
+        batch, length = layout.index.shape
+        tables = self.rope(None, points=layout.points())
+
+        def per_image(table):  # (B x N, d) -> (B, N, d); the mixed kind's (1, heads, B x N, d) -> (B, heads, N, d)
+            if table.ndim == 2:
+                return table.reshape(batch, length, -1)
+            return table[0].reshape(table.shape[1], batch, length, -1).transpose(0, 1)
+
+        if isinstance(tables, list):
+            return [(per_image(sin), per_image(cos), *rest) for sin, cos, *rest in tables]
+        sin, cos, *rest = tables
+        return [(per_image(sin), per_image(cos), *rest)] * len(self.blocks)
 
     def embed_naflex(self, batch: dict, layout: NaFlexLayout, mask: torch.Tensor | None = None,
                      mask_token: torch.Tensor | None = None) -> torch.Tensor:
         """A NaFlex batch -> its input token sequence (B, prefix + N, D): `embed_patches` with per-image
         positions."""
-        patches = self.patch_embed.embed_flat(batch["patches"])
+        patches = self.patch_embed(batch["patches"])  # through the module: ZeRO-3 gathers its weights as usual
         if mask is not None:
             patches = torch.where(mask[..., None], mask_token.to(patches.dtype), patches)
         pos = self.naflex_pos_embed(layout)

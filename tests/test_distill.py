@@ -310,8 +310,9 @@ def test_zero_shot_through_an_exact_clip_adaptor_equals_the_teachers(teachers):
     test_set = SyntheticShapes(num_samples=200, img_size=48, seed=5)
     settings = EvalConfig(evaluators=["zeroshot"], batch_size=64)
     preprocess = Preprocess(48, mean=[0.4] * 3, std=[0.3] * 3)
-    ours = zeroshot_eval(student, test_set, preprocess, settings, "synthetic")
-    theirs = zeroshot_eval(clip, test_set, preprocess, settings, "synthetic")
+    views = preprocess.view_builder(("image",))
+    ours = zeroshot_eval(student, test_set, views, settings, "synthetic")
+    theirs = zeroshot_eval(clip, test_set, views, settings, "synthetic")
     assert ours["accuracy"] == theirs["accuracy"] and ours["templates"] == theirs["templates"]
 
 

@@ -196,3 +196,142 @@ def test_siglip2_model_from_transformers_imports(tmp_path):
 def test_siglip2_export_refuses_bicubic_position_resampling_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="train with model.pos_embed_interp=bilinear"):
         export_hf(build_vit("vit_tiny", class_token=False, global_pool="avg"), tmp_path, "siglip2")
+
+
+# ----- evaluation and VLMs -----
+def _compose(config, *overrides):
+    from hydra import compose, initialize_config_dir
+
+    from ssl_vit.cli import register_configs
+    from ssl_vit.paths import CONFIG_DIR
+
+    register_configs()
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        return compose(config, overrides=list(overrides))
+
+
+def test_evaluate_with_naflex_sees_each_image_whole_at_its_aspect(tmp_path):
+    """eval.resolution=naflex on mixed-aspect shapes: the k-NN features are the encoder's pooled output of each whole
+    image resized within eval.seq_len patches (checked against packing the images by hand), cached apart from the
+    fixed-size ones; evaluators that read fixed-size images are refused in one line."""
+    from ssl_vit.artifacts import save_encoder
+    from ssl_vit.data import SyntheticShapes
+    from ssl_vit.data.naflex import NaFlexEvalViews
+    from ssl_vit.eval.features import features_from_tokens
+    from ssl_vit.eval.run import evaluate
+    from ssl_vit.schema import ConfigError
+
+    vit = _moved(build_vit("vit_tiny", global_pool="avg", class_token=False))
+    path = save_encoder(vit, tmp_path / "run" / "encoder.safetensors", step=0)
+    common = [f"checkpoint={path}", "data=synthetic", "data.num_samples=64", "data.aspect_ratios=[0.5,1,2]",
+              "eval=knn", "eval.features=pooled", f"output_dir={tmp_path / 'eval'}", "cache_dir=null"]
+    report = evaluate(_compose("evaluate", *common, "eval.resolution=naflex", "eval.seq_len=48"), progress=False)
+    fixed = evaluate(_compose("evaluate", *common), progress=False)
+    assert 0 <= report["results"]["knn"]["accuracy"] <= 1 and "knn" in fixed["results"]
+    views = NaFlexEvalViews(("image", "label"), 4, 48, report["preprocess"]["mean"], report["preprocess"]["std"])
+    test = SyntheticShapes(16, 32, seed=1, aspect_ratios=(0.5, 1.0, 2.0))
+    images = [views(test[i])["image"] for i in range(4)]
+    shapes = {tuple(image.shape[1:]) for image in images}
+    assert (24, 24) in shapes and (36, 20) in shapes  # a square image on 6 x 6 patches, a tall one on 9 x 5
+    with torch.no_grad():
+        packed = features_from_tokens(vit.eval(), views.stack_images(images), "pooled")
+        alone = torch.cat([vit(image[None]) for image in images])
+    assert torch.allclose(packed, alone, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"eval.resolution=naflex runs eval=.*not \['segmentation'\]"):
+        evaluate(_compose("evaluate", *common[:-3], "eval=segmentation", "eval.resolution=naflex",
+                          f"output_dir={tmp_path / 'seg'}"), progress=False)
+
+
+def test_vision_encoder_gives_token_sets_with_coordinates():
+    from ssl_vit import VisionEncoder
+    from ssl_vit.preprocess import Preprocess
+
+    vit = _moved(build_vit("vit_tiny", num_registers=1))
+    encoder = VisionEncoder(vit, Preprocess(32), layer=-2, drop_prefix=True).eval()
+    uint8 = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8) for h, w in ((30, 60), (40, 40))]
+    batch = encoder.preprocess_naflex(uint8, seq_len=64)
+    sets = encoder.token_sets(batch)
+    assert [grid for _, _, grid in sets] == [(5, 10), (8, 8)]  # SigLIP 2's rule: 2:1 kept exactly
+    with torch.no_grad():
+        for (tokens, coords, grid), image_index in zip(sets, range(2), strict=True):
+            assert tokens.shape == (grid[0] * grid[1], vit.embed_dim) and coords[-1].tolist() == [grid[0] - 1,
+                                                                                                  grid[1] - 1]
+            pixels = unpatchify(batch["patches"][image_index], grid, 4)[None]
+            dense = VisionEncoder(vit, layer=-2, drop_prefix=True)(pixels)[0]  # the same image as pixels
+            assert torch.allclose(tokens, dense, atol=1e-5)
+
+
+def test_our_encoder_is_a_drop_in_vision_tower_for_lfm2_vl(tmp_path):
+    """LFM2-VL (transformers' SigLIP 2 NaFlex VLM): our encoder exported as its Siglip2VisionModel loads unchanged,
+    and our VisionEncoder in the vision tower's seat gives the same image features and logits."""
+    from transformers import Lfm2Config, Lfm2VlConfig, Lfm2VlForConditionalGeneration
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    from ssl_vit import VisionEncoder
+    from ssl_vit.naflex import from_siglip2, to_siglip2
+
+    ours = _moved(build_vit("vit_tiny", class_token=False, global_pool="avg", pos_embed_interp="bilinear",
+                            act_layer="gelu_tanh"))
+    export_hf(ours, tmp_path, "siglip2")
+    tower = transformers.Siglip2VisionModel.from_pretrained(tmp_path).eval()
+    image_token = 99
+    config = Lfm2VlConfig(vision_config=tower.config.to_dict(), text_config=Lfm2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=100).to_dict(), projector_hidden_size=64, downsample_factor=2, image_token_id=image_token)
+    torch.manual_seed(0)
+    vlm = Lfm2VlForConditionalGeneration(config).eval()
+    vlm.model.vision_tower.load_state_dict(tower.state_dict(), strict=True)
+    encoder = VisionEncoder.from_pretrained(f"hf:{tmp_path}", layer=None, drop_prefix=True)
+
+    class OurTower(torch.nn.Module):  # SigLIP's post_layernorm normalises every token: our fc_norm, per token
+        def forward(self, pixel_values, spatial_shapes, pixel_attention_mask, **kwargs):
+            batch = from_siglip2(pixel_values, spatial_shapes, pixel_attention_mask)
+            return BaseModelOutputWithPooling(last_hidden_state=encoder.vit.fc_norm(encoder(batch)))
+
+    batch = pack(_images()[:3], 4, seq_len=64)
+    inputs = to_siglip2(batch)
+    count = (inputs["spatial_shapes"][0] // 2).prod().item()
+    prompt = torch.tensor([[1, 5] + [image_token] * count + [7, 8]])
+    first = {key: value[:1] for key, value in inputs.items()}
+    with torch.no_grad():
+        theirs = vlm.model.get_image_features(**inputs).pooler_output
+        their_logits = vlm(input_ids=prompt, **first).logits
+        vlm.model.vision_tower = OurTower()
+        mine = vlm.model.get_image_features(**inputs).pooler_output
+        my_logits = vlm(input_ids=prompt, **first).logits
+    assert [len(t) for t in mine] == [15, 16, 12]  # 6x10, 8x8, 4x12 patches merged 2 x 2
+    assert all((a - b).abs().max() < 1e-5 for a, b in zip(mine, theirs, strict=True))
+    assert (my_logits - their_logits).abs().max() < 1e-4 and torch.isfinite(my_logits).all()
+
+
+def test_compiled_blocks_compile_once_per_bucket_at_most_not_per_batch():
+    """Per-block torch.compile (as trainer.compile) on NaFlex batches from the schedule (4 buckets, a batch size
+    each, every batch its own mix of grids): the graphs compiled over the first pass through the buckets are all
+    there are; 3 more passes of new images compile nothing (a batch's grids change tables, not shapes)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from ssl_vit.data.naflex import NaFlexSchedule, NaFlexSettings, grid_for_seq
+    from ssl_vit.train.strategy import compile_blocks
+
+    torch._dynamo.reset()
+    counters.clear()
+    vit = build_vit("vit_test", pos_embed="rope", num_registers=1, global_pool="avg", class_token=False)
+    compile_blocks(vit, backend="aot_eager")
+    schedule = NaFlexSchedule(NaFlexSettings(4, (8, 16, 24, 32), 128, 8), seed=0)
+    generator = torch.Generator().manual_seed(0)
+    by_bucket, compiled = {}, []
+    for step in range(64):
+        seq_len, batch = schedule.at(step)
+        by_bucket.setdefault(seq_len, []).append(step)
+        images = []
+        for _ in range(batch):
+            aspect = float(torch.empty(()).uniform_(0.25, 4, generator=generator))
+            rows, cols = grid_for_seq(100, round(100 * aspect), 4, seq_len)
+            images.append(torch.randn(3, rows * 4, cols * 4, generator=generator))
+        vit(pack(images, 4, seq_len)).square().mean().backward()
+        compiled.append(counters["stats"]["unique_graphs"])
+    first_pass = max(min(steps) for steps in by_bucket.values())  # every bucket seen once by then
+    assert len(by_bucket) == 4 and compiled[-1] == compiled[first_pass]
+    # measured: 2 (the first shape static, then one graph with dynamic sizes for every later shape)
+    assert compiled[-1] <= len(by_bucket), compiled

@@ -6,9 +6,10 @@ token budget holds: batch size = max_tokens // seq_len. The draw is a pure funct
 gets the same batch shape at every step while the samples are sharded (rank r takes its slice of the step's global
 batch, dealt from a seeded permutation per epoch), and a resumed run continues at the exact position
 (`NaFlexSchedule.samples_before`). An image is resized to the largest size of its aspect ratio whose patch grid
-fits the sequence (`grid_for_seq`); with augmentation, a random resized crop box (scale data.crop_scale, ratio
-3/4..4/3) and a flip are drawn per sample under its seed first. Distillation teachers get the same box at their own
-fixed sizes. The resizing to the batch's length runs in the loader's collate (the sample does not know its batch).
+fits the sequence (`grid_for_seq`); with augmentation, a random resized crop box (scale data.crop_scale, aspect
+ratio 3/4..4/3 of the image's own, so that a wide image stays wide) and a flip are drawn per sample under its seed
+first. Distillation teachers get the same box at their own fixed sizes. The resizing to the batch's length runs in
+the loader's collate (the sample does not know its batch).
 """
 
 from __future__ import annotations
@@ -215,8 +216,10 @@ class NaFlexViews:
         image = sample["image"]
         top, left, height, width = 0, 0, image.shape[-2], image.shape[-1]
         flip = False
-        if self.augment != "none":
-            top, left, height, width = RandomResizedCrop.get_params(image, self.crop_scale, (3 / 4, 4 / 3))
+        if self.augment != "none":  # the box's aspect ratio within 3/4..4/3 of the image's own (NaFlex keeps it)
+            aspect = width / height
+            top, left, height, width = RandomResizedCrop.get_params(image, self.crop_scale,
+                                                                    (3 / 4 * aspect, 4 / 3 * aspect))
             flip = self.augment == "crop_flip" and bool(torch.rand(()) < 0.5)
         crop = image[..., top:top + height, left:left + width]
         crop = TF.horizontal_flip(crop) if flip else crop
@@ -261,3 +264,39 @@ class NaFlexViews:
 
     def on_device(self, batch: dict) -> dict:
         return batch
+
+
+class NaFlexEvalViews:
+    """Evaluation's NaFlex transform (eval.resolution=naflex): each whole image (no crop) resized to its largest
+    grid within `seq_len` patches, normalised; `stack_images` packs a batch of them into one NaFlex batch."""
+
+    def __init__(self, views, patch_size: int, seq_len: int, mean, std, interpolation: str = "bilinear"):
+        self.views, self.patch_size, self.seq_len = tuple(views), int(patch_size), int(seq_len)
+        self.mode = InterpolationMode(interpolation)
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+
+    def __call__(self, sample: dict) -> dict:
+        image = sample["image"]
+        rows, cols = grid_for_seq(image.shape[-2], image.shape[-1], self.patch_size, self.seq_len)
+        size = [rows * self.patch_size, cols * self.patch_size]
+        resized = TF.resize(image, size, interpolation=self.mode, antialias=True)
+        out = {"image": (resized.float().div_(255) - self.mean) / self.std}
+        if "label" in self.views and "label" in sample:
+            out["label"] = sample["label"]
+        return out
+
+    def stack_images(self, images: list[torch.Tensor]) -> dict:
+        return pack(images, self.patch_size, self.seq_len)
+
+
+def stack_images(views, images: list[torch.Tensor]):
+    """A batch of prepared images: one tensor, or a NaFlex batch for views that pack (NaFlexEvalViews)."""
+    return views.stack_images(images) if hasattr(views, "stack_images") else torch.stack(images)
+
+
+def to_device(images, device):
+    """An image tensor or a NaFlex batch on `device`."""
+    if isinstance(images, dict):
+        return {key: value.to(device) for key, value in images.items()}
+    return images.to(device)

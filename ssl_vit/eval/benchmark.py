@@ -114,6 +114,8 @@ def run_benchmark(cfg, progress: bool = True) -> dict:
     validate_config(cfg)
     unsupported = {key: cfg.eval[key] for key in ("window_size", "global_attn_indexes", "pyramid_stride")
                    if cfg.eval[key]}
+    if cfg.eval.get("resolution", "fixed") != "fixed":
+        unsupported["resolution"] = cfg.eval.resolution
     if unsupported:
         given = ", ".join(f"{key}={value}" for key, value in unsupported.items())
         raise ConfigError(f"eval: ssl-vit benchmark does not take {given} (ssl-vit evaluate does, one encoder at a "
@@ -352,7 +354,7 @@ def compute_cell(cell: Cell, cfg, cache_dir: Path, progress: bool, held: dict | 
                 del held[other]
             ecfg = OmegaConf.merge(cfg.eval, {"features": feature_kind(encoder, cfg.eval.features)})
             held[key] = frozen_features(encoder.module, {"train": train_set, "test": test_set}, ecfg,
-                                        cell.preprocess, cache_dir, identity, progress, None, {})
+                                        cell.preprocess.view_builder(), cache_dir, identity, progress, None, {})
         return frozen_protocol(cell.protocol, *held[key]["train"], *held[key]["test"], cfg)
     if cell.protocol == "segmentation":
         return segmentation_cell(cell, train_set, test_set, cfg, cache_dir, identity, progress)
@@ -402,11 +404,12 @@ def segmentation_cell(cell: Cell, train_set, test_set, cfg, cache_dir: Path, ide
 def text_cell(cell: Cell, test_set, cfg, progress: bool) -> dict:
     model = cell.encoder.text_model
     if cell.protocol == "zeroshot":
-        details = zeroshot_eval(model, test_set, cell.preprocess, cfg.eval, cell.data.cfg.name, progress)
+        details = zeroshot_eval(model, test_set, cell.preprocess.view_builder(("image",)), cfg.eval,
+                                cell.data.cfg.name, progress)
         labels = labels_of(test_set)
         chance = majority_share(torch.as_tensor(labels)) if labels is not None else 1 / len(details["classes"])
         return {"scores": {"zero-shot": details["accuracy"]}, "chance": {"zero-shot": chance}, "details": details}
-    details = retrieval_eval(model, test_set, cell.preprocess, cfg.eval, progress)
+    details = retrieval_eval(model, test_set, cell.preprocess.view_builder(("image",)), cfg.eval, progress)
     k = min(cfg.eval.retrieval_ks)
     scores = {f"image-to-text R@{k}": details["accuracy"][f"image_to_text_R@{k}"],
               f"text-to-image R@{k}": details["accuracy"][f"text_to_image_R@{k}"]}

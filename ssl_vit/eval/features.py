@@ -18,8 +18,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from ssl_vit.data.errors import NoUsableSamplesError
+from ssl_vit.data.naflex import stack_images, to_device
 from ssl_vit.eval.readable import ReadableSamples, collate_readable
 from ssl_vit.interop.native import NativeEncoder, native_kind
+from ssl_vit.naflex import patch_valid
 from ssl_vit.progress import progress_bar
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,21 @@ def labelled_view(views, sample: dict, index: int) -> tuple:
     return out["image"], out["label"]
 
 
+def collate_labelled(views, items: list[tuple]) -> tuple:
+    """(images: a tensor or a NaFlex batch, labels) of (image, label) pairs."""
+    images, labels = zip(*items, strict=True)
+    return stack_images(views, list(images)), torch.as_tensor(labels)
+
+
+def patch_mean(tokens: torch.Tensor, prefix: int, valid: torch.Tensor | None) -> torch.Tensor:
+    """The average patch token, the padding of a NaFlex batch left out."""
+    patches = tokens[:, prefix:]
+    if valid is None:
+        return patches.mean(dim=1)
+    weights = valid.to(patches.dtype)[..., None]
+    return (patches * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
+
+
 def features_from_tokens(encoder, images: torch.Tensor, kind: str, last_k: int = 4) -> torch.Tensor:
     if isinstance(encoder, NativeEncoder):  # a library's own model: its summary or its token mean
         return encoder.features(images, native_kind(encoder, kind), last_k)
@@ -41,15 +58,16 @@ def features_from_tokens(encoder, images: torch.Tensor, kind: str, last_k: int =
     has_cls = encoder.cls_token is not None
     if kind in ("cls", "cls_avg") and not has_cls:
         raise ValueError(f"feature kind {kind!r} needs a class token; this encoder has none (use 'avg' or 'pooled')")
+    valid = patch_valid(images)
     if kind == "last_k":
         blocks = encoder.forward_intermediates(images, last_k)
-        return torch.cat([t[:, 0] if has_cls else t[:, prefix:].mean(dim=1) for t in blocks], dim=-1)
+        return torch.cat([t[:, 0] if has_cls else patch_mean(t, prefix, valid) for t in blocks], dim=-1)
     tokens = encoder.forward_features(images)
     if kind == "pooled":
-        return encoder.pool(tokens)
+        return encoder.pool(tokens, valid)
     if kind == "cls":
         return tokens[:, 0]
-    average = tokens[:, prefix:].mean(dim=1)
+    average = patch_mean(tokens, prefix, valid)
     return average if kind == "avg" else torch.cat([tokens[:, 0], average], dim=-1)
 
 
@@ -71,13 +89,14 @@ def extract_features(encoder, dataset, views, kind: str = "cls", last_k: int = 4
     device = next(encoder.parameters()).device
     readable = ReadableSamples(dataset, functools.partial(labelled_view, views), "the features")
     loader = DataLoader(readable, batch_size=batch_size, shuffle=False, num_workers=num_workers,
-                        collate_fn=collate_readable)
+                        collate_fn=functools.partial(collate_readable, collate=functools.partial(collate_labelled,
+                                                                                                   views)))
     features, labels, dropped = [], [], 0
     for batch, bad in progress_bar(loader, desc=desc, enabled=progress, leave=False):
         dropped += bad
         if batch is not None:
             images, targets = batch
-            images = images.to(device)
+            images = to_device(images, device)
             embedded = embed(images) if embed is not None else features_from_tokens(encoder, images, kind, last_k)
             features.append(embedded.float().cpu())
             labels.append(targets)

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from ssl_vit.artifacts import run_directory
 from ssl_vit.config import EVALUATORS
 from ssl_vit.data import eval_datasets
+from ssl_vit.data.naflex import NaFlexEvalViews
 from ssl_vit.data.subset import labels_of
 from ssl_vit.eval.attentive import attentive_eval
 from ssl_vit.eval.features import FEATURE_KINDS, cache_key, cached, extract_features
@@ -51,6 +52,7 @@ log = logging.getLogger("ssl_vit")
 FEATURE_EVALUATORS = EVALUATORS[:3]
 TEXT_EVALUATORS = ("zeroshot", "retrieval")  # need an image-text model
 MASK_EVALUATORS = ("segmentation",)  # need a dataset with masks
+NAFLEX_EVALUATORS = (*FEATURE_EVALUATORS, *TEXT_EVALUATORS)  # those that take eval.resolution=naflex
 
 
 def load_any_encoder(spec: str, native: bool = False):
@@ -74,6 +76,9 @@ def evaluate(cfg, progress: bool = True) -> dict:
     model, embed, dense = None, None, None
     ecfg, features = cfg.eval, cfg.eval.features
     if isinstance(encoder, NativeEncoder):
+        if cfg.eval.get("resolution", "fixed") == "naflex":
+            raise ConfigError(f"eval.resolution=naflex: {checkpoint} runs as its library's own model, which reads "
+                              "image tensors; NaFlex evaluation takes ViTs of ours (or those that convert)")
         features, evaluators = native_settings(cfg, encoder)
         ecfg = OmegaConf.merge(cfg.eval, {"evaluators": evaluators, "features": features})
         dense = encoder.feature_map if encoder.dense else None
@@ -219,6 +224,15 @@ def chance_levels(test_set, results: dict) -> dict:
 
 def check_evaluator_settings(ecfg, encoder) -> None:
     """Settings that do not fit this encoder: ConfigError naming the value and what fits."""
+    if getattr(ecfg, "resolution", "fixed") == "naflex":
+        others = [name for name in ecfg.evaluators if name not in NAFLEX_EVALUATORS]
+        if others:
+            raise ConfigError(f"eval.resolution=naflex runs eval={list(NAFLEX_EVALUATORS)}, not {others} (they "
+                              "read fixed-size images: segmentation masks, fine-tuning and attentive batches)")
+        refusal = encoder.naflex_refusal() if hasattr(encoder, "naflex_refusal") else \
+            "a library's own model reads image tensors"
+        if refusal:
+            raise ConfigError(f"eval.resolution=naflex: {refusal}")
     depth, heads = len(encoder.blocks), encoder.config["num_heads"]
     if "segmentation" in ecfg.evaluators and ecfg.segmentation_blocks > depth:
         raise ConfigError(f"eval.segmentation_blocks={ecfg.segmentation_blocks} is more than the encoder's {depth} "
@@ -242,9 +256,10 @@ def run_evaluators(encoder, train_set, test_set, ecfg, preprocess: Preprocess, c
         raise ConfigError(f"evaluator(s) {needs_model} need an image-text model (objective=clip or siglip, or a "
                           "distill run with an image-text teacher)")
     results, timings, feature_dim = {}, {}, None
+    views = eval_views(preprocess, ecfg, encoder)
     if any(name in FEATURE_EVALUATORS for name in ecfg.evaluators):
         features = frozen_features(model if embed is not None else encoder, {"train": train_set, "test": test_set},
-                                   ecfg, preprocess, cache_dir, identity, progress, embed, timings)
+                                   ecfg, views, cache_dir, identity, progress, embed, timings)
         (train_x, train_y), (test_x, test_y) = features["train"], features["test"]
         feature_dim = train_x.shape[1]
     runners = {
@@ -260,8 +275,10 @@ def run_evaluators(encoder, train_set, test_set, ecfg, preprocess: Preprocess, c
                                      batch_size=ecfg.finetune_batch_size, lr=ecfg.finetune_lr,
                                      layer_decay=ecfg.finetune_layer_decay, augment=ecfg.finetune_augment,
                                      seed=seed, progress=progress),
-        "zeroshot": lambda: zeroshot_eval(model, test_set, preprocess, ecfg, data_name, progress),
-        "retrieval": lambda: retrieval_eval(model, test_set, preprocess, ecfg, progress),
+        "zeroshot": lambda: zeroshot_eval(model, test_set, eval_views(preprocess, ecfg, encoder, ("image",)), ecfg,
+                                          data_name, progress),
+        "retrieval": lambda: retrieval_eval(model, test_set, eval_views(preprocess, ecfg, encoder, ("image",)),
+                                            ecfg, progress),
         "segmentation": lambda: segmentation_eval(encoder, train_set, test_set, preprocess, ecfg, seed, progress,
                                                   dense),
         "attentive": lambda: attentive_eval(encoder, train_set, test_set, preprocess.view_builder(), ecfg, seed,
@@ -274,13 +291,24 @@ def run_evaluators(encoder, train_set, test_set, ecfg, preprocess: Preprocess, c
     return results, timings, feature_dim
 
 
-def frozen_features(module, splits: dict, ecfg, preprocess: Preprocess, cache_dir, identity, progress: bool, embed,
+def eval_views(preprocess: Preprocess, ecfg, encoder, views=("image", "label")):
+    """The encoder's eval transform: `preprocess`'s fixed-size one, or with eval.resolution=naflex each whole image
+    at its own aspect ratio within eval.seq_len patches (default: the patches of preprocess.img_size)."""
+    if getattr(ecfg, "resolution", "fixed") != "naflex":
+        return preprocess.view_builder(views)
+    patch = int(encoder.patch_embed.patch_size[0])
+    seq_len = getattr(ecfg, "seq_len", None) or (preprocess.img_size // patch) ** 2
+    return NaFlexEvalViews(views, patch, seq_len, preprocess.mean, preprocess.std, preprocess.interpolation)
+
+
+def frozen_features(module, splits: dict, ecfg, views, cache_dir, identity, progress: bool, embed,
                     timings: dict) -> dict:
-    """{split: (features, labels)} of each data set, extracted once (cached when `cache_dir` and `identity` are
-    given); each split's seconds go into `timings`."""
-    views, features = preprocess.view_builder(), {}
+    """{split: (features, labels)} of each data set through `views` (`eval_views`), extracted once (cached when
+    `cache_dir` and `identity` are given); each split's seconds go into `timings`."""
+    features = {}
+    shape = {"naflex_seq_len": views.seq_len} if isinstance(views, NaFlexEvalViews) else {}
     for split, dataset in splits.items():
-        key = cache_key(**(identity or {}), split=split, kind=ecfg.features, last_k=ecfg.last_k)
+        key = cache_key(**(identity or {}), split=split, kind=ecfg.features, last_k=ecfg.last_k, **shape)
         start = time.perf_counter()
         features[split] = cached(cache_dir if identity else None, key, lambda d=dataset, s=split: extract_features(
             module, d, views, ecfg.features, ecfg.last_k, ecfg.batch_size, progress=progress, desc=f"{s} features",
@@ -322,20 +350,20 @@ def adaptor_features(model, features: str):
     return functools.partial(model.summary_features, name=features), dense
 
 
-def zeroshot_eval(model, test_set, preprocess: Preprocess, ecfg, data_name: str, progress: bool = False) -> dict:
+def zeroshot_eval(model, test_set, views, ecfg, data_name: str, progress: bool = False) -> dict:
     templates = templates_for(data_name, list(ecfg.zeroshot_templates) or model.zeroshot_templates)
     names = class_names(test_set)
     device = next(model.parameters()).device
     classifier = zeroshot_classifier(model, model.text_tokenizer(), names, templates, device)
-    embedded = embed_pairs(model, test_set, preprocess.view_builder(("image",)), None, need_text=False,
+    embedded = embed_pairs(model, test_set, views, None, need_text=False,
                            batch_size=ecfg.batch_size, device=device, progress=progress, desc="zero-shot")
     scores = zeroshot_accuracy(embedded["image"], embedded["labels"], classifier.float().cpu())
     return {**scores, "classes": names, "templates": templates, "num_test": len(embedded["labels"])}
 
 
-def retrieval_eval(model, test_set, preprocess: Preprocess, ecfg, progress: bool = False) -> dict:
+def retrieval_eval(model, test_set, views, ecfg, progress: bool = False) -> dict:
     device = next(model.parameters()).device
-    embedded = embed_pairs(model, test_set, preprocess.view_builder(("image",)), model.text_tokenizer(),
+    embedded = embed_pairs(model, test_set, views, model.text_tokenizer(),
                            need_text=True, batch_size=ecfg.batch_size, device=device, progress=progress,
                            desc="retrieval")
     recalls = retrieval_recall(embedded["image"], embedded["text"], embedded["captions"], list(ecfg.retrieval_ks))

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 from ssl_vit.data.errors import MissingTextError
+from ssl_vit.data.naflex import stack_images, to_device
 from ssl_vit.data.registry import dataset_kind
 from ssl_vit.eval.readable import ReadableSamples, collate_readable
 from ssl_vit.progress import progress_bar
@@ -66,9 +67,9 @@ def image_text_pair(views, tokenizer, need_text: bool, sample: dict, index: int)
     return image, tokens, text, int(sample.get("label", -1))
 
 
-def _collate_pairs(readable: list) -> tuple:
-    images, tokens, _, labels = default_collate([(i, t, 0, y) for i, t, _, y in readable])
-    return images, tokens, [item[2] for item in readable], labels
+def _collate_pairs(views, readable: list) -> tuple:
+    tokens, _, labels = default_collate([(t, 0, y) for _, t, _, y in readable])
+    return stack_images(views, [item[0] for item in readable]), tokens, [item[2] for item in readable], labels
 
 
 @torch.no_grad()
@@ -80,15 +81,15 @@ def embed_pairs(model, dataset, views, tokenizer, need_text: bool, batch_size: i
     model.eval()
     pairs = ReadableSamples(dataset, functools.partial(image_text_pair, views, tokenizer, need_text),
                             "the embeddings")
-    loader = DataLoader(pairs, batch_size=batch_size,
-                        collate_fn=functools.partial(collate_readable, collate=_collate_pairs))
+    collate = functools.partial(collate_readable, collate=functools.partial(_collate_pairs, views))
+    loader = DataLoader(pairs, batch_size=batch_size, collate_fn=collate)
     images, texts, captions, labels, skipped = [], [], [], [], 0
     for batch, dropped in progress_bar(loader, desc=desc, enabled=progress, leave=False):
         skipped += dropped
         if batch is None:
             continue
         pixels, tokens, caption, label = batch
-        images.append(model.encode_image(pixels.to(device), normalize=True).float().cpu())
+        images.append(model.encode_image(to_device(pixels, device), normalize=True).float().cpu())
         if need_text:
             texts.append(model.encode_text(tokens.to(device), normalize=True).float().cpu())
         captions += caption

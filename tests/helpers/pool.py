@@ -61,6 +61,14 @@ OBJECTIVES = {
     # grid) with windows of 5 (padded to 15), block 1 global and zero-initialised relative positions
     "windowed": ["objective=supervised", "model.init_from={windowed_source}", "data.img_size=48",
                  "model.window_size=5", "model.global_attn_indexes=[1]", "model.rel_pos=true"],
+    # NaFlex batches (images at 3 aspect ratios, 4 sequence-length buckets, a batch size per bucket the same on
+    # both ranks) with RoPE and a register (per-image tables, the key mask over the prefix); SigLIP's loss then
+    # exchanges the ranks' text features (equal batch sizes on every rank at every step)
+    "naflex_supervised": ["objective=supervised", "data.resolution=naflex", "data.aspect_ratios=[0.5,1,2]",
+                          "model.pos_embed=rope", "model.num_registers=1"],
+    "naflex_siglip": ["objective=siglip_tiny", "objective.embed_dim=16", "objective.text_width=16",
+                      "objective.text_heads=2", "objective.text_layers=1", "objective.context_length=16",
+                      "data.resolution=naflex", "data.aspect_ratios=[0.5,1,2]", "data.naflex.loss_scale=sqrt"],
 }
 # CLIP (a second tower, a loss gathered across ranks, accumulation) under all five strategies; masked_patch under
 # DDP (the reference of the ZeRO-2 non-finite, ZeRO-3 offload and bf16 tests; MAE and masked_patch ran under all
@@ -80,7 +88,11 @@ RUNS += [("supervised", "ddp_cpu2")]  # the eager reference of a compiled run (t
 RUNS += [("masked_patch", "zero3_cpu2"), ("mae", "zero3_cpu2")]  # consolidated with their heads (test_checkpoint)
 # The windowed fine-tune under DDP, ZeRO-3 and FSDP2, the last with its blocks compiled and checkpointed selectively
 RUNS += [("windowed", config) for config in ("ddp_cpu2", "zero3_cpu2", "fsdp2_cpu2")]
+# NaFlex batches under DDP, ZeRO-3 and FSDP2, the supervised FSDP2 run with compiled blocks
+RUNS += [(objective, config) for objective in ("naflex_supervised", "naflex_siglip")
+         for config in ("ddp_cpu2", "zero3_cpu2", "fsdp2_cpu2")]
 PER_RUN = {("distill", "zero3_cpu2"): ["objective.teachers.0.shard=true"],
+           ("naflex_supervised", "fsdp2_cpu2"): ["trainer.compile=true"],
            ("windowed", "fsdp2_cpu2"): ["trainer.compile=true", "model.grad_checkpointing=true",
                                         "model.checkpoint_policy=selective"]}
 # CLIP under FSDP2 through the real launcher, the FSDP2 config file alone setting it up (CLIP ran under all five
