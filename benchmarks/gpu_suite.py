@@ -15,7 +15,8 @@ Sections:
 - speed: every objective's training step through the trainer's own step (accelerate's autocast, the objective's
   micro-steps, clipping, fused AdamW on CUDA, EMA teachers), eager and with trainer.compile's per-block compile:
   images/s, model FLOPs per image, utilisation of the measured and the datasheet peak, peak memory; ViT-B/16 for every
-  objective, ViT-L/16 for supervised and MAE, ViT-B/16 at 1024 px global against SAM's windows (eager); timm's
+  objective, ViT-L/16 for supervised and MAE, ViT-B/16 at 1024 px global against SAM's windows (eager), ViT-B/16
+  on images of aspect ratios 1/4..4 squashed square against NaFlex at 256 patches each (eager); timm's
   ViT-B/16 supervised step (eager, and compiled whole as timm's train.py --torchcompile does) as the reference in the
   same run. Batches are drawn once by the real data path (synthetic shapes, the objective's views) and reused, so the
   rows measure the model, not the loader. FLOPs per image are counted, not estimated: torch.utils.flop_counter over
@@ -289,8 +290,23 @@ def speed_section(args, device: torch.device, peak: dict, work: Path, rows: list
                              *overrides)
         row = {"objective": name, "model": model, "img_size": img_size, "batch": batch, "compiled": False}
         measure(row, partial(StepRunner, accelerator, cfg, False, args.compile_backend, 0))
+    for name, overrides in naflex_rows(args.tiny):  # images of mixed aspect ratios: NaFlex against square resizing
+        model, img_size, batch = ("vit_test", 16, 8) if args.tiny else ("vit_b16", 256, args.batch)
+        cfg = compose_config(f"model={model}", "data=synthetic", f"data.img_size={img_size}",
+                             f"data.batch_size={batch}", f"output_dir={work / name}", "objective=supervised",
+                             "data.aspect_ratios=[0.25,0.5,1,2,4]", *overrides)
+        row = {"objective": name, "model": model, "img_size": img_size, "batch": batch, "compiled": False}
+        measure(row, partial(StepRunner, accelerator, cfg, False, args.compile_backend, 0))
     AcceleratorState._reset_state(reset_partial_state=True)
     return rows
+
+
+def naflex_rows(tiny: bool) -> list[tuple[str, list[str]]]:
+    """Supervised on shapes at aspect ratios 1/4..4 (ViT-B/16, 256 patches per image; --tiny: vit_test, 16): every
+    image squashed to the square, against NaFlex at the same patches per image (one bucket, the same batch)."""
+    patches = 16 if tiny else 256
+    return [("supervised square, mixed aspect", []),
+            ("supervised NaFlex, mixed aspect", ["data.resolution=naflex", f"data.naflex.seq_lens=[{patches}]"])]
 
 
 def windowed_rows(tiny: bool) -> list[tuple[str, list[str]]]:

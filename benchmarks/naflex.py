@@ -47,7 +47,12 @@ ASPECTS = (0.25, 0.5, 1.0, 2.0, 4.0)
 
 
 def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.processor() or 'CPU'} (CPU)"
+    if device.type == "cuda":
+        return torch.cuda.get_device_name()
+    cpuinfo = Path("/proc/cpuinfo")
+    models = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+              if line.startswith("model name")]
+    return f"{models[0] if models else platform.processor() or 'CPU'}, {len(models) or '?'} cores (CPU)"
 
 
 def matmul_tflops(device: torch.device, size: int = 2048) -> float:

@@ -15,6 +15,7 @@ coordinates, one host sync, as timm does), the flat position of every patch on i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -82,6 +83,16 @@ def pack(images: Sequence[torch.Tensor], patch_size: int | Sequence[int], seq_le
     return {"patches": patches, "patch_coord": coords, "patch_valid": valid}
 
 
+def drop_patches(batch: dict, keep_ratio: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(B, K) slots to keep of a NaFlex batch, K = ceil(keep_ratio x N): each image's valid patches in a random order
+    first, then its padding (timm's patch dropout keeps the validity of what it keeps; here the valid patches are
+    kept before any padding). Pass as `keep` to the backbone, and `batch["patch_valid"].gather(1, keep)` to `pool`."""
+    valid = batch["patch_valid"]
+    scores = torch.rand(valid.shape, generator=generator).to(valid.device) + (~valid).to(torch.float32) * 2
+    count = max(1, math.ceil(keep_ratio * valid.shape[1]))
+    return scores.argsort(dim=1)[:, :count]
+
+
 def batch_grids(batch: dict) -> list[tuple[int, int]]:
     """Each image's (h, w) patch grid, read from its coordinates (one host sync)."""
     coords = batch["patch_coord"].masked_fill(~batch["patch_valid"][..., None], 0)
@@ -142,6 +153,11 @@ class NaFlexLayout:
         parts = [(torch.tensor(rows, device=self.index.device), table_of(grid, self.index[rows]))
                  for grid, rows in groups.items()]
         return _scatter(parts, len(self.grids))
+
+    def kept(self, keep: torch.Tensor) -> NaFlexLayout:
+        """The layout of the slots at `keep` (B, K) (a token drop): their places and validity, the grids as they
+        were."""
+        return NaFlexLayout(self.grids, self.index.gather(1, keep), self.valid.gather(1, keep))
 
     def points(self) -> tuple[torch.Tensor, ...]:
         """(rows, cols, heights, widths), each (B x N,): every patch's place and its image's grid (padding: row 0,

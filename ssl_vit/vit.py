@@ -774,11 +774,13 @@ class VisionTransformer(nn.Module):
         """Output tokens (B, prefix + N or K, D), after the final norm; `mask`, `keep`: see `embed_patches`.
         `images` may be a NaFlex batch (ssl_vit.naflex): the tokens then follow its patches, padding included."""
         if is_naflex(images):
-            if keep is not None:
-                raise ValueError("dropping patches (keep: MAE's and I-JEPA's encoders) is not built for NaFlex "
-                                 "batches; train those objectives with data.resolution=fixed")
             layout = self.naflex_layout(images)
-            return self.run_blocks(self.embed_naflex(images, layout, mask, mask_token), layout=layout)
+            tokens = self.embed_naflex(images, layout, mask, mask_token)
+            if keep is not None:  # a token drop: the kept slots keep their places and validity (padding stays masked)
+                prefix = self.num_prefix_tokens
+                kept = torch.gather(tokens[:, prefix:], 1, keep[..., None].expand(-1, -1, tokens.shape[-1]))
+                tokens, layout = torch.cat([tokens[:, :prefix], kept], dim=1), layout.kept(keep)
+            return self.run_blocks(tokens, layout=layout)
         grid = self.patch_embed.grid_for(images.shape[-2], images.shape[-1])
         return self.run_blocks(self.embed(images, mask, mask_token, keep), grid, keep)
 

@@ -24,10 +24,12 @@ def test_the_gpu_suite_runs_every_section_on_the_cpu_and_writes_its_json(tmp_pat
     assert not any("math" in name for name in report["peak"]["attention_kernels"])
     rows = {(row["objective"], row["compiled"]): row for row in report["speed"]}
     objectives = ["supervised", "masked_patch", "mae", "dino", "dinov2", "clip", "siglip", "deit", "timm supervised"]
-    windowed = ["supervised global", "supervised windowed", "supervised windowed + rel_pos"]  # eager only
+    windowed = ["supervised global", "supervised windowed", "supervised windowed + rel_pos",  # eager only
+                "supervised square, mixed aspect", "supervised NaFlex, mixed aspect"]
     assert set(rows) == {(name, compiled) for name in objectives for compiled in (False, True)} | {
         (name, False) for name in windowed}
     assert rows["supervised windowed", False]["img_size"] == 32
+    assert rows["supervised NaFlex, mixed aspect", False]["batch"] == 8  # one bucket of 16 patches, 8 x 16 tokens
     for row in rows.values():
         assert row["images_per_s"] > 0 and row["flops_per_image"] > 0 and 0 < row["utilisation_measured_peak"]
     assert rows["supervised", True]["compile_s"] > 0 and rows["supervised", False]["compile_s"] == 0

@@ -116,8 +116,6 @@ def test_bad_naflex_inputs_are_one_line_each():
         build_vit("vit_tiny_r")(batch)
     with pytest.raises(ValueError, match="windowed attention or relative positions"):
         build_vit("vit_tiny", window_size=4)(batch)
-    with pytest.raises(ValueError, match="dropping patches"):
-        build_vit("vit_tiny").forward_features(batch, keep=torch.zeros(1, 4, dtype=torch.long))
 
 
 # ----- timm's NaFlexVit both ways -----
@@ -335,3 +333,26 @@ def test_compiled_blocks_compile_once_per_bucket_at_most_not_per_batch():
     assert len(by_bucket) == 4 and compiled[-1] == compiled[first_pass]
     # measured: 2 (the first shape static, then one graph with dynamic sizes for every later shape)
     assert compiled[-1] <= len(by_bucket), compiled
+
+
+def test_a_token_drop_keeps_positions_and_validity_consistent():
+    """Kept slots (each image's valid patches first, then its padding) give the outputs of the whole batch with the
+    dropped patches masked out (each image's grid, and so its positions, unchanged); the kept padding stays masked."""
+    from ssl_vit.naflex import drop_patches
+
+    vit = _moved(build_vit("vit_tiny", pos_embed="rope", num_registers=1, global_pool="avg", class_token=False))
+    batch = pack(_images(), 4, seq_len=64)
+    keep = drop_patches(batch, 0.5, torch.Generator().manual_seed(0))
+    kept_valid = batch["patch_valid"].gather(1, keep)
+    assert keep.shape == (4, 32) and kept_valid.sum(1).tolist() == [32, 32, 32, 6]  # the 2x3 image: all 6, padding
+    prefix = vit.num_prefix_tokens
+    with torch.no_grad():
+        tokens = vit.forward_features(batch, keep=keep)
+        layout = vit.naflex_layout(batch)
+        only_kept = torch.zeros_like(batch["patch_valid"]).scatter(1, keep, True) & batch["patch_valid"]
+        masked = vit.run_blocks(vit.embed_naflex(batch, layout), layout=NaFlexLayout(layout.grids, layout.index,
+                                                                                      only_kept))
+    for row in range(4):
+        expected = masked[row, prefix:][keep[row][kept_valid[row]]]
+        assert torch.allclose(tokens[row, prefix:][kept_valid[row]], expected, atol=1e-5)
+    assert torch.allclose(vit.pool(tokens, kept_valid)[3], vit(pack(_images()[3:], 4))[0], atol=1e-5)
