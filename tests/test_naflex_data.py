@@ -133,3 +133,32 @@ def test_objectives_that_cannot_take_naflex_say_why_in_one_line(tmp_path):
     proc = pretrain(*TINY, "objective=supervised", "model=vit_tiny_r", *NAFLEX, "trainer.max_steps=1",
                     f"hydra.run.dir={tmp_path / 'hybrid'}")
     assert proc.returncode == 2 and "need the patch stem" in proc.stderr
+
+
+def test_distill_trains_on_naflex_batches_with_each_teacher_map_resized_to_each_image(tmp_path):
+    """The teachers see the same crop box at their own fixed size; their patch maps are resized to each image's grid
+    (as the dense path resizes them to the batch's): per image, the targets equal resizing that image's map alone."""
+    from ssl_vit.artifacts import save_encoder
+    from ssl_vit.naflex import NaFlexLayout, pack
+    from ssl_vit.objectives.distill import _resize_per_image
+    from ssl_vit.objectives.patches import resize_patch_features
+    from ssl_vit.preprocess import Preprocess
+    from ssl_vit.vit import build_vit
+
+    teacher = save_encoder(build_vit("vit_test", img_size=24, patch_size=4), tmp_path / "teacher.safetensors",
+                           Preprocess(24, mean=[0.5] * 3, std=[0.25] * 3))
+    proc = pretrain(*TINY, "objective=distill_tiny", "objective.adaptor_hidden_dim=16", *NAFLEX,
+                    "data.augment=crop_flip", f"objective.teachers=[{{source: '{teacher}', name: t}}]",
+                    "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(row["t_patch_loss"]) for row in rows if "t_patch_loss" in row)
+    images = [torch.randn(3, h, w) for h, w in ((8, 16), (16, 8), (12, 12))]
+    layout = NaFlexLayout.of(pack(images, 4, seq_len=16))
+    maps = torch.randn(3, 36, 5)  # the teacher's 6 x 6 maps
+    targets = _resize_per_image(maps, (6, 6), layout)
+    start = 0
+    for row, grid in enumerate(layout.grids):
+        alone = resize_patch_features(maps[row:row + 1], (6, 6), grid, "bilinear")[0]
+        assert torch.equal(targets[start:start + len(alone)], alone)
+        start += len(alone)
