@@ -16,8 +16,10 @@ packing every image's valid tokens into one sequence with a block-diagonal mask 
 block-sparse kernel where torch.compile runs it); the faster one per device is what the backbone should run.
 
 accuracy: a supervised ViT-Ti (vit_tiny, 4 px patches) trained on built-in shapes at 5 aspect ratios (1/4 .. 4, the
-area of 32 x 32 px) with NaFlex (64 patches per image) and with square resizing at 32 px (the same 64 patches),
-the same images per step; k-NN and linear-probe accuracy on the held-out shapes, each encoder evaluated both ways.
+area of 32 x 32 px) with NaFlex (64 patches per image) and at a square 32 px (the same 64 patches) two ways: the
+shorter side resized and the centre cropped (timm's eval transform), or both sides squashed (transformers'
+processors); the same images per step; k-NN and linear-probe accuracy on the held-out shapes, each encoder evaluated
+with NaFlex and at 32 px as it was trained.
 
 Writes benchmarks/results/naflex.json and prints the tables.
 """
@@ -167,10 +169,11 @@ def accuracy(steps: int, out: Path, seed: int = 0) -> list[dict]:
               "trainer.log_every=50", f"seed={seed}"]
     recipes = {"NaFlex, 64 patches per image": ["data.resolution=naflex", "data.naflex.seq_lens=[64]",
                                                 "data.naflex.max_tokens=2048"],
-               "square, 32 px (64 patches)": ["data.img_size=32"]}
+               "square crop, 32 px (64 patches)": ["data.img_size=32"],
+               "squashed, 32 px (64 patches)": ["data.img_size=32", "data.resize_mode=squash"]}
     rows = []
     for name, extra in recipes.items():
-        run_dir = out / name.split(",")[0].lower()
+        run_dir = out / name.split(",")[0].lower().replace(" ", "_")
         start = time.perf_counter()
         run("scripts/pretrain.py", *common, *extra, f"hydra.run.dir={run_dir}")
         minutes = (time.perf_counter() - start) / 60
@@ -181,7 +184,7 @@ def accuracy(steps: int, out: Path, seed: int = 0) -> list[dict]:
                 f"hydra.run.dir={report_dir}", "cache_dir=null")
             report = json.loads((report_dir / "results.json").read_text())
             rows.append({"trained": name, "evaluated": "NaFlex, 64 patches" if evaluated == "naflex" else
-                         "square 32 px (resize + centre crop)", "train_minutes": round(minutes, 1),
+                         "32 px as trained (crop or squash)", "train_minutes": round(minutes, 1),
                          "knn": report["results"]["knn"]["accuracy"],
                          "linear": report["results"]["linear"]["accuracy"]})
     return rows

@@ -67,5 +67,5 @@ def resolve_preprocess(data_cfg, img_size: int, recorded: Preprocess | None = No
         std=list(data_cfg.std) if data_cfg.get("std") is not None else default_std,
         interpolation=recorded.interpolation if recorded else "bilinear",
         crop_pct=recorded.crop_pct if recorded else 1.0,
-        resize_mode=recorded.resize_mode if recorded else "shortest",
+        resize_mode=data_cfg.get("resize_mode") or (recorded.resize_mode if recorded else "shortest"),
     )

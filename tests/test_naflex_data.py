@@ -162,3 +162,23 @@ def test_distill_trains_on_naflex_batches_with_each_teacher_map_resized_to_each_
         alone = resize_patch_features(maps[row:row + 1], (6, 6), grid, "bilinear")[0]
         assert torch.equal(targets[start:start + len(alone)], alone)
         start += len(alone)
+
+
+def test_data_resize_mode_squash_keeps_the_whole_image_and_is_recorded():
+    from omegaconf import OmegaConf
+    from torchvision.transforms.v2 import functional as TF
+
+    from ssl_vit.preprocess import Preprocess, resolve_preprocess
+
+    data = OmegaConf.create({"name": "synthetic", "mean": None, "std": None, "resize_mode": "squash"})
+    preprocess = resolve_preprocess(data, 32)
+    assert preprocess.resize_mode == "squash"
+    image = torch.randint(0, 256, (3, 16, 64), dtype=torch.uint8)
+    squashed = preprocess.view_builder(("image",))({"image": image})["image"]
+    expected = (TF.resize(image, [32, 32], antialias=True).float() / 255 - torch.tensor(preprocess.mean)[:, None,
+                                                                                                        None])
+    assert torch.allclose(squashed, expected / torch.tensor(preprocess.std)[:, None, None], atol=1e-6)
+    recorded = Preprocess(32, resize_mode="squash")  # an encoder's record holds unless the data config says otherwise
+    assert resolve_preprocess(OmegaConf.merge(data, {"resize_mode": None}), 32, recorded).resize_mode == "squash"
+    assert resolve_preprocess(OmegaConf.merge(data, {"resize_mode": "shortest"}), 32, recorded).resize_mode == \
+        "shortest"

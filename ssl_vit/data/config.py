@@ -64,6 +64,10 @@ class DataConfig:
     # fixed: every image resized to data.img_size squared | naflex: each at its own aspect ratio, sized to a sequence
     # length per batch under a token budget (data.naflex.*; ssl_vit.data.naflex), for objectives that take it
     resolution: str = checked("fixed", choices=RESOLUTIONS)
+    # fixed resolution without augmentation: shortest (the shorter side to img_size, a centred square crop: timm's
+    # eval transform) | squash (both sides to img_size, nothing cut: transformers' ViT / SigLIP processors); None:
+    # what the encoder recorded, else shortest
+    resize_mode: str | None = checked(None, choices=("shortest", "squash"))
     naflex: NaFlexConfig = field(default_factory=NaFlexConfig)
 
 
