@@ -182,3 +182,27 @@ def test_data_resize_mode_squash_keeps_the_whole_image_and_is_recorded():
     assert resolve_preprocess(OmegaConf.merge(data, {"resize_mode": None}), 32, recorded).resize_mode == "squash"
     assert resolve_preprocess(OmegaConf.merge(data, {"resize_mode": "shortest"}), 32, recorded).resize_mode == \
         "shortest"
+
+
+@pytest.mark.slow
+def test_a_killed_naflex_run_resumes_loss_exact(tmp_path):
+    """SIGKILLed after step 5 (checkpoint at 4), resumed: steps 5 and 6 take the batch shapes, samples and losses of
+    the uninterrupted run (the schedule's position and the loader workers' seeds restored)."""
+    from helpers.processes import check_ok, launch, read_metrics
+
+    args = [*TINY, "objective=supervised", *NAFLEX, "data.num_workers=2", "data.augment=crop_flip",
+            "trainer.max_steps=6", "trainer.checkpoint_every=2", "trainer.record_sample_keys=true"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    check_ok(launch(*args, f"hydra.run.dir={whole}"))
+    assert launch(*args, f"hydra.run.dir={parts}", env={"SSL_VIT_FAULT": "step_done@5"}).returncode != 0
+    check_ok(launch(*args, f"hydra.run.dir={parts}", "trainer.resume=auto"))
+
+    def losses(run):
+        return {row["step"]: row["loss"] for row in read_metrics(run) if "loss" in row}
+
+    assert losses(parts) == losses(whole) and len(losses(whole)) == 6
+    def keys(run):  # step -> the sample keys it took (a resumed run's file holds its steps again after the kill)
+        lines = (run / "sample_keys" / "rank_0.jsonl").read_text().splitlines()
+        return {row["step"]: row["keys"] for row in map(json.loads, lines)}
+
+    assert keys(parts) == keys(whole) and len(keys(whole)) == 6
