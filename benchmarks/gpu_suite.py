@@ -292,8 +292,9 @@ def speed_section(args, device: torch.device, peak: dict, work: Path, rows: list
         measure(row, partial(StepRunner, accelerator, cfg, False, args.compile_backend, 0))
     for name, overrides in naflex_rows(args.tiny):  # images of mixed aspect ratios: NaFlex against square resizing
         model, img_size, batch = ("vit_test", 16, 8) if args.tiny else ("vit_b16", 256, args.batch)
+        slug = name.replace(",", "").replace(" ", "_")  # a comma would read as a Hydra sweep
         cfg = compose_config(f"model={model}", "data=synthetic", f"data.img_size={img_size}",
-                             f"data.batch_size={batch}", f"output_dir={work / name}", "objective=supervised",
+                             f"data.batch_size={batch}", f"output_dir={work / slug}", "objective=supervised",
                              "data.aspect_ratios=[0.25,0.5,1,2,4]", *overrides)
         row = {"objective": name, "model": model, "img_size": img_size, "batch": batch, "compiled": False}
         measure(row, partial(StepRunner, accelerator, cfg, False, args.compile_backend, 0))
