@@ -75,11 +75,11 @@ def pack(images: Sequence[torch.Tensor], patch_size: int | Sequence[int], seq_le
         raise ValueError(f"an image of {longest} patches does not fit a sequence of {seq_len}")
     first = flat[0][0]
     patches = first.new_zeros(len(flat), seq_len, first.shape[-1])
-    coords = torch.zeros(len(flat), seq_len, 2, dtype=torch.long)
-    valid = torch.zeros(len(flat), seq_len, dtype=torch.bool)
+    coords = torch.zeros(len(flat), seq_len, 2, dtype=torch.long, device=first.device)
+    valid = torch.zeros(len(flat), seq_len, dtype=torch.bool, device=first.device)
     for i, (image_patches, grid) in enumerate(flat):
         n = len(image_patches)
-        patches[i, :n], coords[i, :n], valid[i, :n] = image_patches, grid_coords(grid), True
+        patches[i, :n], coords[i, :n], valid[i, :n] = image_patches, grid_coords(grid, first.device), True
     return {"patches": patches, "patch_coord": coords, "patch_valid": valid}
 
 
@@ -88,7 +88,8 @@ def drop_patches(batch: dict, keep_ratio: float, generator: torch.Generator | No
     first, then its padding (timm's patch dropout keeps the validity of what it keeps; here the valid patches are
     kept before any padding). Pass as `keep` to the backbone, and `batch["patch_valid"].gather(1, keep)` to `pool`."""
     valid = batch["patch_valid"]
-    scores = torch.rand(valid.shape, generator=generator).to(valid.device) + (~valid).to(torch.float32) * 2
+    device = generator.device if generator is not None else valid.device
+    scores = torch.rand(valid.shape, generator=generator, device=device).to(valid.device) + (~valid).float() * 2
     count = max(1, math.ceil(keep_ratio * valid.shape[1]))
     return scores.argsort(dim=1)[:, :count]
 

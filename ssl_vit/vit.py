@@ -842,7 +842,7 @@ class VisionTransformer(nn.Module):
         if mask is not None:
             patches = torch.where(mask[..., None], mask_token.to(patches.dtype), patches)
         pos = self.naflex_pos_embed(layout)
-        return self.prepend_tokens(patches if pos is None else patches + pos.to(patches.dtype))
+        return self.prepend_tokens(patches if pos is None else patches + pos)  # promoted as add_pos is (autocast)
 
     def _input_tokens(self, images):
         """(input tokens, per-block inputs) of images or a NaFlex batch, nothing dropped."""

@@ -235,6 +235,8 @@ def test_evaluate_with_naflex_sees_each_image_whole_at_its_aspect(tmp_path):
         packed = features_from_tokens(vit.eval(), views.stack_images(images), "pooled")
         alone = torch.cat([vit(image[None]) for image in images])
     assert torch.allclose(packed, alone, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"eval.resolution=naflex with eval.window_size"):
+        evaluate(_compose("evaluate", *common, "eval.resolution=naflex", "eval.window_size=4"), progress=False)
     with pytest.raises(ConfigError, match=r"eval.resolution=naflex runs eval=.*not \['segmentation'\]"):
         evaluate(_compose("evaluate", *common[:-3], "eval=segmentation", "eval.resolution=naflex",
                           f"output_dir={tmp_path / 'seg'}"), progress=False)
@@ -356,3 +358,15 @@ def test_a_token_drop_keeps_positions_and_validity_consistent():
         expected = masked[row, prefix:][keep[row][kept_valid[row]]]
         assert torch.allclose(tokens[row, prefix:][kept_valid[row]], expected, atol=1e-5)
     assert torch.allclose(vit.pool(tokens, kept_valid)[3], vit(pack(_images()[3:], 4))[0], atol=1e-5)
+
+
+def test_under_bf16_autocast_a_naflex_batch_runs_as_the_dense_one():
+    """The position embeddings are added as the dense path adds them (fp32 tables promote the bf16 patches), so
+    one image gives the same tokens in the same dtype either way."""
+    vit = _moved(build_vit("vit_tiny", class_token=False, global_pool="avg"))
+    image = _images()[0]
+    batch = pack([image], 4)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        dense, naflex = vit.forward_features(image[None]), vit.forward_features(batch)
+    assert naflex.dtype == dense.dtype == torch.float32
+    assert (vit.pool(naflex, batch["patch_valid"]) - vit.pool(dense)).abs().max() < 1e-4

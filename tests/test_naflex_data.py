@@ -97,6 +97,28 @@ def test_shard_stream_takes_the_schedule_and_resumes_at_its_position(tmp_path, m
             iterator._shutdown_workers()
 
 
+def test_a_shard_worker_without_shards_is_refused_with_naflex(tmp_path):
+    """resampled=false with more workers than shards would idle a worker, and the loader's turns would then put the
+    ranks' batch shapes out of step: one line instead."""
+    from ssl_vit.data import NoUsableShardsError
+
+    synthetic_shards(tmp_path / "shards", count=10, per_shard=10, img_size=16)  # one shard, two workers
+    views = _views(augment="none")
+    loader = ShardStream(str(tmp_path / "shards"), resampled=False).loader(
+        views, 8, num_workers=0, need_label=True, schedule=NaFlexSchedule(views.settings))
+    stream = iter(loader.dataset)  # this process's WorkerStream, made to see itself as the second of two workers
+    stream.workers, stream.worker = 2, 1
+    with pytest.raises(NoUsableShardsError, match=r"worker 1 of rank 0 has no shard .* set data.resampled=true"):
+        next(stream)
+
+
+def test_loss_scale_factors():
+    settings = NaFlexSettings(**{**SETTINGS, "loss_scale": "sqrt"})
+    assert settings.loss_factor(32) == pytest.approx(2.0) and settings.loss_factor(8) == 1.0
+    assert NaFlexSettings(**{**SETTINGS, "loss_scale": "linear"}).loss_factor(4) == 0.5
+    assert NaFlexSettings(**SETTINGS).loss_factor(32) == 1.0
+
+
 @pytest.mark.parametrize(("settings", "message"), [
     (dict(max_tokens=64), r"max_tokens=64 is smaller than the sequence length 96 of one image"),
     (dict(seq_lens=(32, 50)), r"seq_lens=\[32, 50\]: each must be a positive multiple of 8.*\[32, 56\]"),

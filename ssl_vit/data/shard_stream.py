@@ -219,6 +219,12 @@ class WorkerStream:
         leaves, so between batches it counts exactly what went downstream."""
         if not self.stream.resampled:
             self._share(0)  # raises when this rank got no shard at all
+            if not self._share_size() and self.source.schedule is not None:
+                raise NoUsableShardsError(
+                    f"data.resolution=naflex with data.resampled=false: worker {self.worker} of rank {self.rank} has "
+                    f"no shard ({len(self.stream.urls)} shard(s) for {self.world} rank(s) x {self.workers} "
+                    "worker(s)), and an idle worker would put the ranks' batch shapes out of step; set "
+                    "data.resampled=true, fewer data.num_workers or write more shards")
             if not self._share_size():
                 log.warning("data.resampled=false: rank %d has fewer shards than its %d workers; worker %d idles (set "
                             "data.resampled=true or write more shards)", self.rank, self.workers, self.worker)

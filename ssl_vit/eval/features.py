@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from ssl_vit.data.errors import NoUsableSamplesError
 from ssl_vit.data.naflex import stack_images, to_device
@@ -37,7 +37,7 @@ def labelled_view(views, sample: dict, index: int) -> tuple:
 def collate_labelled(views, items: list[tuple]) -> tuple:
     """(images: a tensor or a NaFlex batch, labels) of (image, label) pairs."""
     images, labels = zip(*items, strict=True)
-    return stack_images(views, list(images)), torch.as_tensor(labels)
+    return stack_images(views, list(images)), default_collate(list(labels))
 
 
 def patch_mean(tokens: torch.Tensor, prefix: int, valid: torch.Tensor | None) -> torch.Tensor:

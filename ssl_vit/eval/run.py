@@ -229,6 +229,9 @@ def check_evaluator_settings(ecfg, encoder) -> None:
         if others:
             raise ConfigError(f"eval.resolution=naflex runs eval={list(NAFLEX_EVALUATORS)}, not {others} (they "
                               "read fixed-size images: segmentation masks, fine-tuning and attentive batches)")
+        if ecfg.window_size or ecfg.pyramid_stride:
+            raise ConfigError("eval.resolution=naflex with eval.window_size / eval.pyramid_stride: windows and the "
+                              "pyramid partition one grid per batch; evaluate NaFlex without them")
         refusal = encoder.naflex_refusal() if hasattr(encoder, "naflex_refusal") else \
             "a library's own model reads image tensors"
         if refusal:

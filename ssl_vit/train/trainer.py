@@ -204,9 +204,9 @@ class MicroSteps:
     on the device."""
 
     def __init__(self, accelerator: Accelerator, model, optimizer, grad_clip: float | None, step: int, meter: Meter,
-                 on_device: bool = False, batch_factor=None):
+                 on_device: bool = False, loss_factor: float = 1.0):
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
-        self.batch_factor = batch_factor  # NaFlex loss scaling: images in the batch -> the loss's factor
+        self.loss_factor = loss_factor  # NaFlex loss scaling (data.naflex.loss_scale): every micro-step's loss x this
         self.grad_clip, self.step_number, self.meter, self.on_device = grad_clip, step, meter, on_device
         self.applied = torch.zeros((), dtype=torch.bool)
         self.loss_finite = torch.ones((), dtype=torch.bool, device=accelerator.device)  # on this rank
@@ -216,8 +216,7 @@ class MicroSteps:
 
     def step(self, batch: dict, loss_scale: float = 1.0) -> dict:
         accelerator = self.accelerator
-        if self.batch_factor is not None:
-            loss_scale *= self.batch_factor(len(batch["image"]["patches"]))
+        loss_scale *= self.loss_factor
         with accelerator.accumulate(self.model):
             outputs = self.model(batch)
             outputs["loss"] = poisoned(outputs["loss"], self.step_number)
@@ -360,10 +359,10 @@ class Trainer:
         apply_schedule(self.optimizer, float(run.learning_rates[state.step]), float(run.weight_decays[state.step]),
                        state.step)
         self.objective.begin_step(state.step, settings.max_steps)
+        batches = self._micro_batches()
         micro = MicroSteps(self.accelerator, self.model, self.optimizer, self.run.grad_clip, state.step + 1,
-                           self.meter, self.skips_on_device,
-                           self.naflex.loss_factor if self.naflex and self.naflex.loss_scale != "none" else None)
-        self.objective.micro_steps(self._micro_batches(), micro)
+                           self.meter, self.skips_on_device, self._loss_factor(batches))
+        self.objective.micro_steps(batches, micro)
         state.step += 1
         if self.compiled_blocks and state.step == self.start_step + 1 and self.is_main:
             log.info("compiled %d transformer blocks: %.1f s compiling in the first step", self.compiled_blocks,
@@ -390,6 +389,14 @@ class Trainer:
             self.save(state.step)
         return logged
 
+    def _loss_factor(self, batches: list[dict]) -> float:
+        """data.naflex.loss_scale: one factor for the optimizer step, from the images of all its micro-batches
+        (CLIP's accumulation scores each micro-step against all of them); 1 otherwise."""
+        if not self.naflex or self.naflex.loss_scale == "none":
+            return 1.0
+        images = sum(len(batch["image"]["patches"]) for batch in batches)
+        return self.naflex.loss_factor(images / len(batches))
+
     def _micro_batches(self) -> list[dict]:
         batches, keys = [], []
         for _ in range(self.settings.grad_accum_steps):
@@ -402,7 +409,7 @@ class Trainer:
                 world = self.accelerator.num_processes
                 self.interval_images += len(batch["image"]["patches"]) * world
                 self.run_images += len(batch["image"]["patches"]) * world
-                self.interval_tokens += int(batch["image"]["patch_valid"].sum()) * world
+                self.interval_tokens += int(batch["image"]["patch_valid"].sum())  # this rank's: summed at log time
             batches.append(self.run.views.on_device(_to_device(batch, self.accelerator.device)))
         if self.sample_keys is not None:
             self.sample_keys.write(self.state.step + 1, keys)
@@ -456,8 +463,11 @@ class Trainer:
             "images_per_s": (self.interval_images if self.naflex else run.global_batch * (
                 state.step - self.interval_step)) / max(now - self.interval_start, 1e-9),
             "nonfinite_steps": state.nonfinite_steps, "skipped_samples": state.skipped_samples}
-        if self.naflex:
-            state.last_record["tokens_per_s"] = self.interval_tokens / max(now - self.interval_start, 1e-9)
+        if self.naflex:  # valid patches of every rank (their batches share a shape, not their padding)
+            tokens = torch.tensor(float(self.interval_tokens), device=self.accelerator.device)
+            if self.accelerator.num_processes > 1:
+                tokens = self.accelerator.reduce(tokens, reduction="sum")
+            state.last_record["tokens_per_s"] = float(tokens) / max(now - self.interval_start, 1e-9)
         self.interval_start, self.interval_step = now, state.step
         self.interval_images = self.interval_tokens = 0
         on_main_process(self.accelerator, self.outputs.log, state.last_record, "train/")
