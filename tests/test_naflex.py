@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from ssl_vit.interop.hf import export_hf, from_hf
+from ssl_vit.interop.sources import load_pretrained
 from ssl_vit.interop.timm import converts, from_timm
 from ssl_vit.interop.timm_naflex import export_timm_naflex
 from ssl_vit.naflex import NaFlexLayout, batch_grids, pack, patchify, unpack, unpatchify
@@ -143,8 +144,11 @@ def test_our_encoder_exports_to_timm_naflexvit_exactly(tmp_path, kind):
     theirs = timm.create_model(f"local-dir:{tmp_path}", pretrained=True).eval()
     assert type(theirs).__name__ == "NaFlexVit"
     batch = pack(_images(), 4, seq_len=64)
+    back = load_pretrained(f"timm:{tmp_path}")  # the directory as an import spec: NaFlexVit comes back as ours
+    assert back.preprocess.img_size == 32
     with torch.no_grad():
         assert torch.allclose(theirs(batch), ours(batch), atol=1e-6)
+        assert torch.allclose(back.encoder(batch), ours(batch), atol=1e-6)
 
 
 def test_timm_naflexvit_with_map_pooling_is_refused_in_one_line():

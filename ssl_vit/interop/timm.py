@@ -373,7 +373,10 @@ def export_timm(encoder, out_dir, preprocess=None):
 def timm_preprocess(model) -> Preprocess:
     """The eval transform timm declares for a model (pretrained_cfg: mean, std, interpolation, crop_pct)."""
     pcfg = dict(getattr(model, "pretrained_cfg", None) or {})
-    size = model.patch_embed.img_size
+    if hasattr(model, "patch_embed"):
+        size = model.patch_embed.img_size
+    else:  # NaFlexVit: the size its position grid was made for
+        size = model.embeds.default_img_size or pcfg.get("input_size", (3, 224, 224))[1:]
     interpolation = pcfg.get("interpolation", "bicubic")
     return Preprocess(img_size=int(size[0]), mean=list(pcfg.get("mean", Preprocess(1).mean)),
                       std=list(pcfg.get("std", Preprocess(1).std)),
