@@ -342,8 +342,9 @@ class CLIP(Objective):
             metrics = {"logit_scale": scale.detach().reshape(()),
                        "i2t_accuracy": (logits.argmax(dim=1) == targets).float().mean(),
                        "t2i_accuracy": (logits.argmax(dim=0) == targets).float().mean()}
-            if bias is not None:  # a copy: fp32 `.float()` is the parameter itself, whose unsharded storage FSDP2
-                metrics["logit_bias"] = bias.detach().clone().reshape(())  # frees after the forward (a SIGSEGV later)
+            if bias is not None:  # copied here, inside the forward: fp32 `.float()` is the parameter itself, whose
+                # unsharded storage FSDP2 frees when the forward returns (a later read: SIGSEGV); too late after it
+                metrics["logit_bias"] = bias.detach().clone().reshape(())
         return {"loss": loss, **metrics}
 
 

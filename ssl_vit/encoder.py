@@ -83,10 +83,7 @@ class VisionEncoder(nn.Module):
         """Images (as `preprocess` takes them) -> one NaFlex batch: each whole image resized at its own aspect ratio
         to its largest grid within `seq_len` patches (default: the patches of the recorded image size), scaled and
         normalised as `preprocess`, padded to `seq_len`."""
-        patch = int(self.vit.patch_embed.patch_size[0])
-        seq_len = seq_len or (self.preprocessing.img_size // patch) ** 2
-        views = NaFlexEvalViews(("image",), patch, seq_len, self.preprocessing.mean, self.preprocessing.std,
-                                self.preprocessing.interpolation)
+        views = NaFlexEvalViews.for_encoder(self.preprocessing, self.vit.patch_embed.patch_size[0], seq_len, ("image",))
         return views.stack_images([views({"image": image})["image"] for image in _uint8_images(images)])
 
     def hidden_states(self, pixel_values: torch.Tensor | dict, stop: int | None = None) -> list[torch.Tensor]:

@@ -94,6 +94,14 @@ def drop_patches(batch: dict, keep_ratio: float, generator: torch.Generator | No
     return scores.argsort(dim=1)[:, :count]
 
 
+def masked_mean(tokens: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """(B, N, D) -> (B, D): the mean over the tokens `valid` (B, N) marks (all of them for None), padding left out."""
+    if valid is None:
+        return tokens.mean(dim=1)
+    weights = valid.to(tokens.dtype)[..., None]
+    return (tokens * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
+
+
 def batch_grids(batch: dict) -> list[tuple[int, int]]:
     """Each image's (h, w) patch grid, read from its coordinates (one host sync)."""
     coords = batch["patch_coord"].masked_fill(~batch["patch_valid"][..., None], 0)
@@ -145,15 +153,18 @@ class NaFlexLayout:
             groups.setdefault(grid, []).append(row)
         return groups
 
-    def per_image(self, table_of):
-        """`table_of(grid, index)` (a tensor, or nested tuples / lists of tensors, with the rows of that grid's
-        images first; `index` their (b, N) flat indices) for the whole batch, built once per distinct grid."""
+    def per_image(self, table_of) -> torch.Tensor:
+        """`table_of(grid, index)` (a tensor whose first dimension is the rows of that grid's images; `index` their
+        (b, N) flat indices) for the whole batch, built once per distinct grid."""
         groups = self.groups()
         if len(groups) == 1:
             return table_of(next(iter(groups)), self.index)
-        parts = [(torch.tensor(rows, device=self.index.device), table_of(grid, self.index[rows]))
-                 for grid, rows in groups.items()]
-        return _scatter(parts, len(self.grids))
+        out = None
+        for grid, rows in groups.items():
+            table = table_of(grid, self.index[rows])
+            out = table.new_empty(len(self.grids), *table.shape[1:]) if out is None else out
+            out[torch.tensor(rows, device=out.device)] = table
+        return out
 
     def kept(self, keep: torch.Tensor) -> NaFlexLayout:
         """The layout of the slots at `keep` (B, K) (a token drop): their places and validity, the grids as they
@@ -174,17 +185,3 @@ class NaFlexLayout:
         keys, so no row is empty; the valid tokens' outputs are those of the image alone."""
         prefix = self.valid.new_ones(len(self.grids), num_prefix_tokens)
         return torch.cat([prefix, self.valid], dim=1)[:, None, None, :]
-
-
-def _scatter(parts: list, batch: int):
-    """Put each group's rows (a tensor, or nested tuples / lists of them; anything else is a constant) back in
-    batch order."""
-    first = parts[0][1]
-    if isinstance(first, torch.Tensor):
-        out = first.new_empty(batch, *first.shape[1:])
-        for rows, table in parts:
-            out[rows] = table
-        return out
-    if isinstance(first, (tuple, list)):
-        return type(first)(_scatter([(rows, table[i]) for rows, table in parts], batch) for i in range(len(first)))
-    return first

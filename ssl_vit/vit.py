@@ -35,7 +35,7 @@ from torch.utils.checkpoint import (
 
 from ssl_vit.geometry import check_divisible, pair
 from ssl_vit.init import LayerScale, Linear, PatchProjection, check_scheme, init_embeddings
-from ssl_vit.naflex import NaFlexLayout, is_naflex, patch_valid
+from ssl_vit.naflex import NaFlexLayout, is_naflex, masked_mean, patch_valid
 from ssl_vit.pyramid import ConvNorm
 from ssl_vit.rope import apply_rope, build_rope
 from ssl_vit.stem import HybridPatchEmbed, check_stem
@@ -865,11 +865,7 @@ class VisionTransformer(nn.Module):
         distillation tokens, as timm's DeiT pre-logits). `patch_valid` (B, N): a NaFlex batch's mask, so that the
         average leaves the padding out."""
         if self.global_pool == "avg":
-            patches = tokens[:, self.num_prefix_tokens:]
-            if patch_valid is None:
-                return self.fc_norm(patches.mean(dim=1))
-            weights = patch_valid.to(patches.dtype)[..., None]
-            return self.fc_norm((patches * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1))
+            return self.fc_norm(masked_mean(tokens[:, self.num_prefix_tokens:], patch_valid))
         if self.dist_token is not None:
             return (tokens[:, 0] + tokens[:, 1]) / 2
         return tokens[:, 0]

@@ -25,8 +25,8 @@ from torchvision.transforms import RandomResizedCrop
 from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
-from ssl_vit.data.errors import MissingTextError
 from ssl_vit.data.seeds import sample_seed
+from ssl_vit.data.targets import label_and_text
 from ssl_vit.naflex import pack
 from ssl_vit.schema import checked
 
@@ -228,24 +228,11 @@ class NaFlexViews:
             out["teacher_images"] = [
                 (TF.resize(crop, [size, size], interpolation=mode, antialias=True).float().div_(255) - mean) / std
                 for size, mode, mean, std in self.teachers]
-        if "label" in self.views:
-            if "label" not in sample:
-                raise KeyError(f"the objective needs 'label' but the dataset's samples have {sorted(sample)}")
-            out["label"] = sample["label"]
-        if "text" in self.views:
-            text = sample.get("text")
-            if not text:
-                where = sample.get("meta", {}).get("path") or sample.get("key") or "a sample"
-                raise MissingTextError(f"{where} has no caption")
-            out["text"] = self.tokenizer(text) if self.tokenizer is not None else text
+        out.update(label_and_text(self.views, sample, self.tokenizer))
         return out
 
     def image_for_seq(self, crop: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """A uint8 crop resized to its largest grid within `seq_len` patches, in [0, 1], normalised."""
-        patch = self.settings.patch_size
-        rows, cols = grid_for_seq(crop.shape[-2], crop.shape[-1], patch, seq_len)
-        resized = TF.resize(crop, [rows * patch, cols * patch], interpolation=self.mode, antialias=True)
-        return (resized.float().div_(255) - self.mean) / self.std
+        return resize_for_seq(crop, self.settings.patch_size, seq_len, self.mode, self.mean, self.std)
 
     def collate(self, samples: list[dict]) -> dict:
         """One NaFlex batch at the samples' `seq_len` (the sampler's or the stream's), other entries batched."""
@@ -266,6 +253,14 @@ class NaFlexViews:
         return batch
 
 
+def resize_for_seq(image: torch.Tensor, patch_size: int, seq_len: int, mode: InterpolationMode, mean: torch.Tensor,
+                   std: torch.Tensor) -> torch.Tensor:
+    """A uint8 image resized to its largest grid within `seq_len` patches (`grid_for_seq`), in [0, 1], normalised."""
+    rows, cols = grid_for_seq(image.shape[-2], image.shape[-1], patch_size, seq_len)
+    resized = TF.resize(image, [rows * patch_size, cols * patch_size], interpolation=mode, antialias=True)
+    return (resized.float().div_(255) - mean) / std
+
+
 class NaFlexEvalViews:
     """Evaluation's NaFlex transform (eval.resolution=naflex): each whole image (no crop) resized to its largest
     grid within `seq_len` patches, normalised; `stack_images` packs a batch of them into one NaFlex batch."""
@@ -276,12 +271,16 @@ class NaFlexEvalViews:
         self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
 
+    @classmethod
+    def for_encoder(cls, preprocess, patch_size: int, seq_len: int | None = None, views=("image", "label")):
+        """An encoder's NaFlex eval transform: its statistics and interpolation, `seq_len` patches (None: those of
+        preprocess.img_size)."""
+        seq_len = seq_len or (preprocess.img_size // int(patch_size)) ** 2
+        return cls(views, patch_size, seq_len, preprocess.mean, preprocess.std, preprocess.interpolation)
+
     def __call__(self, sample: dict) -> dict:
-        image = sample["image"]
-        rows, cols = grid_for_seq(image.shape[-2], image.shape[-1], self.patch_size, self.seq_len)
-        size = [rows * self.patch_size, cols * self.patch_size]
-        resized = TF.resize(image, size, interpolation=self.mode, antialias=True)
-        out = {"image": (resized.float().div_(255) - self.mean) / self.std}
+        image = resize_for_seq(sample["image"], self.patch_size, self.seq_len, self.mode, self.mean, self.std)
+        out = {"image": image}
         if "label" in self.views and "label" in sample:
             out["label"] = sample["label"]
         return out

@@ -23,9 +23,9 @@ from torchvision.transforms.v2 import functional as TF
 
 from ssl_vit.data.augreg import AugRegTransform, BatchMixer, mixes
 from ssl_vit.data.config import AUGMENTS, AugRegConfig
-from ssl_vit.data.errors import MissingTextError
 from ssl_vit.data.multicrop import MultiCropViews
 from ssl_vit.data.photometric import finish_crops
+from ssl_vit.data.targets import label_and_text
 from ssl_vit.data.token_masks import GlobalCropMasks
 
 VIEW_KINDS = ("image", "pixels", "crops", "teacher_images", "label", "text")
@@ -127,16 +127,7 @@ class ViewBuilder:
             out["crops"], out["crop_parameters"] = self.multicrop(sample["image"])
         elif self.multicrop is not None:
             out.update(self._split_gram(self.multicrop(sample["image"])))
-        if "label" in self.views:
-            if "label" not in sample:
-                raise KeyError(f"the objective needs 'label' but the dataset's samples have {sorted(sample)}")
-            out["label"] = sample["label"]
-        if "text" in self.views:
-            text = sample.get("text")
-            if not text:
-                where = sample.get("meta", {}).get("path") or sample.get("key") or "a sample"
-                raise MissingTextError(f"{where} has no caption")
-            out["text"] = self.tokenizer(text) if self.tokenizer is not None else text
+        out.update(label_and_text(self.views, sample, self.tokenizer))
         return out
 
     def _image_views(self, pixels: torch.Tensor) -> dict:

@@ -21,7 +21,7 @@ from ssl_vit.data.errors import NoUsableSamplesError
 from ssl_vit.data.naflex import stack_images, to_device
 from ssl_vit.eval.readable import ReadableSamples, collate_readable
 from ssl_vit.interop.native import NativeEncoder, native_kind
-from ssl_vit.naflex import patch_valid
+from ssl_vit.naflex import masked_mean, patch_valid
 from ssl_vit.progress import progress_bar
 
 log = logging.getLogger(__name__)
@@ -40,13 +40,6 @@ def collate_labelled(views, items: list[tuple]) -> tuple:
     return stack_images(views, list(images)), default_collate(list(labels))
 
 
-def patch_mean(tokens: torch.Tensor, prefix: int, valid: torch.Tensor | None) -> torch.Tensor:
-    """The average patch token, the padding of a NaFlex batch left out."""
-    patches = tokens[:, prefix:]
-    if valid is None:
-        return patches.mean(dim=1)
-    weights = valid.to(patches.dtype)[..., None]
-    return (patches * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
 
 
 def features_from_tokens(encoder, images: torch.Tensor, kind: str, last_k: int = 4) -> torch.Tensor:
@@ -61,13 +54,13 @@ def features_from_tokens(encoder, images: torch.Tensor, kind: str, last_k: int =
     valid = patch_valid(images)
     if kind == "last_k":
         blocks = encoder.forward_intermediates(images, last_k)
-        return torch.cat([t[:, 0] if has_cls else patch_mean(t, prefix, valid) for t in blocks], dim=-1)
+        return torch.cat([t[:, 0] if has_cls else masked_mean(t[:, prefix:], valid) for t in blocks], dim=-1)
     tokens = encoder.forward_features(images)
     if kind == "pooled":
         return encoder.pool(tokens, valid)
     if kind == "cls":
         return tokens[:, 0]
-    average = patch_mean(tokens, prefix, valid)
+    average = masked_mean(tokens[:, prefix:], valid)
     return average if kind == "avg" else torch.cat([tokens[:, 0], average], dim=-1)
 
 

@@ -299,9 +299,8 @@ def eval_views(preprocess: Preprocess, ecfg, encoder, views=("image", "label")):
     at its own aspect ratio within eval.seq_len patches (default: the patches of preprocess.img_size)."""
     if getattr(ecfg, "resolution", "fixed") != "naflex":
         return preprocess.view_builder(views)
-    patch = int(encoder.patch_embed.patch_size[0])
-    seq_len = getattr(ecfg, "seq_len", None) or (preprocess.img_size // patch) ** 2
-    return NaFlexEvalViews(views, patch, seq_len, preprocess.mean, preprocess.std, preprocess.interpolation)
+    return NaFlexEvalViews.for_encoder(preprocess, encoder.patch_embed.patch_size[0], getattr(ecfg, "seq_len", None),
+                                       views)
 
 
 def frozen_features(module, splits: dict, ecfg, views, cache_dir, identity, progress: bool, embed,

@@ -77,8 +77,6 @@ def from_timm_naflex(model: NaFlexVit) -> VisionTransformer:
     ours = VisionTransformer(**kwargs)
     state = {}
     for name, value in model.state_dict().items():
-        if name.startswith("head.") and not isinstance(model.head, nn.Linear):
-            continue
         if name == "embeds.proj.weight":
             value = value.reshape(len(value), patch[0], patch[1], embeds.in_chans).permute(0, 3, 1, 2)
             name = "patch_embed.proj.weight"
