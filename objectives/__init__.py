@@ -9,6 +9,8 @@ Python path, nothing registered.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 from ssl_vit.objectives.base import (
     Artifacts,
@@ -64,6 +66,18 @@ def objective_class(name: str) -> type[Objective]:
     return found
 
 
+def recorded_objective_class(name: str) -> type[Objective]:
+    """`objective_class` of a name read from a run's files: a `module:Class` there is imported without the working
+    directory on the path, so a run directory (or a folder it came in) cannot bring the module it names."""
+    cwd = os.getcwd()
+    saved = list(sys.path)
+    sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != cwd]
+    try:
+        return objective_class(name)
+    finally:
+        sys.path[:] = saved
+
+
 def build_objective(cfg, backbone, data: DataInfo) -> Objective:
     cls = objective_class(cfg.name)
     try:
@@ -77,14 +91,15 @@ def load_trained(run, image_text: bool = False) -> Objective:
     """The objective a run trained, rebuilt from its encoder.safetensors and heads.safetensors (which record the
     objective's name and config), in eval mode; ValueError naming what is missing. `image_text`: refuse, before
     building anything, a run whose objective is not an image-text model (zero-shot, retrieval, open_clip)."""
-    return load_run(run, objective_class, image_text)
+    return load_run(run, recorded_objective_class, image_text)
 
 
 def rebuild_untrained(run) -> Objective:
     """The objective of a run, built from what its artifacts record but holding none of its weights beyond the
     encoder's (for filling from a checkpoint: scripts/consolidate.py)."""
-    return load_run(run, objective_class, weights=False)
+    return load_run(run, recorded_objective_class, weights=False)
 
 
 __all__ = ["OBJECTIVES", "Artifacts", "DataInfo", "Objective", "ObjectiveConfig", "Requirements", "build_objective",
-           "load_trained", "objective_class", "rebuild_untrained", "typed_config"]
+           "load_trained", "objective_class", "rebuild_untrained", "recorded_objective_class",
+           "typed_config"]

@@ -85,6 +85,8 @@ class Requirements:
 
     views: the batch entries it reads (ssl_vit.data.views.VIEW_KINDS; "label" needs class labels, "text" captions).
     naflex: its `image` may be a NaFlex batch (patches, coordinates, valid mask) instead of an image tensor.
+    drops_patches: its encoder runs on a subset of each image's patch tokens (MAE's visible 25%, I-JEPA's context
+      block), so windowed attention and relative positions, which need the whole grid, are refused at start-up.
     ema_teacher: it holds a teacher updated shard by shard after each step (DeepSpeed then keeps no parameter whole
       on every rank). image_text: it embeds images and texts (`encode_image`, `encode_text`, `text_tokenizer`), so
       zero-shot and retrieval evaluate it. fixed_backbone: its own backbone, replacing `model=`. init_from: why
@@ -94,6 +96,7 @@ class Requirements:
 
     views: tuple[str, ...] = ("image",)
     naflex: bool = False  # it trains on NaFlex batches (data.resolution=naflex; ssl_vit.naflex)
+    drops_patches: bool = False
     ema_teacher: bool = False
     image_text: bool = False
     fixed_backbone: FixedBackbone | None = None

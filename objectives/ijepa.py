@@ -175,7 +175,7 @@ class Predictor(nn.Module):
 
 class IJEPA(Objective):
     config_class = IJEPAConfig
-    needs = Requirements(views=("image",), ema_teacher=True,
+    needs = Requirements(views=("image",), ema_teacher=True, drops_patches=True,
                          model_defaults={"pos_embed": "sincos", "class_token": False, "global_pool": "avg",
                                          "weight_init": "ijepa"})
     saved_heads = ("backbone.", "predictor.")  # the context encoder and the predictor, to continue training

@@ -51,7 +51,8 @@ def mae_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, norm_
 
 class MAE(Objective):
     config_class = MAEConfig
-    needs = Requirements(model_defaults={"weight_init": "mae"})  # models_mae.py's initialize_weights
+    # weight_init: models_mae.py's initialize_weights
+    needs = Requirements(model_defaults={"weight_init": "mae"}, drops_patches=True)
     naflex_refusal = ("its encoder keeps a random 25% of each image's patches, a count the padded NaFlex images do "
                       "not share (per-image keep counts are not built)")
     # the decoder and the mask token, to continue pre-training (its position embeddings are fixed, rebuilt)

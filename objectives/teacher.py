@@ -17,6 +17,7 @@ from torch import nn
 
 from ssl_vit.artifacts import load_encoder, load_heads, read_preprocess, run_files
 from ssl_vit.objectives.supervised import build_head
+from ssl_vit.untrusted import RESAVE_HINT, file_kind, untrusted, weights_only_refusal
 
 TEACHER_FORMS = ["timm:<timm model name>:<weights file (.pth / .safetensors)>",
                  "<run directory (or its encoder.safetensors) of objective=supervised or deit>"]
@@ -44,6 +45,9 @@ def _timm_teacher(name: str, path: Path, num_classes: int) -> nn.Module:
     try:  # strict: a head of another size is an error here, never silently re-initialised
         load_checkpoint(model, str(path), strict=True)
     except RuntimeError as err:
+        refused = weights_only_refusal(err)  # timm reads as weights only and says so in a RuntimeError
+        if refused is not None:
+            raise untrusted(f"objective.teacher: {path}", refused, RESAVE_HINT) from err
         classes = [line for line in str(err).splitlines() if "size mismatch" in line]
         raise ValueError(f"objective.teacher: {path} does not fit timm's {name} with {num_classes} classes (the "
                          f"data's): {classes[0].strip() if classes else str(err).splitlines()[0]}") from err
@@ -53,6 +57,9 @@ def _timm_teacher(name: str, path: Path, num_classes: int) -> nn.Module:
 def _run_teacher(path: Path, num_classes: int, mean=None, std=None) -> nn.Module:
     encoder_file, heads_file = run_files(path)
     run = encoder_file.parent
+    if path.is_file() and path.name != encoder_file.name:
+        raise ValueError(f"objective.teacher: {path} is {file_kind(path)}, not a run's {encoder_file.name}; valid "
+                         f"forms: {TEACHER_FORMS} (a timm checkpoint: timm:<model name>:{path})")
     if not encoder_file.is_file() or not heads_file.is_file():
         raise ValueError(f"objective.teacher: {run} has no encoder.safetensors + heads.safetensors (a run of "
                          f"objective=supervised or deit writes both)")

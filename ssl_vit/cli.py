@@ -50,12 +50,11 @@ from ssl_vit.schema import ConfigError, closest_names, not_one_of
 from ssl_vit.train.build import requirements
 from ssl_vit.train.guard import TrainingDiverged
 from ssl_vit.train.outputs import OutputError, check_writable, describe_write_failure
-from ssl_vit.train.stop_requests import EXIT_FAILED, EXIT_INTERRUPTED
+from ssl_vit.train.stop_requests import EXIT_FAILED, record_exit_status, stop_status
 from ssl_vit.train.strategy import MainProcessFailed
 from ssl_vit.vit import PRESETS, VisionTransformer
 
 EXIT_STOPPED, EXIT_CONFIG = EXIT_FAILED, 2
-EXIT_STATUS_FILE_ENV = "SSL_VIT_EXIT_STATUS_FILE"  # set by ssl_vit.launch: where the main process records its status
 
 
 def user_message(err: BaseException) -> str:
@@ -74,15 +73,6 @@ def fail(message: str, status: int) -> None:
         print(f"ssl-vit: error: {'' if rank == 0 else f'[rank {rank}] '}{message}", file=sys.stderr, flush=True)
     record_exit_status(status)
     sys.exit(status)
-
-
-def record_exit_status(status: int) -> None:
-    """The main process's exit status, for the launch that started it (ssl_vit.launch names the file in
-    EXIT_STATUS_FILE_ENV): accelerate's launcher reports every failing run, a preempted one too, as status 1."""
-    path = os.environ.get(EXIT_STATUS_FILE_ENV)
-    if path and int(os.environ.get("RANK", "0")) == 0:
-        with contextlib.suppress(OSError):
-            Path(path).write_text(str(status))
 
 
 def exit_without_teardown(status: int = 0) -> None:
@@ -116,9 +106,11 @@ def run_reporting_errors(function, *args):
         fail(user_message(err), EXIT_CONFIG)
     except (TrainingDiverged, OutputError, DataError, MainProcessFailed) as err:
         fail(user_message(err), EXIT_STOPPED)
-    except KeyboardInterrupt:  # a second Ctrl-C (the first stops after the step with a checkpoint)
-        fail("interrupted: the steps since the last checkpoint are lost; continue from it with trainer.resume=auto "
-             "and the same out=", EXIT_INTERRUPTED)
+    except KeyboardInterrupt as err:  # a second Ctrl-C or preemption signal (the first stops with a checkpoint)
+        name = getattr(err, "signal_name", "SIGINT")
+        how = "requeue the job, or continue" if name != "SIGINT" else "continue"
+        fail(f"{'interrupted' if name == 'SIGINT' else f'stopped at once ({name} again)'}: the steps since the last "
+             f"checkpoint are lost; {how} from it with trainer.resume=auto and the same out=", stop_status(name))
 
 
 def discard_unused_run_dir() -> None:

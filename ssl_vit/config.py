@@ -179,6 +179,9 @@ class TrainerConfig:
     # Resuming needs every rank's RNG state for an exact continuation; true accepts a checkpoint without them (e.g.
     # written by a different number of processes) with a warning that the run no longer reproduces.
     allow_inexact_resume: bool = False
+    # A checkpoint's pickled files (accelerate's, DeepSpeed's, DCP's) are read as weights only before they load: one
+    # holding other Python objects is refused, since unpickling it would run their code. true: load it unchecked.
+    trust_pickle: bool = False
     record_sample_keys: bool = False  # sample_keys/rank_<r>.jsonl: the samples each step trained on, per rank
     stop_at_step: int | None = checked(None, ge=1)  # end this invocation early (a job time limit); resume continues
     # Signals that stop the run after the step with a checkpoint and exit 75 (requeue); Ctrl-C always stops (130).

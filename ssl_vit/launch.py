@@ -4,10 +4,11 @@ own exit status.
 `accelerate launch` ends with status 1 and a traceback of its own whenever a process of the run fails, whatever it
 exited with, so to a job script a run stopped for preemption (every rank saved a checkpoint and exited 75) looks
 like a crash. This runs the same launch (accelerate's parser and launch code, in this process; the options are
-accelerate's) and exits with the status the run's main process recorded (ssl_vit.cli.record_exit_status): 75 after
-a preemption signal (requeue it), 130 after Ctrl-C, 2 for a bad configuration, 1 when it stopped on an error, 0
-when it finished. A launch that failed without a recorded status (a crash, a killed process) ends in one line naming
-the first process that failed and status 1, or that process's own status with a single process.
+accelerate's) and exits with the status the run's main process recorded (`record_exit_status`: at the CLI's exit,
+and the step watchdog's): 75 after a preemption signal (requeue it), 130 after Ctrl-C, 2 for a bad configuration, 1
+when it stopped on an error (a step past trainer.step_timeout_s included), 0 when it finished. A launch that failed
+without a recorded status (a crash, a killed process) ends in one line naming the first process that failed and
+status 1, or that process's own status with a single process.
 
     python -m ssl_vit.launch --config_file configs/accelerate/ddp_gpu8.yaml scripts/pretrain.py objective=dinov2
     ssl-vit launch --config_file ddp_gpu8 pretrain objective=dinov2      # the same, installed, from any directory
@@ -26,10 +27,9 @@ from pathlib import Path
 
 import yaml
 
-from ssl_vit.cli import EXIT_STATUS_FILE_ENV
 from ssl_vit.commands import COMMANDS
 from ssl_vit.paths import CONFIG_DIR
-from ssl_vit.train.stop_requests import EXIT_FAILED
+from ssl_vit.train.stop_requests import EXIT_FAILED, EXIT_STATUS_FILE_ENV
 
 MEANINGS = {0: "finished", 2: "a bad configuration", 75: "stopped for preemption with a checkpoint: requeue it",
             130: "interrupted (Ctrl-C)"}

@@ -165,8 +165,12 @@ def test_folder_with_a_corrupt_jpeg_and_an_empty_png_gives_full_counted_batches(
         batches = [b for _, b in zip(range(6), loader, strict=False)]  # 3 batches per epoch: two epochs
     assert all(b["image"].shape == (4, 3, 16, 16) and b["label"].shape == (4,) for b in batches)
     assert sum(int(b["skipped"].sum()) for b in batches) == 4  # each bad file once per epoch
-    assert "corrupt.jpg" in caplog.text and "empty.png: empty file (0 bytes)" in caplog.text
-    assert "replaced by the next readable sample" in caplog.text
+    # each substitute names the bad sample it stands in for; the loader itself says nothing (the trainer counts
+    # and names each bad sample once: test_training_on_a_folder_with_bad_files_counts_them)
+    stood_in = {(int(i), r) for b in batches for i, r in zip(b["skip_index"], b["skip_reason"], strict=True) if i >= 0}
+    assert len(stood_in) == 2 and all(int(b["skipped"].sum()) == int((b["skip_index"] >= 0).sum()) for b in batches)
+    reasons = " ".join(reason for _, reason in stood_in)
+    assert "corrupt.jpg" in reasons and "empty.png: empty file (0 bytes)" in reasons and caplog.text == ""
     # exactly resumable, and the same with worker processes
     resumed = [b for _, b in zip(range(3), build_loader(data, views, 4, seed=5, start=3), strict=False)]
     workers = [b for _, b in zip(range(6), build_loader(data, views, 4, seed=5, num_workers=2), strict=False)]
@@ -196,8 +200,11 @@ def test_training_on_a_folder_with_bad_files_counts_them(tmp_path, caplog):
             summary = pretrain(cfg)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
-    assert summary["finished"] and summary["skipped_samples"] == 4  # 6 steps x 4 = two epochs of 12 files
-    assert "done: 6 steps" in caplog.text and ", 4 bad samples skipped; encoder at" in caplog.text
+    # 6 steps x 4 = two epochs of 12 files: each of the 2 bad ones is replaced twice, counted and named once
+    assert summary["finished"] and summary["skipped_samples"] == 2
+    assert "done: 6 steps" in caplog.text and ", 2 bad samples skipped; encoder at" in caplog.text
+    named = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped bad sample")]
+    assert len(named) == 2 and len(set(named)) == 2, named
 
 
 def test_a_folder_without_a_readable_image_is_a_clear_error(tmp_path):

@@ -9,11 +9,14 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 from conftest import ROOT, TINY, check_ok, launch, read_metrics
+from helpers.cores import widen
 from helpers.ranks import pretrain_ranks, start_script
 from safetensors.torch import load_file
 
@@ -120,21 +123,28 @@ def test_a_failure_of_the_main_process_alone_stops_every_rank_at_once(tmp_path):
 def test_a_step_past_step_timeout_s_stops_every_rank_with_its_stacks(tmp_path):
     """Rank 1 never ends step 2 (SSL_VIT_FAULT=hang@2); rank 0 waits for it in step 3's gradient reduction. With
     trainer.step_timeout_s each rank says which step ran past the limit, dumps its threads' stacks (rank 1's shows
-    the fault point it waits in) and exits 1, long before the collective's own timeout (30 min by default)."""
-    proc = pretrain_ranks("model=vit_test", "data.num_samples=64", "data.batch_size=8", "trainer.max_steps=6",
-                          "trainer.step_timeout_s=8", f"hydra.run.dir={tmp_path / 'run'}", config="ddp_cpu2",
-                          log_dir=tmp_path / "logs", env={"SSL_VIT_FAULT": "hang@2"}, timeout=240)
+    the fault point it waits in) and exits 1, long before the collective's own timeout (30 min by default). Through
+    the real `python -m ssl_vit.launch`: the launcher reports the status the watchdog recorded (a stop on an
+    error), not a crash without one."""
+    cmd = [sys.executable, "-m", "ssl_vit.launch", "--config_file", str(ROOT / "configs" / "accelerate" /
+                                                                          "ddp_cpu2.yaml"),
+           str(ROOT / "scripts" / "pretrain.py"), "trainer.progress=false", "model=vit_test", "data.num_samples=64",
+           "data.batch_size=8", "trainer.max_steps=6", "trainer.step_timeout_s=8", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", "SSL_VIT_FAULT": "hang@2"},
+                          capture_output=True, text=True, timeout=300, preexec_fn=widen)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "ssl-vit: error: step 3 has run past trainer.step_timeout_s=8; every thread's stack follows" in proc.stderr
-    rank1 = (tmp_path / "logs" / "rank1.err").read_text()
-    assert "ssl-vit: error: [rank 1] step 2 has run past trainer.step_timeout_s=8" in rank1
-    assert 'ssl_vit/train/faults.py", line' in rank1 and "in fault_point" in rank1  # where it hung
+    assert "ssl-vit: error: [rank 1] step 2 has run past trainer.step_timeout_s=8" in proc.stderr
+    assert 'ssl_vit/train/faults.py", line' in proc.stderr and "in fault_point" in proc.stderr  # where it hung
+    assert "the run's main process exited 1 (stopped on an error)" in proc.stderr
+    assert "a crash or a kill" not in proc.stderr
 
 
 @pytest.mark.slow
 def test_a_second_signal_stops_a_step_that_never_ends_and_prints_every_stack(tmp_path):
     """The first SIGTERM asks for a stop after the step, which never comes (SSL_VIT_FAULT=hang@2); the second (past
-    the 2 s in which a repeat counts as the same request) stops at once: every thread's stack, then exit 130."""
+    the 2 s in which a repeat counts as the same request) stops at once: every thread's stack, then exit 75 (a
+    preemption signal's status: the job requeues and resumes from the last checkpoint), also in summary.json."""
     run = tmp_path / "run"
     processes, logs = start_script(ROOT / "scripts" / "pretrain.py", "trainer.progress=false", *_run_args(run),
                                    config=ROOT / "configs" / "accelerate" / "cpu.yaml", log_dir=tmp_path / "logs",
@@ -149,9 +159,11 @@ def test_a_second_signal_stops_a_step_that_never_ends_and_prints_every_stack(tmp
     os.kill(processes[0].pid, signal.SIGTERM)
     processes[0].join(60)
     err = logs[0][1].read_text()
-    assert processes[0].exitcode == 130, err[-3000:]
+    assert processes[0].exitcode == 75, err[-3000:]
     assert "ssl-vit: SIGTERM again: stopping now; every thread's stack:" in err
-    assert "in fault_point" in err and "ssl-vit: error: interrupted: the steps since the last checkpoint" in err
+    assert "in fault_point" in err and "ssl-vit: error: stopped at once (SIGTERM again): the steps since the last " \
+        "checkpoint are lost; requeue the job, or continue from it with trainer.resume=auto" in err
+    assert json.loads((run / "summary.json").read_text())["exit_status"] == 75
 
 
 def test_the_step_watchdog_fires_only_for_a_step_past_its_limit(monkeypatch):

@@ -23,7 +23,7 @@ from omegaconf import MISSING
 from torch.utils.data import Dataset
 
 from ssl_vit.data.config import DataConfig, DatasetKind
-from ssl_vit.data.decode import decode_rgb
+from ssl_vit.data.decode import DEFAULT_MAX_PIXELS, decode_rgb
 from ssl_vit.schema import checked
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,8 @@ class CaptionFolder(Dataset):
 
     classes: tuple = ()  # captions, no class labels
 
-    def __init__(self, root: str | Path, split: str = "all", test_fraction: float = 0.1, background: int = 255):
+    def __init__(self, root: str | Path, split: str = "all", test_fraction: float = 0.1, background: int = 255,
+                 max_pixels: int | None = DEFAULT_MAX_PIXELS):
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; valid choices: {list(SPLITS)}")
         if not 0 <= test_fraction < 1:
@@ -55,7 +56,7 @@ class CaptionFolder(Dataset):
         self.root = Path(root).expanduser()
         if not self.root.is_dir():
             raise FileNotFoundError(f"caption folder {str(self.root)!r} does not exist (data.root)")
-        self.split, self.background = split, background
+        self.split, self.background, self.max_pixels = split, background, max_pixels
         images = {p.with_suffix(""): p for p in sorted(self.root.rglob("*"))
                   if p.suffix.lower() in RASTER_SUFFIXES and p.is_file()}
         captions = {p.with_suffix("") for p in self.root.rglob("*.txt")}
@@ -84,7 +85,7 @@ class CaptionFolder(Dataset):
 
     def __getitem__(self, index: int) -> dict:
         image_path, caption_path = self.pairs[index]
-        sample = {"image": decode_rgb(image_path, background=self.background),
+        sample = {"image": decode_rgb(image_path, background=self.background, max_pixels=self.max_pixels),
                   "meta": {"path": str(image_path.relative_to(self.root))}}
         text = self.read_caption(caption_path)
         if text:
@@ -96,11 +97,12 @@ class CaptionFolder(Dataset):
 
 
 class TuxPaintStamps(CaptionFolder):
-    def __init__(self, root: str | Path = TUXPAINT_DIR, split: str = "all", test_fraction: float = 0.1):
+    def __init__(self, root: str | Path = TUXPAINT_DIR, split: str = "all", test_fraction: float = 0.1,
+                 max_pixels: int | None = DEFAULT_MAX_PIXELS):
         if not Path(root).is_dir():
             raise FileNotFoundError(f"Tux Paint stamps not found at {str(root)!r}: install them with "
                                     "`bash scripts/get_data.sh` (Debian package tuxpaint-stamps-default)")
-        super().__init__(root, split, test_fraction)
+        super().__init__(root, split, test_fraction, max_pixels=max_pixels)
 
     def read_caption(self, path: Path) -> str:
         return first_line(path.read_text(errors="replace"))
@@ -127,9 +129,10 @@ class TuxPaintDataConfig(CaptionDataConfig):
 
 def _caption_kind(name: str, config: type, folder: type) -> DatasetKind:
     return DatasetKind(
-        name=name, config=config, build=lambda cfg, img_size: folder(cfg.root, cfg.split, cfg.test_fraction),
-        eval_splits=lambda cfg, img_size: (folder(cfg.root, "train", cfg.test_fraction),
-                                           folder(cfg.root, "test", cfg.test_fraction)),
+        name=name, config=config,
+        build=lambda cfg, img_size: folder(cfg.root, cfg.split, cfg.test_fraction, max_pixels=cfg.max_pixels),
+        eval_splits=lambda cfg, img_size: (folder(cfg.root, "train", cfg.test_fraction, max_pixels=cfg.max_pixels),
+                                           folder(cfg.root, "test", cfg.test_fraction, max_pixels=cfg.max_pixels)),
         captioned=True, cpu_workers=2)
 
 

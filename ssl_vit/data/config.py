@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from ssl_vit.data.decode import DEFAULT_MAX_PIXELS
 from ssl_vit.data.naflex import RESOLUTIONS, NaFlexConfig
 from ssl_vit.schema import checked
 
@@ -69,6 +70,9 @@ class DataConfig:
     # what the encoder recorded, else shortest
     resize_mode: str | None = checked(None, choices=("shortest", "squash"))
     naflex: NaFlexConfig = field(default_factory=NaFlexConfig)
+    # Files larger than this (width x height from the header) are skipped as bad samples before they are decoded
+    # (a decompression bomb: a small file that unpacks to gigabytes). PIL's default bound; None: no bound.
+    max_pixels: int | None = checked(DEFAULT_MAX_PIXELS, ge=1)
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,20 @@ grey + alpha, palette, RGBA and CMYK become RGB (alpha dropped, as PIL's convert
 grey level is given: then images with alpha are composited onto it, as drawings with transparent backgrounds need);
 animated images give their first frame. EXIF orientation is not applied (the pixels as stored). Undecodable data raises
 `BadSampleError` with the reason (and the file, when given a path).
+
+Decoding is bounded: an image whose header states more than `max_pixels` pixels (data.max_pixels; by default PIL's
+own bound, 89,478,485: 0.25 GiB as 8-bit RGB) is refused as a bad sample before its pixels are decoded, so a small
+file that unpacks to gigabytes (a decompression bomb) costs nothing. PIL reads only the raster formats in
+`PIL_FORMATS`: never EPS / PostScript (PIL hands those to Ghostscript, a program of its own) or the scientific
+containers, whatever a file's name says.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -25,12 +33,54 @@ from torchvision.transforms.v2 import functional as F
 
 from ssl_vit.data.errors import BadSampleError
 
+DEFAULT_MAX_PIXELS = 89_478_485  # PIL's Image.MAX_IMAGE_PIXELS: 2^30 bytes of 24-bit pixels
+# the raster formats PIL may read (those of a Pillow release that lacks one are left out when opening)
+PIL_FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "DIB", "PPM", "TIFF", "TGA", "ICO", "CUR", "JPEG2000", "PCX",
+               "SGI", "QOI", "DDS", "AVIF", "PSD")
+_BOMB_PIXELS = re.compile(r"Image size \((\d+) pixels\)")  # PIL's DecompressionBombError message
+_IN_MEMORY = re.compile(r" <_io\.BytesIO object at 0x[0-9a-f]+>")  # PIL names the buffer it was given
 _TORCHVISION_PREFIX = re.compile(r"^\w+, \S+\.cpp:\d+, ")  # "decode_jpeg, /path/decode_jpeg.cpp:171, <reason>"
 
 
 def _reason(err: Exception) -> str:
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return _TORCHVISION_PREFIX.sub("", text)
+    return _IN_MEMORY.sub("", _TORCHVISION_PREFIX.sub("", text))
+
+
+@functools.cache
+def pil_formats() -> tuple[str, ...]:
+    """PIL_FORMATS that this Pillow knows (Image.open refuses a format name it lacks)."""
+    Image.init()
+    return tuple(name for name in PIL_FORMATS if name in Image.OPEN)
+
+
+def open_image(data: bytes) -> Image.Image:
+    """PIL's lazy open (the header only) of encoded bytes, in the formats PIL may read here."""
+    return Image.open(io.BytesIO(data), formats=pil_formats())
+
+
+def check_size(data: bytes, max_pixels: int | None, where: str = "") -> None:
+    """BadSampleError when the image's header states more than `max_pixels` pixels (None: no bound). A header PIL
+    cannot read is left to the decoders, which report it."""
+    if max_pixels is None:
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the bound is ours
+            with open_image(data) as image:
+                width, height = image.size
+        pixels, size = width * height, f"{width} x {height} = {width * height:,}"
+    except Image.DecompressionBombError as err:  # PIL's own bound (twice MAX_IMAGE_PIXELS) met while opening
+        found = _BOMB_PIXELS.search(str(err))
+        if found is None:
+            raise BadSampleError(f"{where}{err}") from None
+        pixels = int(found.group(1))
+        size = f"{pixels:,}"
+    except Exception:  # not a format PIL reads here (or damaged): decoding says why
+        return
+    if pixels > max_pixels:
+        raise BadSampleError(f"{where}image is {size} pixels, over data.max_pixels={max_pixels:,} (decoded it "
+                             f"would take {3 * pixels / 2**30:.1f} GiB; skipped before decoding)")
 
 
 def to_uint8_rgb(image: torch.Tensor) -> torch.Tensor:
@@ -79,7 +129,7 @@ def _pil_with_alpha(data: torch.Tensor) -> torch.Tensor | None:
     """uint8 (4, H, W) RGBA of an image with an alpha channel or a transparent palette / colour key (PIL converts
     every such mode, 16-bit included); None for an opaque or unreadable one (decoded the usual way)."""
     try:
-        with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
+        with open_image(data.numpy().tobytes()) as image:
             if "A" not in image.getbands() and "transparency" not in image.info:
                 return None
             image.load()
@@ -89,11 +139,12 @@ def _pil_with_alpha(data: torch.Tensor) -> torch.Tensor | None:
 
 
 def decode_rgb(source: bytes | bytearray | memoryview | torch.Tensor | str | Path,
-               background: int | None = None) -> torch.Tensor:
+               background: int | None = None, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> torch.Tensor:
     """Encoded image bytes (or a uint8 tensor of them, or a file path) -> uint8 (3, H, W); with `background` (0-255),
     an image with an alpha channel is composited onto that grey level instead of having its alpha dropped.
 
-    Raises BadSampleError naming the reason (and the path) when the data is empty, unreadable or undecodable."""
+    Raises BadSampleError naming the reason (and the path) when the data is empty, unreadable or undecodable, or
+    states more than `max_pixels` pixels (None: no bound but PIL's own, twice its MAX_IMAGE_PIXELS)."""
     where = ""
     if isinstance(source, (str, Path)):
         where = f"{source}: "
@@ -104,6 +155,7 @@ def decode_rgb(source: bytes | bytearray | memoryview | torch.Tensor | str | Pat
             raise BadSampleError(f"{where}cannot read the file ({err.strerror or err})") from err
     if len(source) == 0:
         raise BadSampleError(f"{where}empty file (0 bytes)")
+    check_size(source.numpy().tobytes() if isinstance(source, torch.Tensor) else bytes(source), max_pixels, where)
     data = source.flatten() if isinstance(source, torch.Tensor) else torch.frombuffer(bytearray(source),
                                                                                     dtype=torch.uint8)
     if background is not None:
@@ -115,7 +167,7 @@ def decode_rgb(source: bytes | bytearray | memoryview | torch.Tensor | str | Pat
     except RuntimeError as err:
         torchvision_reason = _reason(err)
     try:
-        with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
+        with open_image(data.numpy().tobytes()) as image:
             image.load()
             return _pil_to_uint8_rgb(image)
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...

@@ -6,9 +6,10 @@ same with any number of workers and a resumed run continues exactly where an uni
 
 A sample that cannot be read or used (a corrupt or empty image file, no caption for the text view: `BadSampleError`)
 is replaced by the next readable index, augmented under the bad sample's seed, and marked `skipped=1`; the batch
-stays full and remains a pure function of (seed, m, rank). Every sample carries `skipped` (0 or 1), so the batch's
-`skipped` tensor counts them, and `key`, the index read; the training loop pops both. The first few bad files of
-each process are logged by path.
+stays full and remains a pure function of (seed, m, rank). Every sample carries `skipped` (0 or 1), `skip_index`
+and `skip_reason` (the bad index it stands in for and why, or -1 and ""), and `key`, the index read; the training
+loop pops them, and counts and names each bad sample the run met once (the workers say nothing: they also read
+samples the run never trains on, while searching for a substitute or prefetching).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ssl_vit.data.errors import BadSampleError, NoUsableSamplesError, SkipLog
+from ssl_vit.data.errors import BadSampleError, NoUsableSamplesError
 from ssl_vit.data.naflex import NaFlexBatchSampler, NaFlexSchedule, NaFlexViews
 from ssl_vit.data.seeds import sample_seed
 from ssl_vit.data.shard_stream import ShardStream
@@ -90,7 +91,6 @@ class SeededViews(Dataset):
     def __init__(self, dataset: Dataset, views, max_search: int = MAX_SUBSTITUTE_SEARCH):
         self.dataset, self.views, self.max_search = dataset, views, max_search
         self.bad: dict[int, str] = {}  # index -> reason, known in this process (each bad file is read once)
-        self.skip_log = SkipLog(log, "sample")
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -102,7 +102,6 @@ class SeededViews(Dataset):
             return self.dataset[index]
         except BadSampleError as err:
             self.bad[index] = str(err)
-            self.skip_log(f"{err} (replaced by the next readable sample)")
             return None
 
     def __getitem__(self, key: tuple[int, ...]) -> dict:
@@ -124,9 +123,10 @@ class SeededViews(Dataset):
                     out = self.views(sample)  # a sample can lack what the views need (no caption for `text`)
                 except BadSampleError as err:
                     self.bad[position] = str(err)
-                    self.skip_log(f"{err} (replaced by the next readable sample)")
                     continue
                 out["skipped"] = int(offset > 0)
+                out["skip_index"] = index if offset > 0 else -1
+                out["skip_reason"] = self.bad.get(index, "") if offset > 0 else ""
                 out["key"] = position  # the index read (trainer.record_sample_keys)
                 out["seed"] = seed  # for batch-level augmentation (ViewBuilder.collate removes it)
                 if batch_shape:

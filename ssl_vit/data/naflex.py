@@ -66,8 +66,12 @@ class NaFlexSettings:
     batch_sizes: tuple[int, ...] = field(init=False)
 
     def __post_init__(self):
+        if not self.seq_lens:
+            raise ValueError("data.naflex.seq_lens=[] names no sequence length: give one or more multiples of "
+                             f"{SEQ_MULTIPLE}, or leave it unset (null) for {list(DEFAULT_SEQ_FACTORS)} x the patches "
+                             "of data.img_size")
         bad = [n for n in self.seq_lens if n < SEQ_MULTIPLE or n % SEQ_MULTIPLE]
-        if bad or not self.seq_lens:
+        if bad:
             raise ValueError(f"data.naflex.seq_lens={list(self.seq_lens)}: each must be a positive multiple of "
                              f"{SEQ_MULTIPLE} (fused attention and tensor-core kernels tile by {SEQ_MULTIPLE}); "
                              f"e.g. {[max(SEQ_MULTIPLE, -(-n // SEQ_MULTIPLE) * SEQ_MULTIPLE) for n in self.seq_lens]}")
@@ -83,8 +87,8 @@ class NaFlexSettings:
     @classmethod
     def resolve(cls, cfg, patch_size: int, img_size: int, batch_size: int) -> NaFlexSettings:
         native = (img_size // patch_size) ** 2
-        seq_lens = cfg.seq_lens or sorted({-(-int(native * f) // SEQ_MULTIPLE) * SEQ_MULTIPLE
-                                           for f in DEFAULT_SEQ_FACTORS})
+        seq_lens = cfg.seq_lens if cfg.seq_lens is not None else sorted(
+            {-(-int(native * f) // SEQ_MULTIPLE) * SEQ_MULTIPLE for f in DEFAULT_SEQ_FACTORS})
         return cls(patch_size, tuple(seq_lens), int(cfg.max_tokens or batch_size * native), batch_size,
                    cfg.loss_scale)
 

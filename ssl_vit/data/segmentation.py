@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 
 from ssl_vit.data.captions import RASTER_SUFFIXES, in_test_split
 from ssl_vit.data.config import DataConfig, DatasetKind
-from ssl_vit.data.decode import decode_rgb
+from ssl_vit.data.decode import DEFAULT_MAX_PIXELS, decode_rgb, open_image
 from ssl_vit.data.errors import BadSampleError
 from ssl_vit.schema import checked
 
@@ -123,8 +123,9 @@ class SegmentationFolder(Dataset):
 
     classes: tuple = ()  # no image-level labels
 
-    def __init__(self, root: str | Path, classes=None, split: str = "all", test_fraction: float = 0.2):
-        self.root = Path(root).expanduser()
+    def __init__(self, root: str | Path, classes=None, split: str = "all", test_fraction: float = 0.2,
+                 max_pixels: int | None = DEFAULT_MAX_PIXELS):
+        self.root, self.max_pixels = Path(root).expanduser(), max_pixels
         images_dir, masks_dir = self.root / "images", self.root / "masks"
         if not images_dir.is_dir() or not masks_dir.is_dir():
             raise FileNotFoundError(f"{str(self.root)!r} needs images/ and masks/ subfolders (images/<name>.png|jpg "
@@ -149,9 +150,9 @@ class SegmentationFolder(Dataset):
 
     def __getitem__(self, index: int) -> dict:
         image_path, mask_path = self.pairs[index]
-        image = decode_rgb(image_path)
+        image = decode_rgb(image_path, max_pixels=self.max_pixels)
         try:
-            with Image.open(mask_path) as file:
+            with open_image(mask_path.read_bytes()) as file:
                 if file.mode not in ("L", "P"):
                     raise BadSampleError(f"{mask_path}: a mask must be single-channel (L) or palette (P), not "
                                          f"{file.mode}")
@@ -193,10 +194,10 @@ def _tuxpaint_splits(cfg, img_size: int):
 
 def _segfolder_splits(cfg, img_size: int):
     if cfg.test_root:
-        return (SegmentationFolder(cfg.root, cfg.classes or None),
-                SegmentationFolder(cfg.test_root, cfg.classes or None))
-    return (SegmentationFolder(cfg.root, cfg.classes or None, "train", cfg.test_fraction),
-            SegmentationFolder(cfg.root, cfg.classes or None, "test", cfg.test_fraction))
+        return (SegmentationFolder(cfg.root, cfg.classes or None, max_pixels=cfg.max_pixels),
+                SegmentationFolder(cfg.test_root, cfg.classes or None, max_pixels=cfg.max_pixels))
+    return (SegmentationFolder(cfg.root, cfg.classes or None, "train", cfg.test_fraction, cfg.max_pixels),
+            SegmentationFolder(cfg.root, cfg.classes or None, "test", cfg.test_fraction, cfg.max_pixels))
 
 
 TUXPAINT_SEG = DatasetKind(
@@ -206,4 +207,5 @@ TUXPAINT_SEG = DatasetKind(
 SEGFOLDER = DatasetKind(
     name="segfolder", config=SegFolderDataConfig, eval_splits=_segfolder_splits, cpu_workers=2,
     build=lambda cfg, img_size: SegmentationFolder(cfg.root, cfg.classes or None,
-                                                   "all" if cfg.test_root else "train", cfg.test_fraction))
+                                                   "all" if cfg.test_root else "train", cfg.test_fraction,
+                                                   cfg.max_pixels))

@@ -34,6 +34,7 @@ from torch.utils.data import IterableDataset, default_collate
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ssl_vit.data.config import DataConfig, DatasetKind
+from ssl_vit.data.decode import DEFAULT_MAX_PIXELS
 from ssl_vit.data.errors import NoUsableShardsError, SkipLog
 from ssl_vit.data.seeds import sample_seed
 from ssl_vit.data.shards import MAX_CONSECUTIVE_BAD, SHARD_END, DecodeAndCount, expand_urls, read_shard, read_sizes
@@ -52,12 +53,12 @@ class ShardStream:
     """Training batches from WebDataset shards (see the module docstring)."""
 
     def __init__(self, urls, num_classes: int | None = None, resampled: bool = True, shuffle_buffer: int = 1000,
-                 max_consecutive_bad: int = MAX_CONSECUTIVE_BAD):
+                 max_consecutive_bad: int = MAX_CONSECUTIVE_BAD, max_pixels: int | None = DEFAULT_MAX_PIXELS):
         self.urls = expand_urls(urls)
         self.sizes = read_sizes(self.urls)
         self.classes = tuple(range(num_classes)) if num_classes else ()
         self.resampled, self.shuffle_buffer = resampled, shuffle_buffer
-        self.max_consecutive_bad = max_consecutive_bad
+        self.max_consecutive_bad, self.max_pixels = max_consecutive_bad, max_pixels
 
     def describe(self) -> str:
         samples = f", {sum(self.sizes.values())} samples in the {len(self.sizes)} listed in sizes.json" \
@@ -72,7 +73,7 @@ class ShardStream:
         `schedule`: NaFlex batch shapes per micro-step (ssl_vit.data.naflex), from micro-step `start`."""
         if epochs is not None and self.resampled:
             raise ValueError("epochs applies to resampled=False only (resampled draws have no epochs)")
-        decode = DecodeAndCount(views, need_label, need_text, self.max_consecutive_bad)
+        decode = DecodeAndCount(views, need_label, need_text, self.max_consecutive_bad, self.max_pixels)
         return ShardBatches(self, decode, batch_size, seed, getattr(views, "collate", default_collate), epochs,
                             schedule, start), decode
 
@@ -304,7 +305,8 @@ class ShardDataConfig(DataConfig):
 
 SHARDS = DatasetKind(
     name="wds", config=ShardDataConfig,
-    build=lambda cfg, img_size: ShardStream(cfg.urls, cfg.num_classes, cfg.resampled, cfg.shuffle_buffer),
+    build=lambda cfg, img_size: ShardStream(cfg.urls, cfg.num_classes, cfg.resampled, cfg.shuffle_buffer,
+                                            max_pixels=cfg.max_pixels),
     eval_refusal="a shard stream has no held-out split: write the shards' images to a folder for data=folder",
     # captions: the samples that have a `txt` (the others are skipped and counted)
     captioned=True, stream=True, cpu_workers=2)

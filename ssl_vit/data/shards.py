@@ -35,7 +35,7 @@ from braceexpand import braceexpand
 from PIL import Image
 from webdataset.tariterators import base_plus_ext, valid_sample
 
-from ssl_vit.data.decode import decode_rgb
+from ssl_vit.data.decode import DEFAULT_MAX_PIXELS, decode_rgb
 from ssl_vit.data.errors import BadSampleError, MissingKeyError, NoUsableShardsError, SkipLog
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,12 @@ def _is_remote(url: str) -> bool:
     return "://" in url or url.startswith("pipe:")
 
 
+def _local(path: str) -> str:
+    """A file a directory or a glob found, as a path that stays one: a bare name such as "pipe:cmd;.tar" (found
+    in ".") becomes "./pipe:cmd;.tar", never a URL that webdataset would open with the shell."""
+    return path if os.sep in path else os.path.join(".", path)
+
+
 def expand_urls(urls: str | list[str]) -> list[str]:
     """Brace patterns, globs (`data/shapes/*.tar`), `::`-joined lists, lists and local directories (all their *.tar,
     sorted) -> shard URLs. Local shards must exist (a clear start-up error otherwise); zero-byte shards are left out
@@ -126,12 +132,12 @@ def expand_urls(urls: str | list[str]) -> list[str]:
     expanded = []
     for url in (url for item in items for part in str(item).split("::") for url in braceexpand(part)):
         if not _is_remote(url) and os.path.isdir(url):
-            found = sorted(str(p) for p in Path(url).glob("*.tar"))
+            found = sorted(_local(str(p)) for p in Path(url).glob("*.tar"))
             if not found:
                 raise FileNotFoundError(f"no .tar shards in directory {url!r} (data.urls)")
             expanded.extend(found)
         elif not _is_remote(url) and glob.has_magic(url):
-            found = sorted(p for p in glob.glob(url) if os.path.isfile(p))
+            found = sorted(_local(p) for p in glob.glob(url) if os.path.isfile(p))
             if not found:
                 raise FileNotFoundError(f"no shard matches the pattern {url!r} (data.urls)")
             expanded.extend(found)
@@ -278,7 +284,8 @@ def read_shard(url: str, expected: int | None = None, skip_log: SkipLog | None =
 
 
 # ----- the stream -----
-def decode_sample(sample: dict, need_label: bool, need_text: bool) -> dict:
+def decode_sample(sample: dict, need_label: bool, need_text: bool,
+                  max_pixels: int | None = DEFAULT_MAX_PIXELS) -> dict:
     """A raw shard sample -> {"image": uint8 (3, H, W), "key", "label"?, "text"?}; raises BadSampleError (or its
     MissingKeyError) naming the sample and its shard on anything unusable."""
     key, where = sample.get("__key__"), f"sample {sample.get('__key__')} of {sample.get('__url__')}"
@@ -290,7 +297,7 @@ def decode_sample(sample: dict, need_label: bool, need_text: bool) -> dict:
     if need_text and "txt" not in sample:
         raise MissingKeyError(f"{where} has no 'txt' (keys: {sorted(k for k in sample if not k.startswith('__'))})")
     try:
-        out = {"image": decode_rgb(sample[image_key]), "key": key}
+        out = {"image": decode_rgb(sample[image_key], max_pixels=max_pixels), "key": key}
         if "cls" in sample:
             out["label"] = int(sample["cls"])
         if "txt" in sample:
@@ -308,8 +315,9 @@ class DecodeAndCount:
     and `trailing` on this object hold the in-process totals (num_workers=0). `max_consecutive_bad` bad samples in a
     row raise NoUsableShardsError."""
 
-    def __init__(self, views, need_label: bool, need_text: bool, max_consecutive_bad: int = MAX_CONSECUTIVE_BAD):
-        self.views, self.need_label, self.need_text = views, need_label, need_text
+    def __init__(self, views, need_label: bool, need_text: bool, max_consecutive_bad: int = MAX_CONSECUTIVE_BAD,
+                 max_pixels: int | None = DEFAULT_MAX_PIXELS):
+        self.views, self.need_label, self.need_text, self.max_pixels = views, need_label, need_text, max_pixels
         self.max_consecutive_bad = max_consecutive_bad
         self.skipped = self.trailing = 0
         self.skip_log = SkipLog(log, "sample")
@@ -323,7 +331,7 @@ class DecodeAndCount:
                 continue
             seed, sample = item
             try:
-                decoded = decode_sample(sample, self.need_label, self.need_text)
+                decoded = decode_sample(sample, self.need_label, self.need_text, self.max_pixels)
                 with torch.random.fork_rng(devices=[]):
                     torch.default_generator.manual_seed(seed)  # the CPU generator alone (see loader.SeededViews)
                     out = self.views(decoded)

@@ -54,6 +54,8 @@ from ssl_vit.schema import ConfigError, closest_names, validate_config
 
 log = logging.getLogger("ssl_vit")
 CELL_FORMAT = 1  # part of every cell's key: a change in what a cell holds recomputes the stored ones
+# what a stored cell must hold (write_cell's record; the report reads these)
+CELL_FIELDS = ("encoder", "spec", "dataset", "data", "protocol", "img_size", "scores", "chance", "seconds")
 LIBRARY_PREFIXES = ("timm:", "hf:", "open_clip:", "dino:", "dinov2:")
 TEXT_PROTOCOLS = ("zeroshot", "retrieval")
 
@@ -129,7 +131,7 @@ def run_benchmark(cfg, progress: bool = True) -> dict:
     cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else out / "feature_cache"
     results, missing = {}, []
     for cell in cells:
-        stored = read_cell(out, cell.key)
+        stored = read_cell(out, cell)
         if stored is None:
             missing.append(cell)
         else:
@@ -314,12 +316,45 @@ def cell_key(cell: Cell, cfg) -> str:
                      last_k=cfg.eval.last_k if frozen and cfg.eval.features == "last_k" else None)
 
 
-def read_cell(out: Path, key: str) -> dict | None:
-    path = out / "cells" / f"{key}.json"
+def read_cell(out: Path, cell: Cell) -> dict | None:
+    """The stored record of `cell`, or None: not there (computed), or damaged (computed again, said in one line)."""
+    path = out / "cells" / f"{cell.key}.json"
+    if not path.is_file():
+        return None
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None  # not there, or unreadable: computed again
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as err:  # unreadable, truncated, not JSON
+        problem = f"is unreadable ({type(err).__name__}: {str(err).splitlines()[0][:120]})"
+    else:
+        problem = cell_problem(record, cell)
+    if problem is None:
+        return record
+    log.warning("benchmark: %s %s: computed again", path, problem)
+    return None
+
+
+def _is_score(value) -> bool:
+    return value is None or (isinstance(value, int | float) and not isinstance(value, bool))
+
+
+def cell_problem(record, cell: Cell) -> str | None:
+    """What makes a stored record unusable as `cell`'s (what the report reads, of the right kinds), or None."""
+    if not isinstance(record, dict):
+        return f"holds a JSON {type(record).__name__}, not a cell record"
+    missing = [key for key in CELL_FIELDS if key not in record]
+    if missing:
+        return f"lacks {missing}"
+    for key in ("scores", "chance"):
+        if not isinstance(record[key], dict) or not all(isinstance(k, str) and _is_score(v)
+                                                        for k, v in record[key].items()):
+            return f"has {key}={str(record[key])[:60]}, not a mapping of metric names to numbers"
+    if not record["scores"]:
+        return "has no scores"
+    if record["protocol"] != cell.protocol:
+        return f"is of protocol {record['protocol']!r}, not {cell.protocol!r}"
+    if not _is_score(record["seconds"]) or record["seconds"] is None or not isinstance(record["img_size"], int):
+        return "has a seconds or img_size that is not a number"
+    return None
 
 
 def write_cell(out: Path, cell: Cell, result: dict) -> dict:

@@ -23,6 +23,7 @@ from ssl_vit.eval.readable import ReadableSamples, collate_readable
 from ssl_vit.interop.native import NativeEncoder, native_kind
 from ssl_vit.naflex import masked_mean, patch_valid
 from ssl_vit.progress import progress_bar
+from ssl_vit.untrusted import describe_error, weights_only_refusal
 
 log = logging.getLogger(__name__)
 FEATURE_KINDS = ("cls", "avg", "cls_avg", "last_k", "pooled")
@@ -106,14 +107,31 @@ def cache_key(**parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
+def read_cache(path: Path) -> tuple[dict | None, str | None]:
+    """(the cache file's {"features", "labels"}, None), or (None, what is wrong with it): unreadable, holding more
+    than tensors (read as weights only, never unpickled in full), or not two tensors of one length."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated, foreign, crafted: torch's, zipfile's or pickle's own errors
+        refused = weights_only_refusal(err)
+        return None, (f"holds more than tensors ({refused}; read as weights only, nothing of it ran)" if refused
+                      else f"is unreadable ({describe_error(err)})")
+    if not (isinstance(saved, dict) and all(isinstance(saved.get(k), torch.Tensor) for k in ("features", "labels"))
+            and len(saved["features"]) == len(saved["labels"])):
+        return None, "does not hold {features, labels} of one length"
+    return saved, None
+
+
 def cached(cache_dir: str | Path | None, key: str, compute):
     """Load (features, labels) from cache_dir/<key>.pt, or compute and store them (atomically)."""
     if cache_dir is None:
         return compute()
     path = Path(cache_dir) / f"{key}.pt"
     if path.exists():
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        return saved["features"], saved["labels"]
+        saved, problem = read_cache(path)
+        if problem is None:
+            return saved["features"], saved["labels"]
+        log.warning("feature cache %s %s: computed again", path, problem)
     features, labels = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")

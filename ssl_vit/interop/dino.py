@@ -27,6 +27,7 @@ from timm.models.vision_transformer import checkpoint_filter_fn
 
 from ssl_vit.artifacts import file_fingerprint
 from ssl_vit.interop.timm import from_timm, timm_architecture, timm_model_args
+from ssl_vit.untrusted import RESAVE_HINT, UntrustedFile, load_tensors
 from ssl_vit.vit import VisionTransformer
 
 log = logging.getLogger(__name__)
@@ -86,10 +87,11 @@ def load_reference_checkpoint(kind: str, file: str, architecture: dict, heads: b
 
 
 def _flatten(kind: str, path: Path) -> dict[str, torch.Tensor]:
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):  # DINO saves its argparse arguments
-            raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # the optimizer stays on disk
-    except Exception as err:  # pickle / zip errors, or objects beyond tensors and DINO's arguments
+    try:  # DINO saves its argparse arguments; mmap: the optimizer stays on disk
+        raw = load_tensors(path, RESAVE_HINT, allowed=[argparse.Namespace], name=f"{kind}:{path}", mmap=True)
+    except UntrustedFile:
+        raise
+    except Exception as err:  # pickle / zip errors
         raise ValueError(f"{kind}:{path}: not a readable checkpoint ({type(err).__name__}: "
                          f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}); "
                          f"{kind} files of several FSDP processes hold sharded tensors: use a one-process checkpoint"

@@ -42,6 +42,7 @@ from ssl_vit.interop.open_clip import load_open_clip_spec
 from ssl_vit.interop.timm import load_timm_spec
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.run_dirs import resolve_run
+from ssl_vit.untrusted import RESAVE_HINT, file_kind, untrusted, weights_only_refusal
 from ssl_vit.vit import VisionTransformer
 
 SOURCES = ("<encoder file or run dir>", "timm:<name>[:<file>]", "timm:<dir>", "hf:<dir>", "open_clip:<dir>",
@@ -79,7 +80,13 @@ def load_pretrained(spec: str, architecture: Callable[[], dict] | None = None, h
         encoder, preprocess, identity, rest_of_it = load_reference_checkpoint(library, rest, architecture(), heads)
         return Pretrained(encoder, preprocess, identity, rest_of_it, architecture_given=True)
     if library in LIBRARIES:
-        return Pretrained(*LIBRARIES[library](rest, native))
+        try:
+            return Pretrained(*LIBRARIES[library](rest, native))
+        except Exception as err:  # the library's own error types; a weights-only refusal among them
+            reason = weights_only_refusal(err)
+            if reason is None:
+                raise
+            raise untrusted(f"{spec}: its weights file", reason, RESAVE_HINT) from err
     return _from_ours(spec, heads)
 
 
@@ -90,6 +97,11 @@ def _from_ours(spec: str, heads: bool = False) -> Pretrained:
     if not path.is_file():
         raise FileNotFoundError(f"{spec!r} is not an encoder file or a run directory with {ENCODER_FILE}; "
                                 f"valid forms: {list(SOURCES)}")
+    kind = file_kind(path)
+    if kind != "safetensors":
+        raise ValueError(f"{spec!r} is {kind}, not an ssl_vit encoder file (safetensors); weights of another "
+                         f"library load through its spec: timm:<model name>:{spec}, open_clip:<model name>:{spec}, "
+                         f"dino:{spec} or dinov2:{spec} (valid forms: {list(SOURCES)})")
     try:
         encoder = load_encoder(path)
     except Exception as err:  # safetensors' own errors for truncated / foreign files, bad metadata

@@ -25,6 +25,7 @@ from ssl_vit.objectives import OBJECTIVES, DataInfo, Objective, Requirements, bu
 from ssl_vit.optim import build_optimizer, schedule, weight_decay_schedule
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
 from ssl_vit.schema import ConfigError, validate_config
+from ssl_vit.untrusted import UntrustedFile
 from ssl_vit.vit import PRESETS, WINDOW_SETTINGS, VisionTransformer, build_vit, resample_pos_embed
 from ssl_vit.windows import resample_rel_pos
 
@@ -73,6 +74,8 @@ def init_source(cfg) -> Pretrained | None:
         with torch.random.fork_rng(devices=[]), without_transformers_zero3():
             return load_pretrained(spec, architecture=lambda: preset_config(cfg.model.name, model_kwargs(cfg.model)),
                                    heads=bool(cfg.model.get("init_heads")))
+    except UntrustedFile as err:  # the spec is right; the file is what is refused
+        raise ConfigError(f"model.init_from: {err}") from err
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as err:
         raise ConfigError(f"model.init_from: {err} (valid forms: {list(SOURCES)})") from err
 
@@ -271,6 +274,12 @@ def build_components(cfg, source: Pretrained | None = None, device_type: str = "
     _, needs = requirements(cfg.objective)
     source = source if source is not None else init_source(cfg)
     backbone, img_size, recorded = build_backbone(cfg, needs, source)
+    if needs.drops_patches and backbone.windowed:
+        given = {key: backbone.config.get(key) for key in ("window_size", "rel_pos") if backbone.config.get(key)}
+        raise ConfigError(f"objective={cfg.objective.name} with {', '.join(f'model.{k}={v}' for k, v in given.items())}"
+                          ": its encoder sees a subset of each image's patches, and windowed attention and relative "
+                          "positions need them all; pre-train without them (as ViTDet does: fine-tune the result "
+                          "windowed at a higher resolution with model.init_from=<this run> model.window_size=...)")
     dataset = build_data(cfg, needs, img_size)
     preprocess = resolve_preprocess(cfg.data, img_size, recorded)
     info = DataInfo(len(dataset.classes), img_size, preprocess.mean, preprocess.std)

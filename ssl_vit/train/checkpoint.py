@@ -21,14 +21,18 @@ from safetensors import safe_open
 from ssl_vit.files import make_readable
 from ssl_vit.run_dirs import CHECKPOINTS, RUN_OUTPUTS, previous_outputs, resolve_run
 from ssl_vit.schema import ConfigError
+from ssl_vit.train.checkpoint_files import check_pickled_files, rng_state_problem
 from ssl_vit.train.faults import fault_point
 from ssl_vit.train.outputs import OutputError, describe_write_failure
+from ssl_vit.train.strategy import on_main_process
+from ssl_vit.untrusted import UntrustedFile
 
 log = logging.getLogger("ssl_vit")
 
 CHECKPOINT_DIR = CHECKPOINTS
 _NAME = re.compile(r"^step_(\d+)$")
 MODEL_FILE = "model.safetensors"
+TRUST_HINT = "resume with trainer.trust_pickle=true"
 TRAIN_STATE_FILE = "custom_checkpoint_0.pkl"  # accelerate's name for the first registered object (TrainState)
 DEEPSPEED_DIR = "pytorch_model"  # accelerate's DeepSpeed tag: <checkpoint>/pytorch_model/zero_pp_rank_*
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # torch.distributed.checkpoint's shards of FSDP2's model
@@ -160,12 +164,15 @@ def _check_rng_states(path: Path, world_size: int, allow_inexact: bool) -> None:
     missing = [rng_file(rank) for rank in range(world_size) if not (path / rng_file(rank)).is_file()]
     wrote = written_by(path)
     if missing:
-        reason = (f"lacks {', '.join(missing)} (the RNG state of {'that rank' if len(missing) == 1 else 'those ranks'}"
-                  ": written by fewer processes, or damaged)")
+        whose = "that rank" if len(missing) == 1 else "those ranks"
+        _inexact(path, f"lacks {', '.join(missing)} (the RNG state of {whose}: written by fewer processes, or "
+                       "damaged)", allow_inexact)
     elif wrote > world_size:
-        reason = f"was written by {wrote} processes (this run has {world_size}: the other ranks' RNG states are unused)"
-    else:
-        return
+        _inexact(path, f"was written by {wrote} processes (this run has {world_size}: the other ranks' RNG states are "
+                       "unused)", allow_inexact)
+
+
+def _inexact(path: Path, reason: str, allow_inexact: bool) -> None:
     if not allow_inexact:
         raise ConfigError(f"trainer.resume: {path} {reason}, so the run cannot continue exactly; set "
                           "trainer.allow_inexact_resume=true to continue anyway")
@@ -173,9 +180,36 @@ def _check_rng_states(path: Path, world_size: int, allow_inexact: bool) -> None:
                 "(trainer.allow_inexact_resume=true)", path, reason)
 
 
-def load_checkpoint(accelerator, path: Path, model, allow_inexact: bool = False, model_name: str | None = None) -> None:
-    """Check, then load model, optimizer, every rank's RNG state and the registered train state."""
+def check_contents(path: Path, world_size: int, allow_inexact: bool, trust_pickle: bool) -> None:
+    """What the main process reads of a checkpoint before it loads: every rank's RNG state (accelerate skips a
+    damaged one without a word: refused, or a warning with allow_inexact), and every pickled file as weights only
+    (ssl_vit.train.checkpoint_files), unless `trust_pickle`."""
+    rng_files = [rng_file(rank) for rank in range(world_size)]
+    damaged = {name: problem for name in rng_files if (problem := rng_state_problem(path / name)) not in (None,
+                                                                                                       "missing")}
+    if damaged:
+        name, problem = next(iter(damaged.items()))
+        more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+        _inexact(path, f"holds an RNG state accelerate cannot restore: {name} is {problem}{more}", allow_inexact)
+    if trust_pickle:
+        log.warning("trainer.trust_pickle=true: %s is unpickled without the weights-only check (its files can run "
+                    "code)", path)
+        return
+    try:
+        check_pickled_files(path, TRUST_HINT, skip=rng_files, deepspeed=checkpoint_format(path) == "deepspeed")
+    except UntrustedFile as err:
+        raise ConfigError(f"trainer.resume: {err}") from err
+    except Exception as err:  # a damaged file: torch's, zipfile's or pickle's own errors
+        raise ConfigError(f"trainer.resume: a file of {path} is unreadable ({type(err).__name__}: "
+                          f"{_first_line(err)}); {_other_checkpoints(path)}") from err
+
+
+def load_checkpoint(accelerator, path: Path, model, allow_inexact: bool = False, model_name: str | None = None,
+                    trust_pickle: bool = False) -> None:
+    """Check (the files' contents on the main process), then load model, optimizer, every rank's RNG state and the
+    registered train state."""
     check_checkpoint(path, accelerator.unwrap_model(model), accelerator.num_processes, allow_inexact, model_name)
+    on_main_process(accelerator, check_contents, path, accelerator.num_processes, allow_inexact, trust_pickle)
     try:
         accelerator.load_state(str(path))
     except Exception as err:  # pickle, zip and shape errors from torch.load / load_state_dict

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import pickle
 import tempfile
 from pathlib import Path
 
@@ -36,9 +35,12 @@ from ssl_vit.train.checkpoint import (
     list_checkpoints,
     written_by,
 )
+from ssl_vit.train.checkpoint_files import check_pickled_files
+from ssl_vit.untrusted import load_tensors
 
 FSDP_OPTIMIZER_DIR = "optimizer_0"
 TRAINING_STATE_FILE = "training_state.pt"
+TRUST_HINT = "consolidate with --trust-pickle"
 
 
 def find_checkpoint(spec: str) -> Path:
@@ -50,13 +52,9 @@ def find_checkpoint(spec: str) -> Path:
 
 def load_plain(file: str | Path, trust_pickle: bool = False):
     """torch.load of a file that should hold only tensors and plain containers (weights_only); one that holds other
-    Python objects is refused in one line, since unpickling them runs their code, unless the user trusts it."""
-    try:
-        return torch.load(file, map_location="cpu", weights_only=not trust_pickle)
-    except pickle.UnpicklingError as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"{file} holds Python objects beyond tensors and plain containers ({reason[:160]}); reading "
-                         "it would run their code: if you trust the file, consolidate with --trust-pickle") from err
+    Python objects is refused in one line (UntrustedFile), since unpickling them runs their code, unless the user
+    trusts it."""
+    return load_tensors(file, TRUST_HINT, trust_pickle)
 
 
 def full_state(path: Path, trust_pickle: bool = False) -> tuple[dict, dict | None]:
@@ -68,6 +66,9 @@ def full_state(path: Path, trust_pickle: bool = False) -> tuple[dict, dict | Non
                          f"{MODEL_FILE}); a checkpoint is a directory like <run>/checkpoints/step_00000100")
     if kind == "deepspeed":
         require("deepspeed", f"{path} (a DeepSpeed ZeRO checkpoint)")
+    if not trust_pickle:  # DeepSpeed's zero_to_fp32 and DCP's conversion unpickle in full: checked first
+        check_pickled_files(path, TRUST_HINT, deepspeed=kind == "deepspeed")
+    if kind == "deepspeed":
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # heavy: DeepSpeed only
 
         try:

@@ -5,8 +5,9 @@ default SIGTERM, what SLURM and torchrun send before a time limit or a preemptio
 The first signal asks the run to stop after the current optimizer step: the trainer then writes a checkpoint and
 the encoder, prints the command that resumes it and exits with `stop_status`: 130 after Ctrl-C, EXIT_PREEMPTED (75,
 "temporary failure: try again") after a preemption signal, so a job script can requeue on it. A second signal of
-the same kind stops at once (KeyboardInterrupt), after printing every thread's Python stack (a step that
-does not end shows where it is); one within SAME_REQUEST_S of the first is taken as the same request
+the same kind stops at once (`StoppedNow`, a KeyboardInterrupt), after printing every thread's Python stack (a step
+that does not end shows where it is), with the same status: 130 after Ctrl-C, 75 after a preemption signal (the job
+requeues and resumes from the last checkpoint); one within SAME_REQUEST_S of the first is taken as the same request
 (a scheduler signals every process and the launcher forwards it again). The handler only sets a flag, so no step,
 collective or file write is cut in half. The ranks of a launch agree on the step they stop at and on the signal
 (one all-reduce every step in one process and every log step in several), so no rank waits in a collective alone.
@@ -14,6 +15,7 @@ collective or file write is cut in half. The ranks of a launch agree on the step
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -22,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,6 +32,16 @@ log = logging.getLogger("ssl_vit")
 
 EXIT_FAILED, EXIT_PREEMPTED, EXIT_INTERRUPTED = 1, 75, 130  # 75: EX_TEMPFAIL of sysexits.h
 SAME_REQUEST_S = 2.0
+EXIT_STATUS_FILE_ENV = "SSL_VIT_EXIT_STATUS_FILE"  # set by ssl_vit.launch: where the main process records its status
+
+
+def record_exit_status(status: int) -> None:
+    """The main process's exit status, for the launch that started it (ssl_vit.launch names the file in
+    EXIT_STATUS_FILE_ENV): accelerate's launcher reports every failing run, a preempted one too, as status 1."""
+    path = os.environ.get(EXIT_STATUS_FILE_ENV)
+    if path and int(os.environ.get("RANK", "0")) == 0:
+        with contextlib.suppress(OSError):
+            Path(path).write_text(str(status))
 
 
 def stop_status(signal_name: str | None) -> int:
@@ -36,6 +49,14 @@ def stop_status(signal_name: str | None) -> int:
     if signal_name is None:
         return 0
     return EXIT_INTERRUPTED if signal_name == "SIGINT" else EXIT_PREEMPTED
+
+
+class StoppedNow(KeyboardInterrupt):
+    """A second stop signal of the same kind: the run stops at once, without a checkpoint of the current step."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(f"{signal_name} again: stopped at once")
+        self.signal_name = signal_name
 
 
 class StopRequests:
@@ -66,7 +87,7 @@ class StopRequests:
             signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
             print(f"\nssl-vit: {name} again: stopping now; every thread's stack:", file=sys.stderr, flush=True)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            raise KeyboardInterrupt
+            raise StoppedNow(name)
         if self.requested is not None:
             return  # another kind while stopping (e.g. SIGTERM after SIGUSR1): the checkpoint is on its way
         self.requested, self.requested_at = name, time.monotonic()

@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 
 from ssl_vit.config import peak_lr
 from ssl_vit.data import describe_dataset, loader_workers, make_loader
+from ssl_vit.data.errors import SkipLog
 from ssl_vit.init import rng_devices, without_transformers_zero3
 from ssl_vit.optim import apply_schedule
 from ssl_vit.progress import progress_bar
@@ -160,7 +161,8 @@ class TrainState:
     step: int = 0
     nonfinite_steps: int = 0
     consecutive_nonfinite: int = 0
-    skipped_samples: int = 0  # bad samples the data stream skipped (corrupt images, missing keys)
+    skipped_samples: int = 0  # bad samples the data stream skipped (corrupt images, missing keys), each once
+    bad_indices: list = field(default_factory=list)  # of map-style data: the bad samples met (counted once each)
     last_record: dict = field(default_factory=dict)  # the newest metrics row, for the summary of a resumed run
 
     def state_dict(self) -> dict:
@@ -258,6 +260,7 @@ class Trainer:
         self.end_step = min(settings.max_steps, settings.stop_at_step or settings.max_steps)
         self.meter = Meter()
         self.stopped_by: str | None = None
+        self.stopped_now: str | None = None
         self.saved_step: int | None = None
         self._begin(begin)
         self.run_start = self.interval_start = time.perf_counter()  # train() starts the clocks again
@@ -278,7 +281,7 @@ class Trainer:
         if resume_dir is not None:
             fused = [group.get("fused") for group in self.optimizer.param_groups]
             load_checkpoint(accelerator, resume_dir, self.model, settings.allow_inexact_resume,
-                            (config.get("model") or {}).get("name"))
+                            (config.get("model") or {}).get("name"), settings.trust_pickle)
             for group, value in zip(self.optimizer.param_groups, fused, strict=True):  # this device's choice,
                 group["fused"] = value  # not the one saved with the checkpoint (load_state_dict restores it)
         else:
@@ -307,6 +310,7 @@ class Trainer:
             if position is not None:
                 self.loader.load_state_dict(position)
         self.batches = iter(self.loader)
+        self.bad_seen, self.skip_log = set(self.state.bad_indices), SkipLog(log, "sample")
         self.sample_keys = (SampleKeys(self.out_dir, accelerator.process_index, self.state.step)
                             if settings.record_sample_keys else None)
         self.guard = UpdateGuard(self.model.parameters(), settings.max_param_norm_growth,
@@ -344,6 +348,7 @@ class Trainer:
                 self.save_artifacts(self.state.step)
         except BaseException as err:
             error = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            self.stopped_now = getattr(err, "signal_name", None)  # a second stop signal (StoppedNow)
             raise
         finally:
             progress.close()
@@ -401,8 +406,7 @@ class Trainer:
         batches, keys = [], []
         for _ in range(self.settings.grad_accum_steps):
             batch = next(self.batches)
-            if "skipped" in batch:
-                self.state.skipped_samples += int(batch.pop("skipped").sum())
+            self._count_skipped(batch)
             key = batch.pop("key", [])
             keys.extend(key.tolist() if isinstance(key, torch.Tensor) else key)
             if self.naflex:  # still on the host
@@ -414,6 +418,22 @@ class Trainer:
         if self.sample_keys is not None:
             self.sample_keys.write(self.state.step + 1, keys)
         return batches
+
+    def _count_skipped(self, batch: dict) -> None:
+        """Count (and name, the first time) the bad samples the batch's samples stand in for: map-style data marks
+        the bad index of each substitute (counted once however often it comes round), a stream counts its losses
+        (each sample read once; its workers name them)."""
+        skipped = batch.pop("skipped", None)
+        indices, reasons = batch.pop("skip_index", None), batch.pop("skip_reason", None)
+        if indices is None:
+            self.state.skipped_samples += int(skipped.sum()) if skipped is not None else 0
+            return
+        for index, reason in zip(indices.tolist(), reasons, strict=True):
+            if index >= 0 and index not in self.bad_seen:
+                self.bad_seen.add(index)
+                self.state.bad_indices.append(index)
+                self.state.skipped_samples += 1
+                self.skip_log(f"{reason} (replaced by the next readable sample)")
 
     def _check(self, micro: MicroSteps) -> None:
         """After the update: judge it (on the device: `_stop_if_ruined` reads the guard), run the objective's updates
@@ -533,6 +553,8 @@ class Trainer:
         elapsed = time.perf_counter() - self.run_start
         # Collective: only when every rank got here normally.
         digests = gather_object([replica_digest(accelerator, self.objective)]) if error is None else []
+        skipped = (skipped_over_ranks(gather_object([(state.skipped_samples, state.bad_indices)]))
+                   if error is None and accelerator.num_processes > 1 else state.skipped_samples)
         checkpoints = list_checkpoints(self.out_dir)
         steps = state.step - self.start_step
         summary = {
@@ -541,7 +563,7 @@ class Trainer:
             "global_batch": self.run.global_batch, "steps_this_run": steps, "wall_s": elapsed,
             "images_per_s": (self.run_images if self.naflex else self.run.global_batch * steps) / elapsed
             if steps > 0 else None,
-            "nonfinite_steps": state.nonfinite_steps, "skipped_samples": state.skipped_samples,
+            "nonfinite_steps": state.nonfinite_steps, "skipped_samples": skipped,  # every rank's
             "strategy": strategy_name(accelerator), "last": state.last_record, "param_digests": digests,
             "replicas_in_sync": None if is_sharded(accelerator) else len(set(digests)) <= 1,
             "checkpoint": str(checkpoints[-1]) if checkpoints else None, "encoder": str(self.outputs.encoder_path),
@@ -549,7 +571,9 @@ class Trainer:
             "cuda_peak_memory_gib": (torch.cuda.max_memory_allocated(accelerator.device) / 2**30
                                      if accelerator.device.type == "cuda" else None),  # this process
             "stopped_by": self.stopped_by,  # the stop signal's name (SIGINT, SIGTERM, SIGUSR1), or None
-            "exit_status": stop_status(self.stopped_by) if error is None else EXIT_FAILED,  # 75: preempted, requeue
+            # 75: preempted (requeue); a second signal stopped it at once: its status without the checkpoint
+            "exit_status": stop_status(self.stopped_by) if error is None else
+            stop_status(self.stopped_now) if self.stopped_now else EXIT_FAILED,
             "compiled_blocks": self.compiled_blocks,
             # this process, recompiles included
             "compile_s": compile_seconds() - self.compile_start if self.compiled_blocks else None,
@@ -565,7 +589,7 @@ class Trainer:
                 log.error("model replicas differ across processes after training: %s", digests)
             if summary["finished"] and error is None:
                 log.info("done: %d steps, %.1f images/s, %d bad samples skipped; encoder at %s", state.step,
-                         summary["images_per_s"] or 0, state.skipped_samples, summary["encoder"])
+                         summary["images_per_s"] or 0, skipped, summary["encoder"])
             elif error is None:
                 status = f", exit status {summary['exit_status']}" if summary["exit_status"] else ""
                 log.info("stopped at step %d of %d%s, checkpoint and encoder saved%s; continue with:\n  %s",
@@ -583,6 +607,13 @@ def _to_device(batch: dict, device: torch.device) -> dict:
         return [move(v) for v in value] if isinstance(value, list) else value
 
     return {k: move(v) for k, v in batch.items()}
+
+
+def skipped_over_ranks(counts: list[tuple[int, list]]) -> int:
+    """The bad samples every rank met, from each rank's (count, bad map-style indices): a bad index two ranks met
+    (both searched past it for a substitute) is one sample."""
+    streams = sum(count - len(indices) for count, indices in counts)
+    return streams + len({index for _, indices in counts for index in indices})
 
 
 def _flat_hparams(config: dict, prefix: str = "") -> dict:

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from ssl_vit.train.stop_requests import EXIT_FAILED
+from ssl_vit.train.stop_requests import EXIT_FAILED, record_exit_status
 
 log = logging.getLogger("ssl_vit")
 EXIT_GRACE_MAX_S = 60.0
@@ -80,4 +80,5 @@ class StepWatchdog:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
         time.sleep(min(self.timeout_s, EXIT_GRACE_MAX_S))  # the other ranks' limits pass first (see the docstring)
+        record_exit_status(EXIT_FAILED)  # for ssl_vit.launch: a stop of ours, not a crash
         os._exit(EXIT_FAILED)
