@@ -811,7 +811,10 @@ class VisionTransformer(nn.Module):
 
         def rows(grid, index):
             grid_table = table if tuple(grid) == self.grid_size else self._resample_pos_embed(table, grid)
-            return grid_table[0, self.num_pos_prefix:][index]
+            # index_select, not table[index]: the backward of advanced indexing (index_put_ with accumulate) sums
+            # the many images of one grid in a thread-dependent order on the CPU (runs differed by 1 ulp)
+            flat = grid_table[0, self.num_pos_prefix:].index_select(0, index.reshape(-1))
+            return flat.reshape(*index.shape, -1)
 
         pos = layout.per_image(rows)
         return pos * layout.valid[..., None].to(pos.dtype)

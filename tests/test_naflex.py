@@ -105,6 +105,30 @@ def test_gradients_of_padding_are_zero_for_the_patch_embedding():
     assert grad[~batch["patch_valid"]].abs().max() == 0 and grad[batch["patch_valid"]].abs().max() > 0
 
 
+@pytest.mark.parametrize("kind", ["learned", "rope_mixed", "registers_avg"])
+def test_a_naflex_step_gives_bitwise_the_same_gradients_every_time(kind):
+    """Many images of one grid read the same position rows: their gradients are summed in a fixed order (two
+    fresh NaFlex runs once differed by 1 ulp from step 3 on: advanced indexing's backward accumulates in a
+    thread-dependent order on the CPU). Two threads, as a training process has; 128 images on 3 grids."""
+    vit = _moved(build_vit("vit_tiny", **POSITIONS[kind])).train()
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(32, 16)] * 52 + [(16, 32)] * 41 + [(20, 20)] * 35  # the first batch of the 32 px recipe's grids
+    images = [torch.randn(3, h, w, generator=generator) for h, w in shapes]
+    batch = pack(images, 4, seq_len=32)  # 8 x 4, 4 x 8 and 5 x 5 patches
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = []
+        for _ in range(4):
+            vit.zero_grad()
+            vit.forward_features(batch).pow(2).mean().backward()
+            runs.append({name: p.grad.clone() for name, p in vit.named_parameters() if p.grad is not None})
+    finally:
+        torch.set_num_threads(threads)
+    for other in runs[1:]:
+        assert [name for name in runs[0] if not torch.equal(runs[0][name], other[name])] == []
+
+
 def test_bad_naflex_inputs_are_one_line_each():
     batch = pack(_images()[:1], 4)
     with pytest.raises(ValueError, match="does not fit a sequence of 8"):
