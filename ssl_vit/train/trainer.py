@@ -169,8 +169,9 @@ class TrainState:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
+        for key in self.__dataclass_fields__:  # the loop's own counters; anything else a file holds is left
+            if key in state:
+                setattr(self, key, state[key])
 
 
 class Meter:
