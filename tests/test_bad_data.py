@@ -415,3 +415,27 @@ def test_training_on_unreadable_shards_stops_with_one_line_and_a_summary(tmp_pat
     assert "Traceback" not in proc.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["step"] == 0 and "none of the" in summary["error"]
+
+
+def test_images_linking_outside_the_root_are_named_once_and_left_out_on_request(tmp_path, caplog):
+    """A folder of links into a shared store is read as ImageFolder reads it, with one line naming the links that
+    leave data.root; data.follow_symlinks=false leaves them out. Links inside the root are not named."""
+    outside = tmp_path / "store"
+    outside.mkdir()
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(outside / "far.png")
+    root = tmp_path / "root"
+    for label in ("a", "b"):
+        (root / label).mkdir(parents=True)
+        Image.new("RGB", (8, 8), (9, 9, 9)).save(root / label / "own.png")
+    (root / "a" / "far.png").symlink_to(outside / "far.png")
+    (root / "b" / "near.png").symlink_to(root / "a" / "own.png")
+    (root / "b" / "linked_dir").symlink_to(outside, target_is_directory=True)
+    with caplog.at_level(logging.WARNING, logger="ssl_vit"):
+        followed = FolderDataset(root, labels=False)
+    assert len(followed) == 5  # own x 2, near, far, linked_dir/far
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith(f"data.root={root}: 2 image(s) are symbolic links to files outside it (e.g. ")
+    assert said.endswith("they are read (data.follow_symlinks=false leaves them out)")
+    kept = FolderDataset(root, labels=True, follow_symlinks=False)
+    assert sorted(Path(path).name for path, _ in kept.samples) == ["near.png", "own.png", "own.png"]
+    assert kept.targets == [label for _, label in kept.samples]

@@ -122,10 +122,22 @@ def test_loss_scale_factors():
 @pytest.mark.parametrize(("settings", "message"), [
     (dict(max_tokens=64), r"max_tokens=64 is smaller than the sequence length 96 of one image"),
     (dict(seq_lens=(32, 50)), r"seq_lens=\[32, 50\]: each must be a positive multiple of 8.*\[32, 56\]"),
+    (dict(seq_lens=()), r"^data.naflex.seq_lens=\[\] names no sequence length: give one or more multiples of 8, or "
+                        r"leave it unset \(null\) for \[0.5, 0.75, 1.0, 1.5, 2.0\] x the patches of data.img_size$"),
 ])
 def test_bad_naflex_settings_are_one_line(settings, message):
     with pytest.raises(ValueError, match=message):
         NaFlexSettings(**{**SETTINGS, **settings})
+
+
+def test_an_empty_bucket_list_is_refused_and_null_means_the_default():
+    from omegaconf import OmegaConf
+
+    from ssl_vit.data.naflex import NaFlexConfig
+
+    with pytest.raises(ValueError, match=r"seq_lens=\[\] names no sequence length"):
+        NaFlexSettings.resolve(OmegaConf.structured(NaFlexConfig(seq_lens=[])), 4, 32, 8)
+    assert NaFlexSettings.resolve(OmegaConf.structured(NaFlexConfig()), 4, 32, 8).seq_lens == (32, 48, 64, 96, 128)
 
 
 def test_augreg_and_pixel_views_are_refused_in_one_line():

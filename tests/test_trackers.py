@@ -4,6 +4,7 @@ client (the config as parameters, the metrics per step, the periodic evaluation,
 line."""
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import TINY, check_ok, pretrain_in_process
@@ -69,3 +70,103 @@ def test_a_tracker_that_cannot_start_is_one_line_and_the_started_ones_are_finish
         Trackers(["tensorboard", "mlflow"], tmp_path, 0, {"optim/lr": 0.1})
     assert finished == ["tensorboard"] and not (tmp_path / "trackers.json").exists()
     assert mlflow.active_run() is None
+
+
+TRACKER_PACKAGES = ("mlflow", "wandb", "sqlalchemy", "alembic", "mako")  # the trackers extra and its own packages
+
+
+def _index_reachable() -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=10):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_each_tracker_works_with_no_environment_set_from_a_fresh_install_of_the_extra(tmp_path):
+    """A venv that sees this one's packages but none of the trackers extra's (mlflow-skinny, wandb, sqlalchemy,
+    alembic and Mako left out of a filtered copy of site-packages), `pip install 'ssl-vit[trackers]'` from the
+    built wheel, then `ssl-vit pretrain trainer.trackers=[tensorboard,mlflow,wandb]` with no tracker variable set,
+    no W&B login and a fresh HOME, from an empty working directory: every tracker writes under the run directory
+    (TensorBoard's events, MLflow's SQLite store, W&B's offline run), nothing lands in the working directory, and
+    MLflow's own client reads the run's metrics back."""
+    import os
+    import subprocess
+    import sys
+    import sysconfig
+
+    if not _index_reachable():
+        pytest.skip("the package index (pypi.org) cannot be reached")
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "dist"), str(root)], check=True, capture_output=True)
+    wheel = next((tmp_path / "dist").glob("ssl_vit-*.whl"))
+    base = tmp_path / "base"  # this venv's packages without the extra's
+    base.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        name = entry.name.lower()
+        if not name.startswith(TRACKER_PACKAGES) and not name.startswith(("ssl_vit", "__editable__")):
+            (base / entry.name).symlink_to(entry)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next(venv.glob("lib/python3*/site-packages"))
+    (site / "base.pth").write_text(f"{base}\n")
+    python = str(venv / "bin" / "python")
+    assert subprocess.run([python, "-c", "import mlflow"], capture_output=True).returncode != 0  # not there yet
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "-q",
+                              f"{wheel}[trackers]"], capture_output=True, text=True, timeout=900)
+    assert install.returncode == 0, install.stderr[-3000:]
+    installed = {p.name.split("-")[0].lower() for p in site.glob("*.dist-info")}
+    assert {"mlflow_skinny", "wandb", "sqlalchemy", "alembic", "ssl_vit"} <= installed, installed
+    assert not installed & {"torch", "timm", "accelerate"}  # the core came from the base
+    work, home = tmp_path / "empty", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "WANDB_", "PYTHON"))}
+    env["HOME"] = str(home)
+    done = subprocess.run([str(venv / "bin" / "ssl-vit"), "pretrain", "model=vit_test", "data.num_samples=16",
+                           "data.batch_size=8", "trainer.max_steps=3", "trainer.log_every=1", "trainer.progress=false",
+                           "trainer.trackers=[tensorboard,mlflow,wandb]", "out=run"],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    run = work / "run"
+    assert sorted(p.name for p in work.iterdir()) == ["run"]  # nothing of the trackers' in the working directory
+    assert list((run / "tb").glob("events.out.tfevents.*")) and (run / "mlflow.db").is_file()
+    ids = json.loads((run / "trackers.json").read_text())
+    assert list((run / "wandb").glob(f"offline-run-*-{ids['wandb']}"))
+    said = done.stdout + done.stderr
+    assert f"mlflow: sqlite:///{run.resolve() / 'mlflow.db'}, artifacts in {run.resolve() / 'mlartifacts'}" in said
+    assert f"wandb: offline into {run.resolve() / 'wandb'} (no W&B login here" in said
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
+    losses = client.get_metric_history(ids["mlflow"], "train/loss")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    assert {m.step: m.value for m in losses} == pytest.approx({r["step"]: r["loss"] for r in rows if "loss" in r})
+
+
+def test_mlflows_default_store_without_its_packages_is_one_line_and_wandb_goes_offline_without_a_login(
+        tmp_path, monkeypatch):
+    import importlib.util
+
+    from ssl_vit.train.trackers import Trackers, wandb_credentials
+
+    for name in ("MLFLOW_TRACKING_URI", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert not wandb_credentials()
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    (tmp_path / "netrc").chmod(0o600)
+    assert wandb_credentials()
+    monkeypatch.setenv("WANDB_API_KEY", "x")
+    assert wandb_credentials()
+    real = importlib.util.find_spec
+    monkeypatch.setattr("ssl_vit.train.trackers.importlib.util.find_spec",
+                        lambda name, *a: None if name == "sqlalchemy" else real(name, *a))
+    with pytest.raises(ConfigError, match=rf"^trainer.trackers: mlflow's store here would be sqlite:///{tmp_path}/"
+                                          r"mlflow.db \(no MLFLOW_TRACKING_URI set\), which needs sqlalchemy: pip "
+                                          r"install 'ssl-vit\[trackers\]', or set MLFLOW_TRACKING_URI$"):
+        Trackers(["mlflow"], tmp_path, 0, {})
+    assert not mlflow.is_tracking_uri_set()

@@ -121,6 +121,20 @@ def test_bad_window_settings_are_one_line_each():
         windowed.forward_features(torch.randn(1, 3, 32, 32), keep=torch.arange(10)[None])
 
 
+@pytest.mark.parametrize("config, objective, options", [("mae", "mae", "model.window_size=2"),
+                                                        ("ijepa_tiny", "ijepa", "model.rel_pos=true")])
+def test_objectives_that_drop_patches_refuse_windows_at_start_up_in_one_line(tmp_path, config, objective, options):
+    """MAE's encoder sees 25% of the patches and I-JEPA's context encoder one block: windows and relative positions
+    need the whole grid, so the run stops before building anything more (it failed in the first forward)."""
+    proc = pretrain(*TINY, f"objective={config}", options, "data.img_size=32", "trainer.max_steps=1",
+                    f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("ssl-vit: error:")]
+    assert line.startswith(f"ssl-vit: error: objective={objective} with {options}: its encoder sees a subset of "
+                           "each image's patches, and windowed attention and relative positions need them all")
+    assert "model.init_from=<this run> model.window_size=" in line
+
+
 def test_with_windows_keeps_the_weights_and_adds_zero_tables():
     torch.manual_seed(0)
     plain = build_vit("vit_test", img_size=32).eval()

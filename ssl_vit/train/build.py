@@ -275,7 +275,8 @@ def build_components(cfg, source: Pretrained | None = None, device_type: str = "
     source = source if source is not None else init_source(cfg)
     backbone, img_size, recorded = build_backbone(cfg, needs, source)
     if needs.drops_patches and backbone.windowed:
-        given = {key: backbone.config.get(key) for key in ("window_size", "rel_pos") if backbone.config.get(key)}
+        given = {key: str(value).lower() if isinstance(value, bool) else value
+                 for key in ("window_size", "rel_pos") if (value := backbone.config.get(key))}
         raise ConfigError(f"objective={cfg.objective.name} with {', '.join(f'model.{k}={v}' for k, v in given.items())}"
                           ": its encoder sees a subset of each image's patches, and windowed attention and relative "
                           "positions need them all; pre-train without them (as ViTDet does: fine-tune the result "

@@ -70,6 +70,9 @@ class Trackers:
                         tracker.writer.file_writer.add_summary(summary)
                 elif not (name == "mlflow" and "mlflow" in ids):  # MLflow refuses to change a logged parameter
                     tracker.store_init_configuration(hparams)
+            except ConfigError:  # ours: already one line
+                self.finish()
+                raise
             except Exception as err:  # the tracker's own failure (an unreachable server, a missing store)
                 self.finish()  # the ones already started (MLflow's active run is process-global)
                 raise ConfigError(f"trainer.trackers: {name} could not start ({type(err).__name__}: "
