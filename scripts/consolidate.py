@@ -7,8 +7,9 @@ DeepSpeed ZeRO-1/2/3 checkpoints are read by DeepSpeed's zero_to_fp32, FSDP2's b
 format utilities, DDP / single-process ones as they are. Writes encoder.safetensors and heads.safetensors (as a
 run does: evaluate.py, export.py, objectives' load_trained take the directory) and training_state.pt (the full model
 state dict, the whole optimizer state where the format has one (FSDP2, DDP), step and counters); see
-ssl_vit/train/consolidate.py. Files are read with torch.load(weights_only=True): one holding other pickled objects is
-refused unless --trust-pickle. Exit status 2 with one line for a directory that is not a checkpoint.
+ssl_vit/train/consolidate.py. Every pickled file is read as weights only first (zero_to_fp32 and DCP's conversion
+then unpickle in full): one holding other Python objects is refused in one line unless --trust-pickle. Exit status 2
+with one line for a directory that is not a checkpoint or a file that is refused.
 """
 
 import argparse

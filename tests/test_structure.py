@@ -162,6 +162,35 @@ def test_the_library_loads_pickles_safely_unless_the_user_says_to_trust_the_file
     assert len(defaults) >= 3 and "trust_pickle: bool = False" in source
 
 
+def _calls(source: str) -> list[tuple[str, list[str]]]:
+    """(the called name as written, its keyword arguments as `name=value` source) of every call."""
+    return [(ast.unparse(node.func), [f"{kw.arg}={ast.unparse(kw.value)}" for kw in node.keywords])
+            for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)]
+
+
+def test_nothing_but_the_untrusted_module_unpickles_and_resume_checks_before_accelerate_loads():
+    """The other ways a file could run code: pickle.load(s) only in ssl_vit/untrusted.py (its allowlisted
+    Unpickler), no numpy allow_pickle, no yaml.load / unsafe_load / full_load, no trust_remote_code=True; and the
+    one accelerate load_state, in ssl_vit/train/checkpoint.py, comes after the main process's check_contents."""
+    found = []
+    for package in (*PACKAGES, "scripts", "benchmarks", "tools"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for name, keywords in _calls(path.read_text()):
+                where = f"{path.relative_to(ROOT)}: {name}({', '.join(keywords)})"
+                if name in ("pickle.load", "pickle.loads", "pickle.Unpickler") and \
+                        path != ROOT / "ssl_vit" / "untrusted.py":
+                    found.append(where)
+                if name.endswith(("yaml.load", "yaml.unsafe_load", "yaml.full_load")) or \
+                        "allow_pickle=True" in keywords or "trust_remote_code=True" in keywords:
+                    found.append(where)
+                if name.endswith(".load_state") and path != ROOT / "ssl_vit" / "train" / "checkpoint.py":
+                    found.append(where)
+    assert found == []
+    source = (ROOT / "ssl_vit" / "train" / "checkpoint.py").read_text()
+    body = source[source.index("def load_checkpoint"):]
+    assert body.index("check_contents") < body.index("accelerator.load_state(")
+
+
 def _schemas() -> list[type]:
     return [ModelConfig, OptimConfig, TrainerConfig, EvalConfig, PretrainConfig, PlanConfig, AugRegConfig,
             *(kind.config for kind in DATASETS.values()), *(cls.config_class for cls in OBJECTIVES.values())]

@@ -447,3 +447,22 @@ def test_sharded_checkpoints_pass_and_crafted_shards_are_refused(pool, tmp_path,
         assert proc.returncode != 0 and not marker.exists()
         assert (f"ssl-vit: error: trainer.resume: {copy / 'pytorch_model' / shard.name} holds Python objects"
                 in proc.stderr), proc.stderr[-3000:]
+
+
+def test_an_hf_directory_that_names_its_own_code_is_refused_and_the_code_never_runs(tmp_path, marker):
+    """A config.json with auto_map (transformers' remote code): loaded with trust_remote_code=False, as a ViT or a
+    library-native encoder, so transformers refuses it instead of asking on a terminal; its module never runs."""
+    pytest.importorskip("transformers")
+    model = tmp_path / "custom"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "crafted_vision", "architectures": ["CraftedModel"],
+        "auto_map": {"AutoConfig": "configuration_crafted.CraftedConfig",
+                     "AutoModel": "modeling_crafted.CraftedModel"}}))
+    for name in ("configuration_crafted.py", "modeling_crafted.py"):
+        (model / name).write_text(f"open({str(marker)!r}, 'w')\n")
+    for native in ("fallback", "always"):
+        with pytest.raises((ValueError, OSError)) as err:
+            load_pretrained(f"hf:{model}", native=native)
+        assert "trust_remote_code" in str(err.value) or "crafted_vision" in str(err.value), str(err.value)
+    assert not marker.exists()

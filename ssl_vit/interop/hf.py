@@ -331,7 +331,7 @@ def load_hf_vision(path: str | Path):
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{str(path)!r} is not a transformers model directory (no config.json)")
-    hf_cfg = transformers.AutoConfig.from_pretrained(path)
+    hf_cfg = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)  # never a directory's own code
     arch = _arch_of(hf_cfg)
     if hf_cfg.model_type in ("clip", "siglip", "siglip2", "clip_vision_model"):  # an image-text model's vision tower
         with_projection = "CLIPVisionModelWithProjection" in (hf_cfg.architectures or [])
@@ -340,7 +340,7 @@ def load_hf_vision(path: str | Path):
             transformers.Siglip2VisionModel if arch == "siglip2" else transformers.SiglipVisionModel
         model = cls.from_pretrained(path)
     else:
-        model = transformers.AutoModel.from_pretrained(path)
+        model = transformers.AutoModel.from_pretrained(path, trust_remote_code=False)
     model = model.eval()
     return getattr(model, "vision_model", model), model.config, arch
 
@@ -451,7 +451,7 @@ def load_hf_dir(rest: str, native: str = "never") -> tuple[VisionTransformer | N
     model_type = _model_type(path)
     if native == "always" or (native == "fallback" and model_type not in _MODEL_TYPES):
         transformers = require("transformers", "a transformers model (hf:)")
-        encoder = from_hf_native(transformers.AutoModel.from_pretrained(path).eval())
+        encoder = from_hf_native(transformers.AutoModel.from_pretrained(path, trust_remote_code=False).eval())
         return encoder, hf_preprocess(path, encoder.img_size), {**identity, "native": True}
     if model_type not in _MODEL_TYPES:
         raise not_a_vit(f"hf:{rest}", f"a transformers {model_type!r} model (supported ViTs: {sorted(_MODEL_TYPES)})")
