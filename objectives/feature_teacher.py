@@ -30,6 +30,7 @@ from ssl_vit.interop.sources import SOURCES, load_pretrained
 from ssl_vit.objectives.base import Objective, load_run
 from ssl_vit.objectives.clip import CLIP, SigLIP
 from ssl_vit.preprocess import Preprocess
+from ssl_vit.untrusted import refusing_pickles
 from ssl_vit.vit import VisionTransformer
 
 TEACHER_FORMS = [form for form in SOURCES if not form.startswith(("dino:", "dinov2:"))]
@@ -88,7 +89,8 @@ def load_feature_teacher(spec: str, img_size: int | None = None) -> FeatureTeach
     resampled as its library does), else at its own preprocessing's size; ValueError / FileNotFoundError naming the
     problem."""
     if spec.startswith("open_clip:"):
-        model, vision_cfg, _, _ = load_open_clip_model(spec[len("open_clip:"):])
+        with refusing_pickles(spec):
+            model, vision_cfg, _, _ = load_open_clip_model(spec[len("open_clip:"):])
         encoder = from_open_clip_visual(model.visual, vision_cfg.get("ls_init_value"))
         proj = getattr(model.visual, "proj", None)  # (width, embed dim): x @ proj
         if proj is None:

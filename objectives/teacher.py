@@ -17,7 +17,7 @@ from torch import nn
 
 from ssl_vit.artifacts import load_encoder, load_heads, read_preprocess, run_files
 from ssl_vit.objectives.supervised import build_head
-from ssl_vit.untrusted import RESAVE_HINT, file_kind, untrusted, weights_only_refusal
+from ssl_vit.untrusted import file_kind, refusing_pickles
 
 TEACHER_FORMS = ["timm:<timm model name>:<weights file (.pth / .safetensors)>",
                  "<run directory (or its encoder.safetensors) of objective=supervised or deit>"]
@@ -43,11 +43,9 @@ def _timm_teacher(name: str, path: Path, num_classes: int) -> nn.Module:
         raise ValueError(f"objective.teacher: {name!r} is not a timm model name (timm.list_models() lists them)")
     model = timm.create_model(name, pretrained=False, num_classes=num_classes)
     try:  # strict: a head of another size is an error here, never silently re-initialised
-        load_checkpoint(model, str(path), strict=True)
+        with refusing_pickles(f"objective.teacher={path}"):  # timm reads as weights only
+            load_checkpoint(model, str(path), strict=True)
     except RuntimeError as err:
-        refused = weights_only_refusal(err)  # timm reads as weights only and says so in a RuntimeError
-        if refused is not None:
-            raise untrusted(f"objective.teacher: {path}", refused, RESAVE_HINT) from err
         classes = [line for line in str(err).splitlines() if "size mismatch" in line]
         raise ValueError(f"objective.teacher: {path} does not fit timm's {name} with {num_classes} classes (the "
                          f"data's): {classes[0].strip() if classes else str(err).splitlines()[0]}") from err

@@ -11,6 +11,7 @@ given the wrong kind of file.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
 import pickle
@@ -82,6 +83,19 @@ def load_tensors(source, trust_hint: str, trust_pickle: bool = False, allowed: I
         raise untrusted(name or source, reason, trust_hint) from err
 
 
+@contextlib.contextmanager
+def refusing_pickles(what: str):
+    """Inside, a library loader's weights-only refusal (torch's UnpicklingError, timm's RuntimeError) becomes
+    UntrustedFile naming `what` (a spec) and how to re-save the file; every other error is the library's own."""
+    try:
+        yield
+    except Exception as err:
+        reason = weights_only_refusal(err)
+        if reason is None:
+            raise
+        raise untrusted(f"{what}: its weights file", reason, RESAVE_HINT) from err
+
+
 class _AllowlistUnpickler(pickle.Unpickler):
     """pickle.Unpickler whose globals must be in `allowed` ("module.name" strings), checked before the module is
     imported; persistent ids (torch.save's storages) are refused."""
@@ -149,4 +163,4 @@ def _is_torch_zip(path) -> bool:
 
 
 __all__ = ["RESAVE_HINT", "UntrustedFile", "describe_error", "dtype_globals", "file_kind", "load_tensors",
-           "restricted_unpickle", "untrusted", "weights_only_refusal"]
+           "refusing_pickles", "restricted_unpickle", "untrusted", "weights_only_refusal"]

@@ -191,10 +191,16 @@ def test_init_from_and_evaluate_refuse_a_crafted_weights_file_in_one_line(tmp_pa
     assert not marker.exists()
 
 
-def test_a_deit_teacher_file_that_is_crafted_or_no_run_is_named_in_one_line(tmp_path, marker):
+def test_a_teacher_file_that_is_crafted_or_no_run_is_named_in_one_line(tmp_path, marker):
     weights = crafted(tmp_path / "teacher.pth", marker)
-    with pytest.raises(UntrustedFile, match=rf"^objective.teacher: {weights} holds Python objects .* safetensors"):
+    with pytest.raises(UntrustedFile, match=rf"^objective.teacher={weights}: its weights file holds Python objects "
+                                            r".* safetensors"):
         load_teacher(f"timm:resnet10t:{weights}", 10)
+    from ssl_vit.objectives.feature_teacher import load_feature_teacher
+
+    for spec in (f"open_clip:ViT-B-32:{weights}", f"timm:vit_tiny_patch16_224:{weights}"):  # distill's teachers
+        with pytest.raises(UntrustedFile, match=rf"^{spec}: its weights file holds Python objects"):
+            load_feature_teacher(spec)
     with pytest.raises(ValueError, match=rf"^objective.teacher: {weights} is a PyTorch file \(torch.save\), not a "
                                          rf"run's encoder.safetensors; valid forms: .*timm:<model name>:{weights}"):
         load_teacher(str(weights), 10)  # named as a run: the file, not its folder, is what is wrong

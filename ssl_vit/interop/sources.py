@@ -42,7 +42,7 @@ from ssl_vit.interop.open_clip import load_open_clip_spec
 from ssl_vit.interop.timm import load_timm_spec
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.run_dirs import resolve_run
-from ssl_vit.untrusted import RESAVE_HINT, file_kind, untrusted, weights_only_refusal
+from ssl_vit.untrusted import file_kind, refusing_pickles
 from ssl_vit.vit import VisionTransformer
 
 SOURCES = ("<encoder file or run dir>", "timm:<name>[:<file>]", "timm:<dir>", "hf:<dir>", "open_clip:<dir>",
@@ -80,13 +80,8 @@ def load_pretrained(spec: str, architecture: Callable[[], dict] | None = None, h
         encoder, preprocess, identity, rest_of_it = load_reference_checkpoint(library, rest, architecture(), heads)
         return Pretrained(encoder, preprocess, identity, rest_of_it, architecture_given=True)
     if library in LIBRARIES:
-        try:
+        with refusing_pickles(spec):
             return Pretrained(*LIBRARIES[library](rest, native))
-        except Exception as err:  # the library's own error types; a weights-only refusal among them
-            reason = weights_only_refusal(err)
-            if reason is None:
-                raise
-            raise untrusted(f"{spec}: its weights file", reason, RESAVE_HINT) from err
     return _from_ours(spec, heads)
 
 
