@@ -69,9 +69,9 @@ def objective_class(name: str) -> type[Objective]:
 def recorded_objective_class(name: str) -> type[Objective]:
     """`objective_class` of a name read from a run's files: a `module:Class` there is imported without the working
     directory on the path, so a run directory (or a folder it came in) cannot bring the module it names."""
-    cwd = os.getcwd()
+    cwd = os.path.realpath(os.getcwd())
     saved = list(sys.path)
-    sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != cwd]
+    sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or ".") != cwd]
     try:
         return objective_class(name)
     finally:

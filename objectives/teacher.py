@@ -55,7 +55,7 @@ def _timm_teacher(name: str, path: Path, num_classes: int) -> nn.Module:
 def _run_teacher(path: Path, num_classes: int, mean=None, std=None) -> nn.Module:
     encoder_file, heads_file = run_files(path)
     run = encoder_file.parent
-    if path.is_file() and path.name != encoder_file.name:
+    if path.is_file() and path.name != encoder_file.name and file_kind(path) != "safetensors":
         raise ValueError(f"objective.teacher: {path} is {file_kind(path)}, not a run's {encoder_file.name}; valid "
                          f"forms: {TEACHER_FORMS} (a timm checkpoint: timm:<model name>:{path})")
     if not encoder_file.is_file() or not heads_file.is_file():

@@ -37,7 +37,7 @@ from ssl_vit.interop.timm import export_timm
 from ssl_vit.interop.timm_naflex import export_timm_naflex
 from ssl_vit.interop.vitdet import export_vitdet
 from ssl_vit.model_card import write_model_card
-from ssl_vit.objectives import load_trained, objective_class
+from ssl_vit.objectives import load_trained, recorded_objective_class
 from ssl_vit.run_dirs import resolve_run
 
 TARGETS = ("hf", "timm", "onnx", "open_clip", "safetensors", "detectron2")
@@ -139,7 +139,7 @@ def _copy_adaptors(source: str, out: Path) -> bool:
     if source.split(":", 1)[0] in LIBRARIES or not heads.is_file():
         return False
     name = load_heads(heads)[1].get("objective", "")
-    if not hasattr(objective_class(name), "feature_names"):
+    if not hasattr(recorded_objective_class(name), "feature_names"):
         return False
     shutil.copyfile(heads, out / heads.name)
     return True

@@ -71,11 +71,9 @@ def load_tensors(source, trust_hint: str, trust_pickle: bool = False, allowed: I
     `trust_pickle`: unpickle in full (runs what the file names). Other errors (a damaged or foreign file) are
     torch's own."""
     kwargs.setdefault("map_location", "cpu")
-    if trust_pickle:
-        return torch.load(source, weights_only=not trust_pickle, **kwargs)
     try:
-        with torch.serialization.safe_globals(list(allowed)):
-            return torch.load(source, weights_only=True, **kwargs)
+        with torch.serialization.safe_globals([] if trust_pickle else list(allowed)):
+            return torch.load(source, weights_only=not trust_pickle, **kwargs)
     except pickle.UnpicklingError as err:
         reason = weights_only_refusal(err)
         if reason is None:

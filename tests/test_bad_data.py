@@ -439,3 +439,26 @@ def test_images_linking_outside_the_root_are_named_once_and_left_out_on_request(
     kept = FolderDataset(root, labels=True, follow_symlinks=False)
     assert sorted(Path(path).name for path, _ in kept.samples) == ["near.png", "own.png", "own.png"]
     assert kept.targets == [label for _, label in kept.samples]
+
+
+@pytest.mark.distributed
+def test_bad_samples_are_counted_once_over_the_ranks_and_across_a_resume(tmp_path):
+    """2 DDP processes on a folder with 2 bad files of 12: each bad file is counted once however many ranks and
+    epochs meet it, and a run stopped at step 3 and resumed (the state the main process saved holds the run's
+    totals) ends with the same count as the uninterrupted run."""
+    from helpers.ranks import pretrain_ranks
+
+    _bad_folder(tmp_path / "images")
+    args = ["model=vit_test", "data=folder", f"data.root={tmp_path / 'images'}", "data.num_workers=0",
+            "data.batch_size=2", "trainer.max_steps=6", "trainer.log_every=1", "trainer.checkpoint_every=3",
+            "trainer.trackers=[]"]
+    summaries = {}
+    for name, extra in (("whole", [[]]), ("resumed", [["trainer.stop_at_step=3"], ["trainer.resume=auto"]])):
+        for more in extra:
+            proc = pretrain_ranks(*args, *more, f"hydra.run.dir={tmp_path / name}", config="ddp_cpu2",
+                                  log_dir=tmp_path / f"{name}.logs")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        summaries[name] = json.loads((tmp_path / name / "summary.json").read_text())
+    assert summaries["whole"]["skipped_samples"] == summaries["resumed"]["skipped_samples"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["skipped_samples"] for row in rows if "loss" in row][-1] == 2

@@ -186,7 +186,7 @@ def test_resume_refuses_what_cannot_continue_the_run_exactly(tmp_path, caplog):
         "missing": r"trainer.resume='.*missing' does not exist or is not a directory; valid values: auto",
         "empty": r"holds no checkpoint \(no custom_checkpoint_0.pkl\)",
         "garbage": r"model.safetensors is unreadable \(SafetensorError",
-        "truncated": r"truncated cannot be loaded \(RuntimeError: PytorchStreamReader",
+        "truncated": r"truncated/optimizer.bin is unreadable \(RuntimeError: PytorchStreamReader",
         "no_rng": r"lacks random_states_0.pkl .* set trainer.allow_inexact_resume=true",
         "two_ranks": r"was written by 2 processes \(this run has 1: the other ranks' RNG states are unused\), so "
                      r"the run cannot continue exactly; set trainer.allow_inexact_resume=true",

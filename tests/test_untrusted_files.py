@@ -13,15 +13,30 @@ import json
 import logging
 import pickle
 import shutil
+import struct
+import subprocess
+import sys
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import TINY, check_ok, pretrain_in_process
 from helpers.inprocess import run_script
+from helpers.pool import OBJECTIVES, strategy_run
+from hydra import compose, initialize_config_dir
+from PIL import Image
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+from ssl_vit.cli import register_configs
+from ssl_vit.data.decode import decode_rgb
+from ssl_vit.data.errors import BadSampleError
+from ssl_vit.data.shards import _is_remote, expand_urls
+from ssl_vit.eval.benchmark import run_benchmark
 from ssl_vit.eval.features import cached
 from ssl_vit.interop.sources import load_pretrained
+from ssl_vit.objectives import objective_class, recorded_objective_class
+from ssl_vit.objectives.feature_teacher import load_feature_teacher
 from ssl_vit.objectives.teacher import load_teacher
 from ssl_vit.schema import ConfigError
 from ssl_vit.train.checkpoint import check_contents
@@ -54,6 +69,17 @@ def crafted(path: Path, marker: Path, raw: bool = False) -> Path:
     else:
         torch.save({"step": 3, "x": Payload(marker), "w": torch.zeros(2)}, path)
     return path
+
+
+def grey_png(side: int) -> bytes:
+    """A side x side PNG of one grey level, encoded row by row (never held decoded): under 1 MB at 30,000 px."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    packer = zlib.compressobj(9)
+    data = b"".join(packer.compress(b"\0" * (side + 1)) for _ in range(side)) + packer.flush()  # filter + grey
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", data) + chunk(b"IEND", b""))
 
 
 def one_line(proc) -> str:
@@ -98,7 +124,8 @@ def test_resuming_from_a_crafted_checkpoint_refuses_it_in_one_line_and_runs_noth
     line = one_line(proc)
     assert line.startswith(f"ssl-vit: error: trainer.resume: {checkpoint / name} holds Python objects beyond "
                            "tensors and plain containers (")
-    assert line.endswith("if you trust the file, resume with trainer.trust_pickle=true") and "open" in line
+    assert line.endswith("if you trust the file, resume with trainer.trust_pickle=true")
+    assert "builtins.open" in line or "io.open" in line  # what the file wanted to call
     assert not marker.exists()
     if name == "custom_checkpoint_0.pkl" and not raw:
         proc = pretrain_in_process(*args, f"trainer.resume={checkpoint}", "trainer.trust_pickle=true")
@@ -140,9 +167,10 @@ def test_consolidating_a_crafted_checkpoint_refuses_it_unless_trusted(short_run,
 
 
 def test_checkpoint_files_of_every_kind_are_checked_shard_by_shard(tmp_path, marker):
-    """The check itself on hand-made layouts of each library (the real checkpoints of every strategy pass it:
-    test_sharded_checkpoints_pass_and_crafted_shards_are_refused): a DeepSpeed shard, DCP's metadata (a raw
-    pickle, read by an allowlist) and a DCP byte item at its offset in a .distcp file."""
+    """The check itself on hand-made layouts (the real checkpoints of every strategy pass it, and their DCP byte
+    items are crafted in test_sharded_checkpoints_pass_and_crafted_shards_are_refused): a DeepSpeed shard, DCP's
+    metadata (a raw pickle, read by an allowlist), and a shard folder that is a symbolic link to one elsewhere
+    (which the libraries follow)."""
     deep = tmp_path / "deepspeed" / "pytorch_model"
     deep.mkdir(parents=True)
     crafted(deep / "zero_pp_rank_1_mp_rank_00_optim_states.pt", marker)
@@ -154,6 +182,12 @@ def test_checkpoint_files_of_every_kind_are_checked_shard_by_shard(tmp_path, mar
     crafted(dcp / ".metadata", marker, raw=True)
     with pytest.raises(UntrustedFile, match=r"\.metadata holds Python .*unsupported global (io|builtins)\.open"):
         check_pickled_files(tmp_path / "dcp", "HINT")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "pytorch_model").symlink_to(deep, target_is_directory=True)
+    (linked / "loop").symlink_to(linked, target_is_directory=True)  # and a cycle, walked once
+    with pytest.raises(UntrustedFile, match=r"linked/pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt holds"):
+        check_pickled_files(linked, "HINT", deepspeed=True)
     assert not marker.exists()
 
 
@@ -174,7 +208,7 @@ def test_loading_an_import_spec_with_a_crafted_weights_file_is_one_line(tmp_path
             load_pretrained(spec, architecture=lambda: architecture)
         message = str(err.value)
         assert spec in message and "holds Python objects beyond tensors" in message and "\n" not in message
-        assert "builtins.open" in message or "open" in message
+        assert "builtins.open" in message or "io.open" in message, message  # what the file wanted to call
         assert "save its state dict with safetensors.torch.save_file" in message, message
     assert not marker.exists()
 
@@ -196,8 +230,6 @@ def test_a_teacher_file_that_is_crafted_or_no_run_is_named_in_one_line(tmp_path,
     with pytest.raises(UntrustedFile, match=rf"^objective.teacher={weights}: its weights file holds Python objects "
                                             r".* safetensors"):
         load_teacher(f"timm:resnet10t:{weights}", 10)
-    from ssl_vit.objectives.feature_teacher import load_feature_teacher
-
     for spec in (f"open_clip:ViT-B-32:{weights}", f"timm:vit_tiny_patch16_224:{weights}"):  # distill's teachers
         with pytest.raises(UntrustedFile, match=rf"^{spec}: its weights file holds Python objects"):
             load_feature_teacher(spec)
@@ -240,11 +272,6 @@ def test_a_feature_cache_file_that_is_crafted_damaged_or_of_another_shape_is_com
 def test_benchmark_cells_of_the_wrong_shape_are_computed_again_with_a_line(tmp_path, caplog):
     """Valid JSON that is no cell ([], {"scores": 5}, another protocol's record) or no JSON at all: each rerun
     says which file and computes it again, instead of a traceback on every rerun."""
-    from hydra import compose, initialize_config_dir
-
-    from ssl_vit.cli import register_configs
-    from ssl_vit.eval.benchmark import run_benchmark
-
     register_configs()
     with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("benchmark", overrides=[f"out={tmp_path / 'bench'}", "img_size=32", "encoders=[timm:resnet10t]",
@@ -266,10 +293,6 @@ def test_benchmark_cells_of_the_wrong_shape_are_computed_again_with_a_line(tmp_p
 def test_a_run_file_naming_an_objective_module_in_the_working_directory_does_not_import_it(tmp_path, monkeypatch):
     """A run's heads.safetensors names its objective; `module:Class` read there is not imported from the working
     directory (where a downloaded run directory could bring the module)."""
-    import sys
-
-    from ssl_vit.objectives import objective_class, recorded_objective_class
-
     (tmp_path / "shipped_objective.py").write_text(f"open({str(tmp_path / 'IMPORTED')!r}, 'w')\nclass Probe: pass\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend("")
@@ -282,8 +305,6 @@ def test_a_run_file_naming_an_objective_module_in_the_working_directory_does_not
 
 
 def test_shards_found_by_a_glob_or_a_directory_stay_files_never_shell_commands(tmp_path, monkeypatch):
-    from ssl_vit.data.shards import _is_remote, expand_urls
-
     (tmp_path / "pipe:touch HACKED;.tar").write_bytes(b"\0" * 1024)
     monkeypatch.chdir(tmp_path)
     for urls in (".", "*.tar"):
@@ -293,9 +314,6 @@ def test_shards_found_by_a_glob_or_a_directory_stay_files_never_shell_commands(t
 
 def test_pil_reads_raster_formats_only_never_postscript(tmp_path):
     """An EPS file named .jpg would reach Ghostscript through PIL's plugin: refused as a bad sample."""
-    from ssl_vit.data.decode import decode_rgb
-    from ssl_vit.data.errors import BadSampleError
-
     eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\nnewpath 0 0 moveto 8 8 lineto stroke\nshowpage\n"
     (tmp_path / "drawing.jpg").write_bytes(eps)
     with pytest.raises(BadSampleError, match=r"drawing.jpg: cannot decode the image"):
@@ -304,23 +322,8 @@ def test_pil_reads_raster_formats_only_never_postscript(tmp_path):
 
 def test_a_decompression_bomb_is_skipped_before_its_pixels_are_decoded(tmp_path):
     """A 20,000 x 20,000 PNG of one grey level (under 1 MB; 1.1 GiB as RGB pixels) is refused from its header,
-    whatever the decoder (data.max_pixels, PIL's bound by default); a smaller bound refuses a small image too."""
-    import struct
-    import zlib
-
-    from ssl_vit.data.decode import decode_rgb
-    from ssl_vit.data.errors import BadSampleError
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    def grey_png(side: int) -> bytes:
-        packer = zlib.compressobj(9)
-        row = b"\0" * (side + 1)  # filter byte + one grey byte per pixel
-        data = b"".join(packer.compress(row) for _ in range(side)) + packer.flush()
-        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0))
-                + chunk(b"IDAT", data) + chunk(b"IEND", b""))
-
+    whatever the decoder (data.max_pixels, PIL's bound by default); a smaller bound refuses a small image too, and
+    an animation counts every frame (torchvision decodes them all)."""
     bomb = grey_png(20_000)
     assert len(bomb) < 2**20
     with pytest.raises(BadSampleError, match=r"image is 400,000,000 pixels, over data.max_pixels=89,478,485 "
@@ -329,21 +332,26 @@ def test_a_decompression_bomb_is_skipped_before_its_pixels_are_decoded(tmp_path)
     with pytest.raises(BadSampleError, match=r"image is 12000 x 12000 = 144,000,000 pixels, over data.max_pixels"):
         decode_rgb(grey_png(12_000))
     small = io.BytesIO()
-    from PIL import Image
-
     Image.new("RGB", (40, 30), (1, 2, 3)).save(small, format="PNG")
     assert decode_rgb(small.getvalue(), max_pixels=1200).shape == (3, 30, 40)
     with pytest.raises(BadSampleError, match=r"40 x 30 = 1,200 pixels, over data.max_pixels=1,199"):
         decode_rgb(small.getvalue(), max_pixels=1199)
+    animation = io.BytesIO()
+    frames = [Image.new("L", (50, 50), grey) for grey in range(0, 200, 10)]
+    frames[0].save(animation, format="GIF", save_all=True, append_images=frames[1:])
+    assert decode_rgb(animation.getvalue(), max_pixels=50_000).shape == (3, 50, 50)  # 20 x 2,500 pixels
+    with pytest.raises(BadSampleError, match=r"image is 20 frames of 50 x 50 = 50,000 pixels, over data.max_pixels"):
+        decode_rgb(animation.getvalue(), max_pixels=49_999)
 
 
 def test_check_contents_reports_a_damaged_file_with_the_checkpoints_left(short_run, tmp_path):
     checkpoint = _copy_run(short_run, tmp_path / "run") / "checkpoints" / "step_00000004"
     (checkpoint / "optimizer.bin").write_bytes(b"PK\x03\x04 not a zip")
-    with pytest.raises(ConfigError, match=r"^trainer.resume: a file of .* is unreadable \(.*\); an earlier "
-                                          r"checkpoint of this run may still be good: trainer.resume=.*step_00000002$"):
+    with pytest.raises(ConfigError, match=r"^trainer.resume: .*step_00000004/optimizer.bin is unreadable \(.*\); an "
+                                          r"earlier checkpoint of this run may still be good: trainer.resume=.*"
+                                          r"step_00000002$"):
         check_contents(checkpoint, 1, False, False)
-    with pytest.raises(Exception, match="not a zip|zip archive|PytorchStreamReader"):
+    with pytest.raises(ValueError, match=r"step_00000004/optimizer.bin is unreadable \(RuntimeError: "):
         full_state(checkpoint)  # consolidation reads the same files through the same check
 
 
@@ -352,27 +360,11 @@ def test_a_folder_with_a_decompression_bomb_trains_in_bounded_memory(tmp_path):
     """The issue's case: a 30,000 x 30,000 single-colour PNG among a folder's images. The 3-step run skips and
     counts it; its peak resident memory (the process and its 2 loader workers, the largest of them) stays far
     below the 2.5 GiB that decoding it takes (5.8 GB measured before the bound)."""
-    import resource  # noqa: F401  (read in the child)
-    import struct
-    import subprocess
-    import sys
-    import zlib
-
-    from PIL import Image
-
     root = tmp_path / "images" / "a"
     root.mkdir(parents=True)
     for i in range(8):
         Image.new("RGB", (16, 16), (20 * i, 40, 90)).save(root / f"{i}.png")
-    side, packer = 30_000, zlib.compressobj(9)
-    data = b"".join(packer.compress(b"\0" * (side + 1)) for _ in range(side)) + packer.flush()
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    (root / "bomb.png").write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 0, 0,
-                                                                                      0, 0))
-                                    + chunk(b"IDAT", data) + chunk(b"IEND", b""))
+    (root / "bomb.png").write_bytes(grey_png(30_000))
     child = ("import resource, runpy, sys\n"
              "sys.argv = sys.argv[1:]\n"
              "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
@@ -387,7 +379,7 @@ def test_a_folder_with_a_decompression_bomb_trains_in_bounded_memory(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     peak_gib = int(proc.stderr.split("PEAK_KIB ")[1].split()[0]) / 2**20
-    assert peak_gib < 1.6, peak_gib
+    assert peak_gib < 2.5, peak_gib  # the decoded bomb alone is 2.5 GiB (0.83 GiB measured alone on 2 cores)
     said = proc.stdout + proc.stderr
     assert "bomb.png: image is 900,000,000 pixels, over data.max_pixels=89,478,485" in said
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["skipped_samples"] == 1
@@ -395,8 +387,6 @@ def test_a_folder_with_a_decompression_bomb_trains_in_bounded_memory(tmp_path):
 
 def _craft_dcp_byte_item(directory: Path, marker: Path) -> str:
     """The payload as the first byte item of DCP's `directory` (.metadata's offsets moved to fit it); its name."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
     metadata = pickle.loads((directory / ".metadata").read_bytes())
     index = next(i for i in metadata.storage_data if isinstance(metadata.state_dict_metadata[i.fqn],
                                                                   BytesStorageMetadata))
@@ -447,8 +437,6 @@ def test_sharded_checkpoints_pass_and_crafted_shards_are_refused(pool, tmp_path,
             full_state(copy)
         assert not marker.exists(), what
     if config == "zero2_cpu2":
-        from helpers.pool import OBJECTIVES, strategy_run
-
         proc = strategy_run(config, tmp_path / "resumed", *OBJECTIVES["dinov3"], f"trainer.resume={copy}")
         assert proc.returncode != 0 and not marker.exists()
         assert (f"ssl-vit: error: trainer.resume: {copy / 'pytorch_model' / shard.name} holds Python objects"
@@ -468,7 +456,6 @@ def test_an_hf_directory_that_names_its_own_code_is_refused_and_the_code_never_r
     for name in ("configuration_crafted.py", "modeling_crafted.py"):
         (model / name).write_text(f"open({str(marker)!r}, 'w')\n")
     for native in ("fallback", "always"):
-        with pytest.raises((ValueError, OSError)) as err:
+        with pytest.raises(ValueError, match="trust_remote_code"):
             load_pretrained(f"hf:{model}", native=native)
-        assert "trust_remote_code" in str(err.value) or "crafted_vision" in str(err.value), str(err.value)
     assert not marker.exists()

@@ -60,8 +60,8 @@ def open_image(data: bytes) -> Image.Image:
 
 
 def check_size(data: bytes, max_pixels: int | None, where: str = "") -> None:
-    """BadSampleError when the image's header states more than `max_pixels` pixels (None: no bound). A header PIL
-    cannot read is left to the decoders, which report it."""
+    """BadSampleError when the image's header states more than `max_pixels` pixels (every frame's, for an
+    animation; None: no bound). A header PIL cannot read is left to the decoders, which report it."""
     if max_pixels is None:
         return
     try:
@@ -69,7 +69,9 @@ def check_size(data: bytes, max_pixels: int | None, where: str = "") -> None:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the bound is ours
             with open_image(data) as image:
                 width, height = image.size
-        pixels, size = width * height, f"{width} x {height} = {width * height:,}"
+                frames = getattr(image, "n_frames", 1)  # torchvision decodes every frame of an animation
+        pixels = width * height * frames
+        size = f"{frames} frames of " * (frames > 1) + f"{width} x {height} = {pixels:,}"
     except Image.DecompressionBombError as err:  # PIL's own bound (twice MAX_IMAGE_PIXELS) met while opening
         found = _BOMB_PIXELS.search(str(err))
         if found is None:

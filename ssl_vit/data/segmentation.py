@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 
 from ssl_vit.data.captions import RASTER_SUFFIXES, in_test_split
 from ssl_vit.data.config import DataConfig, DatasetKind
-from ssl_vit.data.decode import DEFAULT_MAX_PIXELS, decode_rgb, open_image
+from ssl_vit.data.decode import DEFAULT_MAX_PIXELS, check_size, decode_rgb, open_image
 from ssl_vit.data.errors import BadSampleError
 from ssl_vit.schema import checked
 
@@ -40,7 +40,8 @@ STAMP_SCALE = (0.45, 0.9)  # the stamp's longer side / the image side
 def _stamp(path: str, max_side: int) -> Image.Image:
     """A stamp as RGBA, shrunk (if larger) to at most `max_side` px on its longer side: each worker decodes each
     stamp once."""
-    image = Image.open(path).convert("RGBA")
+    with open(path, "rb") as file:
+        image = open_image(file.read()).convert("RGBA")
     if max(image.size) > max_side:
         image.thumbnail((max_side, max_side), Image.BILINEAR)
     return image
@@ -152,12 +153,14 @@ class SegmentationFolder(Dataset):
         image_path, mask_path = self.pairs[index]
         image = decode_rgb(image_path, max_pixels=self.max_pixels)
         try:
-            with open_image(mask_path.read_bytes()) as file:
+            encoded = mask_path.read_bytes()
+            check_size(encoded, self.max_pixels, f"{mask_path}: ")
+            with open_image(encoded) as file:
                 if file.mode not in ("L", "P"):
                     raise BadSampleError(f"{mask_path}: a mask must be single-channel (L) or palette (P), not "
                                          f"{file.mode}")
                 mask = np.asarray(file, dtype=np.uint8).copy()
-        except OSError as err:
+        except (OSError, Image.DecompressionBombError) as err:
             raise BadSampleError(f"{mask_path}: unreadable mask ({err})") from err
         if mask.shape != tuple(image.shape[1:]):
             raise BadSampleError(f"{mask_path}: mask {mask.shape} and image {tuple(image.shape[1:])} differ in size")

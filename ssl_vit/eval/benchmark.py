@@ -51,6 +51,7 @@ from ssl_vit.preprocess import Preprocess, resolve_preprocess
 from ssl_vit.progress import progress_bar
 from ssl_vit.run_dirs import resolve_run
 from ssl_vit.schema import ConfigError, closest_names, validate_config
+from ssl_vit.untrusted import describe_error
 
 log = logging.getLogger("ssl_vit")
 CELL_FORMAT = 1  # part of every cell's key: a change in what a cell holds recomputes the stored ones
@@ -324,7 +325,7 @@ def read_cell(out: Path, cell: Cell) -> dict | None:
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as err:  # unreadable, truncated, not JSON
-        problem = f"is unreadable ({type(err).__name__}: {str(err).splitlines()[0][:120]})"
+        problem = f"is unreadable ({describe_error(err)})"
     else:
         problem = cell_problem(record, cell)
     if problem is None:

@@ -93,7 +93,7 @@ def _from_ours(spec: str, heads: bool = False) -> Pretrained:
         raise FileNotFoundError(f"{spec!r} is not an encoder file or a run directory with {ENCODER_FILE}; "
                                 f"valid forms: {list(SOURCES)}")
     kind = file_kind(path)
-    if kind != "safetensors":
+    if kind not in ("safetensors", "unknown", "empty"):  # another format, named; others: safetensors' own error
         raise ValueError(f"{spec!r} is {kind}, not an ssl_vit encoder file (safetensors); weights of another "
                          f"library load through its spec: timm:<model name>:{spec}, open_clip:<model name>:{spec}, "
                          f"dino:{spec} or dinov2:{spec} (valid forms: {list(SOURCES)})")

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from ssl_vit.files import make_readable
 from ssl_vit.run_dirs import CHECKPOINTS, RUN_OUTPUTS, previous_outputs, resolve_run
 from ssl_vit.schema import ConfigError
-from ssl_vit.train.checkpoint_files import check_pickled_files, rng_state_problem
+from ssl_vit.train.checkpoint_files import UnreadableFile, check_pickled_files, rng_state_problem
 from ssl_vit.train.faults import fault_point
 from ssl_vit.train.outputs import OutputError, describe_write_failure
 from ssl_vit.train.strategy import on_main_process
@@ -185,8 +185,8 @@ def check_contents(path: Path, world_size: int, allow_inexact: bool, trust_pickl
     damaged one without a word: refused, or a warning with allow_inexact), and every pickled file as weights only
     (ssl_vit.train.checkpoint_files), unless `trust_pickle`."""
     rng_files = [rng_file(rank) for rank in range(world_size)]
-    damaged = {name: problem for name in rng_files if (problem := rng_state_problem(path / name)) not in (None,
-                                                                                                       "missing")}
+    problems = {name: rng_state_problem(path / name) for name in rng_files}  # a missing one: check_checkpoint's
+    damaged = {name: problem for name, problem in problems.items() if problem not in (None, "missing")}
     if damaged:
         name, problem = next(iter(damaged.items()))
         more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
@@ -199,9 +199,8 @@ def check_contents(path: Path, world_size: int, allow_inexact: bool, trust_pickl
         check_pickled_files(path, TRUST_HINT, skip=rng_files, deepspeed=checkpoint_format(path) == "deepspeed")
     except UntrustedFile as err:
         raise ConfigError(f"trainer.resume: {err}") from err
-    except Exception as err:  # a damaged file: torch's, zipfile's or pickle's own errors
-        raise ConfigError(f"trainer.resume: a file of {path} is unreadable ({type(err).__name__}: "
-                          f"{_first_line(err)}); {_other_checkpoints(path)}") from err
+    except UnreadableFile as err:
+        raise ConfigError(f"trainer.resume: {err}; {_other_checkpoints(path)}") from err
 
 
 def load_checkpoint(accelerator, path: Path, model, allow_inexact: bool = False, model_name: str | None = None,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import os
 import random
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import torch
 from accelerate.utils.other import TORCH_SAFE_GLOBALS
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from ssl_vit.untrusted import describe_error, dtype_globals, load_tensors, restricted_unpickle
+from ssl_vit.untrusted import UntrustedFile, describe_error, dtype_globals, load_tensors, restricted_unpickle
 
 # read by no unpickler: text, the run's safetensors (a JSON header and raw bytes), DCP's data files (their items are
 # located through .metadata and checked one by one), DeepSpeed's helper scripts
@@ -56,29 +57,49 @@ def _resolve(names) -> list:
 
 
 def pickled_files(path: Path, skip=()) -> list[Path]:
-    """The files of checkpoint `path` that a library unpickles (every file but text, safetensors and DCP data)."""
-    return sorted(file for file in path.rglob("*") if file.is_file() and file.name not in skip
-                  and file.suffix not in _NOT_PICKLES and file.name not in _TEXT_NAMES)
+    """The files of checkpoint `path` that a library unpickles (every file but text, safetensors and DCP data),
+    through symbolic links too (a library follows a linked folder; each real folder is walked once)."""
+    found, walked = [], set()
+    for folder, subfolders, files in os.walk(path, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in walked:  # a link back up the tree
+            subfolders[:] = []
+            continue
+        walked.add(real)
+        found += [Path(folder, name) for name in files if name not in skip and Path(name).suffix not in _NOT_PICKLES
+                  and name not in _TEXT_NAMES and os.path.isfile(os.path.join(folder, name))]
+    return sorted(found)
 
 
-def check_pickled_files(path: Path, trust_hint: str, skip=(), deepspeed: bool = False) -> int:
+class UnreadableFile(ValueError):
+    """A checkpoint file that is damaged or not what its name says (one line naming it and its reader's error)."""
+
+
+def check_pickled_files(path: Path, trust_hint: str, skip=(), deepspeed: bool = False) -> None:
     """Read every pickled file of checkpoint `path` (but `skip`) as weights only, DCP's `.metadata` and the byte
-    items it lists included; UntrustedFile naming the first that holds more and `trust_hint`. `deepspeed`: a
-    DeepSpeed checkpoint (its classes allowed). A damaged file raises its reader's error. Returns the number of
-    files read."""
+    items it lists included; UntrustedFile naming the first that holds more and `trust_hint`, UnreadableFile naming
+    a damaged one. `deepspeed`: a DeepSpeed checkpoint (its classes allowed)."""
     files = pickled_files(path, skip)
     allowed = [*TORCH_SAFE_GLOBALS, *(_resolve(DEEPSPEED_GLOBALS) if deepspeed else [])]
     for file in files:
-        if file.name.endswith(".metadata"):
-            _check_dcp(file, trust_hint, allowed)
-            continue
         try:
-            load_tensors(file, trust_hint, allowed=allowed, mmap=True)  # the storages stay on disk
-        except RuntimeError as err:
-            if "mmap" not in str(err):
-                raise
-            load_tensors(file, trust_hint, allowed=allowed)  # the legacy (non-zip) format has no mmap
-    return len(files)
+            _check_file(file, trust_hint, allowed)
+        except UntrustedFile:
+            raise
+        except Exception as err:  # torch's, zipfile's or pickle's own errors for a damaged file
+            raise UnreadableFile(f"{file} is unreadable ({describe_error(err)})") from err
+
+
+def _check_file(file: Path, trust_hint: str, allowed: list) -> None:
+    if file.name.endswith(".metadata"):
+        _check_dcp(file, trust_hint, allowed)
+        return
+    try:
+        load_tensors(file, trust_hint, allowed=allowed, mmap=True)  # the storages stay on disk
+    except RuntimeError as err:
+        if "mmap" not in str(err):
+            raise
+        load_tensors(file, trust_hint, allowed=allowed)  # the legacy (non-zip) format has no mmap
 
 
 def _check_dcp(file: Path, trust_hint: str, allowed: list) -> None:
@@ -108,8 +129,7 @@ def rng_state_problem(file: Path) -> str | None:
     if not file.is_file():
         return "missing"
     try:
-        with torch.serialization.safe_globals(TORCH_SAFE_GLOBALS):
-            states = torch.load(file, map_location="cpu", weights_only=True)
+        states = load_tensors(file, "", allowed=TORCH_SAFE_GLOBALS)
     except Exception as err:  # truncated, foreign or crafted: accelerate's load fails the same way
         return f"unreadable ({describe_error(err)})"
     keys = [*RNG_KEYS, *(["torch_cuda_manual_seed"] if torch.cuda.is_available() else [])]

@@ -107,11 +107,12 @@ class Trackers:
             raise ConfigError(f"trainer.trackers: mlflow's store here would be sqlite:///{self.out_dir / MLFLOW_DB} "
                               f"(no MLFLOW_TRACKING_URI set), which needs {' and '.join(missing)}: pip install "
                               f"'ssl-vit[{EXTRA_OF['mlflow']}]', or set MLFLOW_TRACKING_URI")
-        mlflow.set_tracking_uri(f"sqlite:///{self.out_dir.resolve() / MLFLOW_DB}")
+        run = self.out_dir.resolve()
+        mlflow.set_tracking_uri(f"sqlite:///{run / MLFLOW_DB}")
         self.reset_mlflow = True
         log.info("mlflow: sqlite:///%s, artifacts in %s (set MLFLOW_TRACKING_URI for a shared store)",
-                 self.out_dir / MLFLOW_DB, self.out_dir / MLFLOW_ARTIFACTS)
-        return str(self.out_dir.resolve() / MLFLOW_ARTIFACTS)
+                 run / MLFLOW_DB, run / MLFLOW_ARTIFACTS)
+        return str(run / MLFLOW_ARTIFACTS)
 
     def _wandb_mode(self) -> str:
         """WANDB_MODE if set; else online where W&B has credentials here, offline (into <run>/wandb) where not."""

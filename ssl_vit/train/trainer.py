@@ -161,16 +161,21 @@ class TrainState:
     step: int = 0
     nonfinite_steps: int = 0
     consecutive_nonfinite: int = 0
-    skipped_samples: int = 0  # bad samples the data stream skipped (corrupt images, missing keys), each once
-    bad_indices: list = field(default_factory=list)  # of map-style data: the bad samples met (counted once each)
+    # bad samples every rank met (corrupt images, missing keys), each once: the run's totals as of the last log
+    # step or checkpoint (the main process alone saves this state); map-style data's by index, a set as a list
+    skipped_samples: int = 0
+    bad_indices: list = field(default_factory=list)
     last_record: dict = field(default_factory=dict)  # the newest metrics row, for the summary of a resumed run
 
     def state_dict(self) -> dict:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        for key in self.__dataclass_fields__:  # the loop's own counters; anything else a file holds is left
+        for key, value in asdict(self).items():  # the loop's own counters; anything else a file holds is left
             if key in state:
+                if not isinstance(state[key], type(value)):
+                    raise ValueError(f"the train state's {key} is a {type(state[key]).__name__}, not a "
+                                     f"{type(value).__name__}")
                 setattr(self, key, state[key])
 
 
@@ -312,6 +317,7 @@ class Trainer:
                 self.loader.load_state_dict(position)
         self.batches = iter(self.loader)
         self.bad_seen, self.skip_log = set(self.state.bad_indices), SkipLog(log, "sample")
+        self.new_stream_skips, self.new_bad = 0, []  # this rank's since the last merge (_merge_skipped)
         self.sample_keys = (SampleKeys(self.out_dir, accelerator.process_index, self.state.step)
                             if settings.record_sample_keys else None)
         self.guard = UpdateGuard(self.model.parameters(), settings.max_param_norm_growth,
@@ -427,14 +433,25 @@ class Trainer:
         skipped = batch.pop("skipped", None)
         indices, reasons = batch.pop("skip_index", None), batch.pop("skip_reason", None)
         if indices is None:
-            self.state.skipped_samples += int(skipped.sum()) if skipped is not None else 0
+            self.new_stream_skips += int(skipped.sum()) if skipped is not None else 0
             return
         for index, reason in zip(indices.tolist(), reasons, strict=True):
             if index >= 0 and index not in self.bad_seen:
                 self.bad_seen.add(index)
-                self.state.bad_indices.append(index)
-                self.state.skipped_samples += 1
+                self.new_bad.append(index)
                 self.skip_log(f"{reason} (replaced by the next readable sample)")
+
+    def _merge_skipped(self) -> None:
+        """Every rank's bad samples since the last merge into the state, the same on every rank (collective with
+        several processes): the streams' counts summed, map-style indices as a union (one bad file two ranks met
+        is one sample)."""
+        mine = (self.new_stream_skips, self.new_bad)
+        every = gather_object([mine]) if self.accelerator.num_processes > 1 else [mine]
+        new = sorted({index for _, bad in every for index in bad} - set(self.state.bad_indices))
+        self.state.bad_indices.extend(new)
+        self.state.skipped_samples += sum(count for count, _ in every) + len(new)
+        self.bad_seen.update(new)
+        self.new_stream_skips, self.new_bad = 0, []
 
     def _check(self, micro: MicroSteps) -> None:
         """After the update: judge it (on the device: `_stop_if_ruined` reads the guard), run the objective's updates
@@ -478,6 +495,7 @@ class Trainer:
     def log(self) -> None:
         """The metrics row of the steps since the last one (means over them and over the processes)."""
         state, run, now = self.state, self.run, time.perf_counter()
+        self._merge_skipped()
         state.last_record = {
             "step": state.step, **self.meter.summary(self.accelerator),
             "lr": float(run.learning_rates[state.step - 1]), "wd": float(run.weight_decays[state.step - 1]),
@@ -503,6 +521,7 @@ class Trainer:
         """Checkpoint (collective), then the artifacts; returns the checkpoint directory."""
         position = ({"world_size": self.accelerator.num_processes, "num_workers": self.workers,
                      "loader": self.loader.state_dict()} if hasattr(self.loader, "state_dict") else None)
+        self._merge_skipped()  # the main process saves the state: the run's totals
         checkpoint = save_checkpoint(self.accelerator, self.out_dir, step, self.settings.keep_checkpoints, position)
         self.save_artifacts(step)
         self.saved_step = step
@@ -554,8 +573,10 @@ class Trainer:
         elapsed = time.perf_counter() - self.run_start
         # Collective: only when every rank got here normally.
         digests = gather_object([replica_digest(accelerator, self.objective)]) if error is None else []
-        skipped = (skipped_over_ranks(gather_object([(state.skipped_samples, state.bad_indices)]))
-                   if error is None and accelerator.num_processes > 1 else state.skipped_samples)
+        if error is None:
+            self._merge_skipped()
+        # after a failure (no collective): the totals merged so far and this rank's since
+        skipped = state.skipped_samples + self.new_stream_skips + len(set(self.new_bad) - set(state.bad_indices))
         checkpoints = list_checkpoints(self.out_dir)
         steps = state.step - self.start_step
         summary = {
@@ -608,13 +629,6 @@ def _to_device(batch: dict, device: torch.device) -> dict:
         return [move(v) for v in value] if isinstance(value, list) else value
 
     return {k: move(v) for k, v in batch.items()}
-
-
-def skipped_over_ranks(counts: list[tuple[int, list]]) -> int:
-    """The bad samples every rank met, from each rank's (count, bad map-style indices): a bad index two ranks met
-    (both searched past it for a substitute) is one sample."""
-    streams = sum(count - len(indices) for count, indices in counts)
-    return streams + len({index for _, indices in counts for index in indices})
 
 
 def _flat_hparams(config: dict, prefix: str = "") -> dict:
