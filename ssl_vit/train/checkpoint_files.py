@@ -58,16 +58,16 @@ def _resolve(names) -> list:
 
 def pickled_files(path: Path, skip=()) -> list[Path]:
     """The files of checkpoint `path` that a library unpickles (every file but text, safetensors and DCP data),
-    through symbolic links too (a library follows a linked folder; each real folder is walked once)."""
+    through symbolic links too (a library follows a linked directory; each real one is walked once)."""
     found, walked = [], set()
-    for folder, subfolders, files in os.walk(path, followlinks=True):
-        real = os.path.realpath(folder)
+    for directory, subdirectories, files in os.walk(path, followlinks=True):
+        real = os.path.realpath(directory)
         if real in walked:  # a link back up the tree
-            subfolders[:] = []
+            subdirectories[:] = []
             continue
         walked.add(real)
-        found += [Path(folder, name) for name in files if name not in skip and Path(name).suffix not in _NOT_PICKLES
-                  and name not in _TEXT_NAMES and os.path.isfile(os.path.join(folder, name))]
+        found += [Path(directory, name) for name in files if name not in skip and Path(name).suffix not in
+                  _NOT_PICKLES and name not in _TEXT_NAMES and os.path.isfile(os.path.join(directory, name))]
     return sorted(found)
 
 
