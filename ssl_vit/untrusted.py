@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import io
 import pickle
 import re
 import zipfile
@@ -114,10 +113,9 @@ class _AllowlistUnpickler(pickle.Unpickler):
 def restricted_unpickle(file: str | Path, allowed: set[str], trust_hint: str):
     """A raw pickle file whose globals are all in `allowed` ("module.name"); UntrustedFile otherwise. Other errors
     (truncated, not a pickle) are pickle's own."""
-    with open(file, "rb") as f:
-        data = f.read()
     try:
-        return _AllowlistUnpickler(io.BytesIO(data), allowed).load()
+        with open(file, "rb") as f:
+            return _AllowlistUnpickler(f, allowed).load()
     except pickle.UnpicklingError as err:
         if str(err).startswith("unsupported "):
             raise untrusted(file, str(err), trust_hint) from err

@@ -4,11 +4,11 @@ shipped accelerate configs found from any directory, and `import ssl_vit` stayin
 import json
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers.processes import index_reachable
 
 import ssl_vit
 from ssl_vit.commands import COMMANDS, main
@@ -149,14 +149,6 @@ def test_the_built_wheel_installs_and_runs_from_an_empty_directory(tmp_path):
     assert where.startswith(str(site))
 
 
-def _index_reachable() -> bool:
-    try:
-        with urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=10):
-            return True
-    except OSError:
-        return False
-
-
 def _python(version: str) -> str | None:
     """The interpreter of `version` here (e.g. a pyenv one), or None."""
     found = subprocess.run([f"python{version}", "-c", "import sys; print(sys.executable)"], capture_output=True,
@@ -173,7 +165,7 @@ def test_the_wheelhouse_for_the_gpu_node_resolves_beside_its_torch_and_installs_
     holds what the node lacks (the sdists deepspeed and antlr4 built into wheels), no torch, under 64 MiB; where a
     Python 3.12 is here, pip installs ssl-vit from the folder alone (--no-index) into a venv that has the node's
     packages (as stubs)."""
-    if not _index_reachable():
+    if not index_reachable():
         pytest.skip("the package index (pypi.org) cannot be reached")
     root = CONFIG_DIR.parent
     python312 = _python("3.12")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY, check_ok, pretrain_in_process
+from helpers.processes import index_reachable
 
 from ssl_vit.schema import ConfigError
 from ssl_vit.train.trackers import check_trackers
@@ -75,16 +76,6 @@ def test_a_tracker_that_cannot_start_is_one_line_and_the_started_ones_are_finish
 TRACKER_PACKAGES = ("mlflow", "wandb", "sqlalchemy", "alembic", "mako")  # the trackers extra and its own packages
 
 
-def _index_reachable() -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=10):
-            return True
-    except OSError:
-        return False
-
-
 @pytest.mark.slow
 @pytest.mark.network
 def test_each_tracker_works_with_no_environment_set_from_a_fresh_install_of_the_extra(tmp_path):
@@ -99,7 +90,7 @@ def test_each_tracker_works_with_no_environment_set_from_a_fresh_install_of_the_
     import sys
     import sysconfig
 
-    if not _index_reachable():
+    if not index_reachable():
         pytest.skip("the package index (pypi.org) cannot be reached")
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",

@@ -407,13 +407,13 @@ def _craft_dcp_byte_item(directory: Path, marker: Path) -> str:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("config", ["zero2_cpu2", "zero3_cpu2", "fsdp2_cpu2"])
+@pytest.mark.parametrize("config", ["zero1_cpu2", "zero2_cpu2", "zero3_cpu2", "fsdp2_cpu2"])
 def test_sharded_checkpoints_pass_and_crafted_shards_are_refused(pool, tmp_path, marker, config):
-    """The real checkpoints of 2-process DINOv3 runs (EMA and Gram teachers, sharded optimizer) pass the check;
-    a payload in a DeepSpeed optimizer shard (which DeepSpeed and zero_to_fp32 unpickle in full), in DCP's
-    .metadata (pickle.load) or in a DCP byte item (torch.load(weights_only=False)) is refused by the resume's
-    check and by consolidation; the ZeRO-2 one through a real 2-process resume."""
-    run = pool["dinov3", config]
+    """The real checkpoints of 2-process DINOv3 runs (EMA and Gram teachers, sharded optimizer; CLIP's under ZeRO-1)
+    pass the check; a payload in a DeepSpeed optimizer shard (which DeepSpeed and zero_to_fp32 unpickle in full),
+    in DCP's .metadata (pickle.load) or in a DCP byte item (torch.load(weights_only=False)) is refused by the
+    resume's check and by consolidation; the ZeRO-2 one through a real 2-process resume."""
+    run = pool["clip" if config == "zero1_cpu2" else "dinov3", config]  # the pool's ZeRO-1 run is CLIP's
     real = run / "checkpoints" / "step_00000003"
     check_contents(real, 2, False, False)
     copy = tmp_path / "run" / "checkpoints" / "step_00000003"

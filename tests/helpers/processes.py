@@ -1,5 +1,5 @@
 """Real launches and what every launching test reads back: `launch` (the real `accelerate launch`), `check_ok`,
-`read_metrics`."""
+`read_metrics`; `index_reachable` for the tests that install from the package index."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -47,3 +48,11 @@ def check_ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def index_reachable() -> bool:
+    try:
+        with urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=10):
+            return True
+    except OSError:
+        return False
