@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.data import ShardStream, ViewBuilder
 from ssl_vit.data.shards import write_shards
 from ssl_vit.data.sources import open_source
 from ssl_vit.preprocess import IMAGENET_MEAN, IMAGENET_STD
-from ssl_vit.vit import build_vit
 
 
 def loader_rate(stream, views, batch_size, workers, batches) -> float:

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from ssl_vit import VisionEncoder
+from ssl_vit.backbone import build_vit
 from ssl_vit.interop.hf import export_hf
 from ssl_vit.interop.onnx import export_onnx
 from ssl_vit.interop.timm import export_timm
-from ssl_vit.vit import build_vit
 
 
 def sync(device: str) -> None:

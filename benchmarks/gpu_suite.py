@@ -134,7 +134,7 @@ def attention_kernels(device: torch.device, tiny: bool) -> list[str]:
     """The SDPA kernels our attention actually dispatches to (forward and backward of one block of the speed rows'
     model, under the rows' autocast), read from the profiler's op names: flash / efficient / cuDNN, or the math
     fallback, which would mean the fused kernels are not used."""
-    from ssl_vit.vit import build_vit
+    from ssl_vit.backbone import build_vit
 
     model = build_vit("vit_test" if tiny else "vit_b16").to(device)
     images = torch.randn(2, 3, 16 if tiny else 224, 16 if tiny else 224, device=device)

@@ -25,12 +25,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ssl_vit.backbone import build_vit
+from ssl_vit.backbone.init import WEIGHT_INITS
 from ssl_vit.data import SyntheticShapes
-from ssl_vit.init import WEIGHT_INITS
 from ssl_vit.objectives import DataInfo, build_objective
 from ssl_vit.objectives.supervised import SupervisedConfig
 from ssl_vit.optim import apply_schedule, build_optimizer, schedule
-from ssl_vit.vit import build_vit
 
 
 def _images(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,8 +21,8 @@ import torch
 from accelerate.state import AcceleratorState
 from hydra import compose, initialize_config_dir
 
+from ssl_vit.backbone.init import WEIGHT_INITS
 from ssl_vit.cli import register_configs
-from ssl_vit.init import WEIGHT_INITS
 from ssl_vit.train import pretrain
 
 MEASURED = WEIGHT_INITS[:3]  # timm, jax, torch: the schemes the docs table compares (mocov3 came later)

@@ -33,10 +33,10 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression
 from threadpoolctl import threadpool_limits
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.data import Digits, FashionMNIST, ViewBuilder
 from ssl_vit.eval.features import extract_features
 from ssl_vit.eval.linear import DEFAULT_L2, accuracy, linear_probe, logistic_objective, solve_logistic, standardise
-from ssl_vit.vit import build_vit
 
 LARGE = 10_000_000  # feature values (samples x features) above which --large-repeats applies
 

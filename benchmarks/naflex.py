@@ -40,9 +40,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.data.naflex import grid_for_seq
 from ssl_vit.naflex import NaFlexLayout, pack
-from ssl_vit.vit import build_vit
 
 ROOT = Path(__file__).resolve().parents[1]
 ASPECTS = (0.25, 0.5, 1.0, 2.0, 4.0)
@@ -219,8 +219,8 @@ def main() -> None:
                     result["speed"], ["method", "seconds", "images_per_s", "valid_tokens_per_s", "padding_share"]))
     if "attention" in args.parts:
         vit = build_vit(args.model)
-        result["attention"] = attention(args.seq_len, args.batch, vit.config["num_heads"],
-                                        vit.embed_dim // vit.config["num_heads"], args.reps, device)
+        result["attention"] = attention(args.seq_len, args.batch, vit.config.num_heads,
+                                        vit.embed_dim // vit.config.num_heads, args.reps, device)
         print(table("attention alone (one layer's SDPA)", result["attention"], ["method", "seconds", "error"]))
     if "accuracy" in args.parts:
         with tempfile.TemporaryDirectory() as tmp:

@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.objectives import DataInfo, build_objective
 from ssl_vit.objectives.mae import MAEConfig
 from ssl_vit.objectives.masked_patch import MaskedPatchConfig
 from ssl_vit.objectives.patches import per_sample_shuffle
-from ssl_vit.vit import build_vit
 
 
 class EncoderOnly(torch.nn.Module):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ssl_vit.vit import build_vit
+from ssl_vit.backbone import build_vit
 
 
 @contextlib.contextmanager

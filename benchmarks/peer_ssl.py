@@ -212,7 +212,7 @@ def mae_step_parity(cfg, objective, dataset, views, batch: int = 16) -> dict:
     from ssl_vit.objectives import mae as ours_mae
 
     o, ours = cfg.objective, copy.deepcopy(objective).train()
-    vit = timm.models.vision_transformer.VisionTransformer(**timm_model_args(dict(ours.backbone.config)))
+    vit = timm.models.vision_transformer.VisionTransformer(**timm_model_args(ours.backbone.config))
     vit.load_state_dict(ours.backbone.state_dict())
     encoder = MaskedVisionTransformerTIMM(vit=vit, weight_initialization="skip")
     decoder = MAEDecoderTIMM(num_patches=vit.patch_embed.num_patches, patch_size=ours.patch_size,

@@ -20,12 +20,12 @@ import torch
 from accelerate.utils import set_seed
 from omegaconf import OmegaConf
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.config import OptimConfig
 from ssl_vit.objectives import DataInfo, build_objective
 from ssl_vit.objectives.supervised import SupervisedConfig
 from ssl_vit.optim import build_optimizer
 from ssl_vit.train.strategy import StrategySettings, construction_context, make_accelerator, strategy_name, unshard
-from ssl_vit.vit import build_vit
 
 MIB = 1024**2
 

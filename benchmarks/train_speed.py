@@ -25,8 +25,8 @@ import torch
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch.utils.flop_counter import FlopCounterMode
 
+from ssl_vit.backbone import PRESETS, build_vit
 from ssl_vit.train.strategy import compile_blocks, compile_seconds
-from ssl_vit.vit import PRESETS, build_vit
 
 NUM_CLASSES = 1000
 
@@ -148,7 +148,7 @@ def print_table(result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="vit_s16:224:32,vit_tiny:32:256",
-                        help="comma-separated model:img_size:batch (models from ssl_vit.vit.PRESETS)")
+                        help="comma-separated model:img_size:batch (models from ssl_vit.backbone.PRESETS)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per model (after one warm-up step)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager rows only")
     parser.add_argument("--threads", type=int, default=None)

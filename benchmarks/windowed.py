@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.train.memory import ModelShape, activation_bytes
-from ssl_vit.vit import build_vit
 
 VARIANTS = {  # name: VisionTransformer overrides
     "global": {},

@@ -52,8 +52,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ssl_vit.artifacts import load_encoder, load_heads, read_metadata, read_preprocess, run_files
+from ssl_vit.backbone import Block, ParallelBlock, VisionTransformer
 from ssl_vit.schema import to_container, validate_config
-from ssl_vit.vit import Block, ParallelBlock, VisionTransformer
 
 
 @dataclass
@@ -234,7 +234,7 @@ class Objective(nn.Module, ABC):
 
     def evaluation_copy(self, state: dict[str, torch.Tensor]) -> Objective:
         """An unsharded copy holding the gathered `state` (for evaluating a sharded run on one process)."""
-        copy = type(self)(VisionTransformer(**self.backbone.config), self.rebuild_config(self.cfg), self.data)
+        copy = type(self)(VisionTransformer(self.backbone.config), self.rebuild_config(self.cfg), self.data)
         copy.load_state_dict(state)
         return copy
 

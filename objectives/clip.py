@@ -39,12 +39,12 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ssl_vit.artifacts import ENCODER_FILE, read_metadata, read_preprocess
+from ssl_vit.backbone import Block, ParallelBlock, VisionTransformer, ViTConfig
+from ssl_vit.backbone.init import rng_devices, writable
 from ssl_vit.extras import require
-from ssl_vit.init import rng_devices, writable
 from ssl_vit.naflex import patch_valid
 from ssl_vit.objectives.base import DataInfo, FixedBackbone, Objective, ObjectiveConfig, Requirements
 from ssl_vit.schema import checked
-from ssl_vit.vit import Block, ParallelBlock, VisionTransformer
 
 TEXT_TOWERS = ("open_clip", "hf")
 HF_POOLERS = ("mean_pooler", "cls_pooler", "max_pooler")
@@ -218,10 +218,11 @@ class CLIP(Objective):
             raise ValueError("objective.lock_image=true (LiT) needs objective.image_encoder=<encoder.safetensors or "
                              "a run directory>")
         path = encoder_file(cfg.image_encoder)
-        state, config = load_file(str(path)), json.loads(read_metadata(path)["model"])
-        ours = self.backbone.config
-        differ = {k: (config[k], ours.get(k)) for k in config
-                  if k not in ("drop_path", "attn_drop", "proj_drop") and config[k] != ours.get(k)}
+        state = load_file(str(path))
+        theirs = ViTConfig.from_dict(json.loads(read_metadata(path)["model"]), where=str(path)).to_dict()
+        ours = self.backbone.config.to_dict()
+        differ = {k: (theirs[k], ours[k]) for k in theirs
+                  if k not in ("drop_path", "attn_drop", "proj_drop") and theirs[k] != ours[k]}
         if differ:
             raise ValueError(f"objective.image_encoder={cfg.image_encoder!r} was built with other settings than "
                              f"model=... here (key: (encoder's, this run's)): {differ}; choose the model and "

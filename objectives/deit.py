@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import MISSING
 
-from ssl_vit.init import whole_modules
+from ssl_vit.backbone.init import whole_modules
 from ssl_vit.objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
 from ssl_vit.objectives.supervised import HeadInit, accuracy, build_head, classification_loss, head_scheme
 from ssl_vit.objectives.teacher import TEACHER_FORMS, load_teacher

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ssl_vit.backbone import VisionTransformer
 from ssl_vit.collectives import all_reduce
 from ssl_vit.data.multicrop import local_crop_size
 from ssl_vit.data.token_masks import ibot_masks
@@ -41,7 +42,6 @@ from ssl_vit.objectives.losses.koleo import koleo_loss
 from ssl_vit.objectives.patches import refuse_hybrid
 from ssl_vit.optim import schedule
 from ssl_vit.schema import checked
-from ssl_vit.vit import VisionTransformer
 
 log = logging.getLogger("ssl_vit")
 CENTERINGS = ("centre", "sinkhorn_knopp")

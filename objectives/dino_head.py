@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssl_vit.init import Linear
+from ssl_vit.backbone.init import Linear
 
 
 class WeightNormLinear(nn.Module):

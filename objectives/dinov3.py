@@ -31,9 +31,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from ssl_vit.backbone.init import whole_modules, writable
 from ssl_vit.data.multicrop import local_crop_size
 from ssl_vit.ema import copy_parameters, teacher_backbone
-from ssl_vit.init import whole_modules, writable
 from ssl_vit.interop.sources import load_pretrained
 from ssl_vit.objectives.base import DataInfo, Requirements
 from ssl_vit.objectives.dino import DINO, DINOv2Config

@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from omegaconf import MISSING, OmegaConf
 from torch import nn
 
+from ssl_vit.backbone.init import whole_modules
 from ssl_vit.collectives import all_reduce
-from ssl_vit.init import whole_modules
 from ssl_vit.naflex import NaFlexLayout, is_naflex, patch_valid
 from ssl_vit.objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
 from ssl_vit.objectives.feature_teacher import (

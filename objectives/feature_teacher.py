@@ -25,13 +25,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from ssl_vit.artifacts import load_heads, read_preprocess, run_files
+from ssl_vit.backbone import VisionTransformer
 from ssl_vit.interop.open_clip import from_open_clip_visual, load_open_clip_model, open_clip_preprocess
 from ssl_vit.interop.sources import SOURCES, load_pretrained
 from ssl_vit.objectives.base import Objective, load_run
 from ssl_vit.objectives.clip import CLIP, SigLIP
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.untrusted import refusing_pickles
-from ssl_vit.vit import VisionTransformer
 
 TEACHER_FORMS = [form for form in SOURCES if not form.startswith(("dino:", "dinov2:"))]
 IMAGE_TEXT_OBJECTIVES: dict[str, type[Objective]] = {"clip": CLIP, "siglip": SigLIP}

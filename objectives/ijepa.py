@@ -28,12 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ssl_vit.backbone import Block, VisionTransformer, sincos_pos_embed_2d
+from ssl_vit.backbone.init import Linear
 from ssl_vit.ema import EMA, teacher_backbone
-from ssl_vit.init import Linear
 from ssl_vit.objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
 from ssl_vit.objectives.patches import refuse_hybrid
 from ssl_vit.schema import checked
-from ssl_vit.vit import Block, VisionTransformer, sincos_pos_embed_2d
 
 
 @dataclass
@@ -183,7 +183,7 @@ class IJEPA(Objective):
     def __init__(self, backbone, cfg: IJEPAConfig, data: DataInfo):
         super().__init__(backbone, cfg, data)
         refuse_hybrid(backbone, "ijepa")
-        heads = cfg.predictor_heads or backbone.config.get("num_heads")
+        heads = cfg.predictor_heads or backbone.config.num_heads
         if cfg.predictor_dim % heads:
             raise ValueError(f"objective.predictor_dim={cfg.predictor_dim} is not divisible by {heads} heads (set "
                              "objective.predictor_heads)")

@@ -15,11 +15,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ssl_vit.init import Linear, writable
+from ssl_vit.backbone import Block, sincos_pos_embed_2d
+from ssl_vit.backbone.init import Linear, writable
 from ssl_vit.objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
 from ssl_vit.objectives.patches import patchify, per_sample_shuffle, refuse_hybrid, unpatchify
 from ssl_vit.schema import checked
-from ssl_vit.vit import Block, sincos_pos_embed_2d
 
 
 @dataclass

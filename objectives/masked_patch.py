@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssl_vit.init import Linear
+from ssl_vit.backbone.init import Linear
 from ssl_vit.objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
 from ssl_vit.objectives.patches import patchify, per_sample_shuffle, refuse_hybrid
 from ssl_vit.schema import checked

@@ -30,10 +30,10 @@ import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch import nn
 
+from ssl_vit.backbone import VisionTransformer
 from ssl_vit.ema import EMA, teacher_backbone
 from ssl_vit.objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
 from ssl_vit.schema import checked
-from ssl_vit.vit import VisionTransformer
 
 
 @dataclass

@@ -36,7 +36,7 @@ def per_sample_shuffle(batch: int, length: int, device=None) -> tuple[torch.Tens
 def refuse_hybrid(backbone, objective: str) -> None:
     """Pixel targets per patch need patch-aligned tokens: a hybrid's tokens are computed by a ResNet that has seen
     every pixel, so masking them after the stem leaks the masked patches' content through its receptive field."""
-    if backbone.config.get("stem", "patch") != "patch":
+    if backbone.config.stem != "patch":
         raise ValueError(f"objective={objective} is not defined for model.stem=resnet: it masks tokens after the "
                          f"ResNet stem has seen every pixel, so each masked patch's content leaks into the visible "
                          f"tokens through the ResNet's receptive field; use model.stem=patch, or an objective that "

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from timm.loss import SoftTargetCrossEntropy
 from torch import nn
 
-from ssl_vit.init import WEIGHT_INITS, Linear
+from ssl_vit.backbone.init import WEIGHT_INITS, Linear
 from ssl_vit.naflex import patch_valid
 from ssl_vit.objectives.base import DataInfo, Objective, ObjectiveConfig, Requirements
 from ssl_vit.schema import checked

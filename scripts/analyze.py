@@ -65,9 +65,9 @@ def main(argv=None) -> int:
     if encoder.pos_embed is not None:
         written.insert(0, plot_pos_embed_similarity(pos_embed_similarity(encoder), out / "pos_embed_similarity.png"))
     else:
-        print(f"pos_embed={encoder.config.get('pos_embed')}: no absolute position embedding, similarity plot skipped",
+        print(f"pos_embed={encoder.config.pos_embed}: no absolute position embedding, similarity plot skipped",
               file=sys.stderr)
-    if encoder.config.get("stem", "patch") == "patch":
+    if encoder.config.stem == "patch":
         written.append(plot_filter_components(*patch_embedding_components(encoder), out / "patch_filters_pca.png"))
     else:
         print("hybrid stem: the projection sees ResNet features, not pixels: filter PCA skipped", file=sys.stderr)

@@ -70,8 +70,8 @@ def export(source: str, to: str, out: str, hf_arch: str | None = None, license: 
     """Write the export and its model card (README.md); returns the line telling how to load it."""
     pretrained = load_pretrained(source)
     encoder, preprocess = pretrained.encoder, pretrained.preprocess
-    spatial = {key: encoder.config[key] for key in ("window_size", "rel_pos", "neck_channels")
-               if encoder.config.get(key)}
+    spatial = {key: getattr(encoder.config, key) for key in ("window_size", "rel_pos", "neck_channels")
+               if getattr(encoder.config, key)}
     if spatial and to in ("hf", "open_clip", "timm"):
         return _export_windowed(encoder, preprocess, spatial, source, to, out, license)
     if to == "detectron2":

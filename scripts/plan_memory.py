@@ -8,6 +8,7 @@ count that fits. Nothing is allocated: the model is counted on the meta device.
 
 import hydra
 
+from ssl_vit.backbone import CHECKPOINTING
 from ssl_vit.cli import register_configs, run_hydra, run_reporting_errors
 from ssl_vit.config import model_kwargs
 from ssl_vit.paths import CONFIG_DIR
@@ -21,7 +22,6 @@ from ssl_vit.train.memory import (
     plan,
     smallest_gpu_count,
 )
-from ssl_vit.vit import CHECKPOINTING
 
 register_configs()
 COLUMNS = ("params", "grads", "optimizer", "buffers", "comm_buffers", "gathered", "activations", "total")

@@ -24,6 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from ssl_vit.backbone import VisionTransformer, build_vit
 from ssl_vit.cli import discard_unused_run_dir, explain_hydra_error, register_configs
 from ssl_vit.encoder import VisionEncoder
 from ssl_vit.eval.run import evaluate as run_evaluation
@@ -32,7 +33,6 @@ from ssl_vit.paths import CONFIG_DIR
 from ssl_vit.schema import ConfigError
 from ssl_vit.train import pretrain as run_pretraining
 from ssl_vit.train.outputs import check_writable
-from ssl_vit.vit import VisionTransformer, build_vit
 
 
 def pretrain(*overrides: str, out: str | Path | None = None, **config) -> Path:

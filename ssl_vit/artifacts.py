@@ -18,10 +18,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from ssl_vit.backbone import VisionTransformer, ViTConfig
 from ssl_vit.files import save_safetensors
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.run_dirs import ENCODER_FILE, HEADS_FILE, resolve_run
-from ssl_vit.vit import VisionTransformer
 
 FORMAT = "ssl_vit.encoder.v1"
 
@@ -32,10 +32,10 @@ def save_encoder(encoder: VisionTransformer, path: str | Path, preprocess: Prepr
     return save_encoder_state(encoder.state_dict(), encoder.config, path, preprocess, **metadata)
 
 
-def save_encoder_state(state: dict, config: dict, path: str | Path, preprocess: Preprocess | None = None,
+def save_encoder_state(state: dict, config: ViTConfig, path: str | Path, preprocess: Preprocess | None = None,
                        **metadata) -> Path:
-    """`save_encoder` from an encoder's state dict and constructor config (e.g. gathered from a sharded model)."""
-    meta = {"format": FORMAT, "model": json.dumps(config), **metadata}
+    """`save_encoder` from an encoder's state dict and config (e.g. gathered from a sharded model)."""
+    meta = {"format": FORMAT, "model": json.dumps(config.to_dict()), **metadata}
     if preprocess is not None:
         meta["preprocess"] = preprocess.to_json()
     return _write(state, path, meta)
@@ -71,7 +71,7 @@ def load_encoder(path: str | Path, device: str = "cpu") -> VisionTransformer:
     meta = read_metadata(path)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path} is not an ssl_vit encoder file (metadata format={meta.get('format')!r})")
-    model = VisionTransformer(**json.loads(meta["model"]))
+    model = VisionTransformer(ViTConfig.from_dict(json.loads(meta["model"]), where=str(path)))
     model.load_state_dict(load_file(str(path), device=device))
     return model.to(device)
 

@@ -30,6 +30,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
+from ssl_vit.backbone import PRESETS, VisionTransformer
 from ssl_vit.config import (
     BenchmarkConfig,
     EvalConfig,
@@ -52,7 +53,6 @@ from ssl_vit.train.guard import TrainingDiverged
 from ssl_vit.train.outputs import OutputError, check_writable, describe_write_failure
 from ssl_vit.train.stop_requests import EXIT_FAILED, record_exit_status, stop_status
 from ssl_vit.train.strategy import MainProcessFailed
-from ssl_vit.vit import PRESETS, VisionTransformer
 
 EXIT_STOPPED, EXIT_CONFIG = EXIT_FAILED, 2
 

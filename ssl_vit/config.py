@@ -2,7 +2,7 @@
 evaluate, plan_memory), with the helpers that read them. Each data kind's schema lives with its data
 (ssl_vit.data), each objective's with its method (objectives/); `ssl_vit.cli.register_configs` puts them all in
 Hydra's ConfigStore, so that a misspelt key or a wrong type fails at start-up with OmegaConf's message naming the
-key, the bad value and the expected type. Model presets need no files: every name in `ssl_vit.vit.PRESETS` is a
+key, the bad value and the expected type. Model presets need no files: every name in `ssl_vit.backbone.PRESETS` is a
 `model=<name>` option.
 """
 
@@ -11,17 +11,15 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field, fields
+import typing
+from dataclasses import dataclass, field, fields, make_dataclass
 from enum import Enum
 from typing import Any
 
 from omegaconf import MISSING
 
-from ssl_vit.init import WEIGHT_INITS
-from ssl_vit.rope import ROPE_KINDS, ROPE_NORMALIZATIONS
+from ssl_vit.backbone import CHECKPOINTING, PRESETS, ViTConfig
 from ssl_vit.schema import ConfigError, checked
-from ssl_vit.stem import STEMS
-from ssl_vit.vit import ACTIVATIONS, CHECKPOINTING, GLOBAL_POOLS, POS_EMBED_INTERP_MODES, POS_EMBEDS, PRESETS
 
 # Choices of the engine's own string options, stated once (the schemas below check them: ssl_vit.schema.checked)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
@@ -51,79 +49,51 @@ class Schedule(str, Enum):
     constant = "constant"
 
 
-@dataclass
-class ModelConfig:
-    """A preset from `ssl_vit.vit.PRESETS`; any other field, when set, overrides the preset's value."""
-
-    name: str = MISSING
-    grad_checkpointing: bool = False  # activation checkpointing per transformer block
-    # What a checkpointed block keeps: "full" its input only (recompute all), "selective" also its matmul and
-    # attention outputs (recompute the element-wise ops; ssl_vit.vit.CHECKPOINTING)
-    checkpoint_policy: str = checked("full", choices=CHECKPOINTING)
-    global_pool: str | None = checked(None, choices=GLOBAL_POOLS)
-    class_token: bool | None = None
-    dist_token: bool | None = None  # DeiT's distillation token (objective=deit turns it on)
-    num_registers: int | None = None
-    no_embed_class: bool | None = None
-    # learned | sincos | rope | none (ssl_vit.vit.POS_EMBEDS). rope: DINOv3's 2-D rotary embeddings (ssl_vit.rope):
-    # periods rope_theta ** (2i / (D/2)) (DINOv3: 100) or log-spaced in [rope_min_period, rope_max_period],
-    # coordinates over each side (rope_normalize separate | min | max) and moved while training by rope_shift,
-    # rope_jitter, rope_rescale (DINOv3's shift / jitter / rescale; None: off). rope_kind: dinov3 (that) | axial |
-    # mixed (RoPE-ViT's variants as timm has them: patch-index coordinates; mixed learns its frequencies)
-    pos_embed: str | None = checked(None, choices=POS_EMBEDS)
-    rope_kind: str | None = checked(None, choices=ROPE_KINDS)
-    rope_theta: float | None = checked(None, gt=0)
-    rope_min_period: float | None = checked(None, gt=0)
-    rope_max_period: float | None = checked(None, gt=0)
-    rope_normalize: str | None = checked(None, choices=ROPE_NORMALIZATIONS)
-    rope_shift: float | None = checked(None, ge=0)
-    rope_jitter: float | None = checked(None, ge=1)
-    rope_rescale: float | None = checked(None, ge=1)
-    pos_embed_interp: str | None = checked(None, choices=POS_EMBED_INTERP_MODES)  # resampling to another grid
-    pos_embed_antialias: bool | None = None  # timm antialiases (default); DINOv2 / HF transformers do not
-    qkv_bias: bool | None = None
-    qk_norm: bool | None = None
-    norm_bias: bool | None = None
-    pre_norm: bool | None = None
-    parallel_block: bool | None = None
-    layer_scale: float | None = None
-    drop_path: float | None = None
-    attn_drop: float | None = None
-    proj_drop: float | None = None
-    patch_size: int | None = None
-    embed_dim: int | None = None
-    depth: int | None = None
-    num_heads: int | None = None
-    mlp_ratio: float | None = None
-    mlp_dim: int | None = None
-    weight_init: str | None = checked(None, choices=WEIGHT_INITS)  # ssl_vit.init; None: the preset's
-    act_layer: str | None = checked(None, choices=ACTIVATIONS)  # None: gelu
-    # Hybrid (ssl_vit.stem): stem=resnet takes tokens from a ResNet-v2 feature map, 1x1 patches unless patch_size
-    # says otherwise; stem_layers = blocks per stage (R50 hybrid: [3, 4, 9], stride 16), stem_channels = stage
-    # widths (None: ResNet's 256, 512, ...), stem_width = the 7x7 stem conv's width.
-    stem: str | None = checked(None, choices=STEMS)
-    stem_layers: list[int] | None = checked(None, ge=1)
-    stem_channels: list[int] | None = checked(None, ge=1)
-    stem_width: int | None = checked(None, ge=1)
-    # ViTDet / SAM (ssl_vit.windows): attention within window_size x window_size squares of the patch grid in every
-    # block but those global_attn_indexes names (SAM ViT-B: 14, [2, 5, 8, 11]); rel_pos: decomposed relative-position
-    # tables per block, zero at the start (a bias to SDPA). Pre-training needs none of it: windows are for running a
-    # pre-trained encoder at high resolution.
-    window_size: int | None = checked(None, ge=0)
-    global_attn_indexes: list[int] | None = checked(None, ge=0)
-    rel_pos: bool | None = None
-    # Start from pre-trained weights: an encoder file or run directory, timm:<name or file>, hf:<dir>,
-    # open_clip:<dir> (ssl_vit.interop.sources); the architecture is the source's, position embeddings resampled
-    # to data.img_size as the source library does it.
-    init_from: str | None = None
-    # With init_from: also the objective's weights beyond the encoder that the source holds (our runs'
-    # heads.safetensors; DINO / DINOv2 training checkpoints), so a run continues with the heads, teacher and centres
-    # it had. Refused by name where a name or shape does not fit the objective.
-    init_heads: bool = False
+# The model group's overrides are ViTConfig's own fields (ssl_vit.backbone.config, where each is documented), each
+# None unless set (None: the preset's value), with the same checks; not overridable: the image size (data.img_size),
+# the channels (the data's) and the classes (the objective's).
+NOT_OVERRIDABLE = ("img_size", "in_chans", "num_classes")
+_LISTS = {tuple[int, ...]: list[int], tuple[int, ...] | None: list[int]}  # OmegaConf holds lists, not tuples
 
 
-MODEL_OVERRIDE_FIELDS = tuple(f.name for f in fields(ModelConfig) if f.name not in (
-    "name", "grad_checkpointing", "checkpoint_policy", "init_from", "init_heads"))
+def _override_type(hint):
+    """The Hydra type of a ViTConfig field's override: Optional of its type (lists for tuples; an int for an
+    int-or-pair)."""
+    if hint in _LISTS:
+        return _LISTS[hint] | None
+    args = set(typing.get_args(hint)) - {type(None)}
+    if int in args and any(typing.get_origin(a) is tuple for a in args):
+        return int | None
+    return hint if type(None) in typing.get_args(hint) else hint | None
+
+
+def _model_config() -> type:
+    hints = typing.get_type_hints(ViTConfig)
+    overrides = [(spec.name, _override_type(hints[spec.name]), field(default=None, metadata=spec.metadata))
+                 for spec in fields(ViTConfig) if spec.name not in NOT_OVERRIDABLE]
+    schema = make_dataclass("ModelConfig", [
+        ("name", str, field(default=MISSING)),
+        ("grad_checkpointing", bool, field(default=False)),  # activation checkpointing per transformer block
+        # What a checkpointed block keeps: "full" its input only (recompute all), "selective" also its matmul and
+        # attention outputs (recompute the element-wise ops; ssl_vit.backbone.CHECKPOINTING)
+        ("checkpoint_policy", str, checked("full", choices=CHECKPOINTING)),
+        *overrides,
+        # Start from pre-trained weights: an encoder file or run directory, timm:<name or file>, hf:<dir>,
+        # open_clip:<dir> (ssl_vit.interop.sources); the architecture is the source's, position embeddings resampled
+        # to data.img_size as the source library does it.
+        ("init_from", str | None, field(default=None)),
+        # With init_from: also the objective's weights beyond the encoder that the source holds (our runs'
+        # heads.safetensors; DINO / DINOv2 training checkpoints), so a run continues with the heads, teacher and
+        # centres it had. Refused by name where a name or shape does not fit the objective.
+        ("init_heads", bool, field(default=False)),
+    ])
+    schema.__module__, schema.__doc__ = __name__, (
+        "A preset from `ssl_vit.backbone.PRESETS`; any ViTConfig field, when set, overrides the preset's value.")
+    return schema
+
+
+ModelConfig = _model_config()
+MODEL_OVERRIDE_FIELDS = tuple(spec.name for spec in fields(ViTConfig) if spec.name not in NOT_OVERRIDABLE)
 
 
 @dataclass
@@ -239,8 +209,9 @@ class EvalConfig:
     # every block but global_attn_indexes (SAM ViT-B: 14, [2, 5, 8, 11]); 0: as it was built
     window_size: int = checked(0, ge=0)
     global_attn_indexes: list[int] = checked(factory=list, ge=0)
-    # segmentation on a level of ViTDet's simple feature pyramid over the last feature map (ssl_vit.pyramid: stride
-    # patch/4 .. 2 x patch; seeded, untrained: the frozen-feature protocol fits only the linear head); None: the tokens
+    # segmentation on a level of ViTDet's simple feature pyramid over the last feature map (ssl_vit.backbone.pyramid:
+    # stride patch/4 .. 2 x patch; seeded, untrained: the frozen-feature protocol fits only the linear head); None:
+    # the tokens
     pyramid_stride: int | None = checked(None, ge=1)
     # fixed: every image resized and cropped to data.img_size | naflex: each whole image at its own aspect ratio,
     # resized to fit eval.seq_len patches (ssl_vit.data.naflex), for linear, knn, fewshot, zeroshot, retrieval

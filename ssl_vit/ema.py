@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import torch
 
+from ssl_vit.backbone import VisionTransformer
 from ssl_vit.partition import local_shard
-from ssl_vit.vit import VisionTransformer
 
 
 def teacher_backbone(backbone: VisionTransformer) -> VisionTransformer:
     """The backbone built again for an EMA teacher: the same config, without stochastic depth or dropout (its outputs
     are targets, as in DINO's, MoCo v3's and I-JEPA's code). Built like the student, so zero.Init partitions it the
     same way; `EMA.following` gives it the student's values."""
-    return VisionTransformer(**{**backbone.config, "drop_path": 0.0, "attn_drop": 0.0, "proj_drop": 0.0})
+    return VisionTransformer(backbone.config.replace(drop_path=0.0, attn_drop=0.0, proj_drop=0.0))
 
 
 def _student_local_fp32(param: torch.Tensor) -> torch.Tensor:

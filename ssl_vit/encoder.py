@@ -32,11 +32,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from ssl_vit.backbone import VisionTransformer
 from ssl_vit.data.naflex import NaFlexEvalViews
 from ssl_vit.interop.sources import load_pretrained
 from ssl_vit.naflex import batch_grids, is_naflex
 from ssl_vit.preprocess import Preprocess
-from ssl_vit.vit import VisionTransformer
 
 
 class VisionEncoder(nn.Module):
@@ -89,7 +89,8 @@ class VisionEncoder(nn.Module):
     def hidden_states(self, pixel_values: torch.Tensor | dict, stop: int | None = None) -> list[torch.Tensor]:
         """[tokens entering the blocks, output of block 1, ..., output of block L]: transformers' hidden_states
         (up to index `stop` only: later blocks are not run); pixels or a NaFlex batch (its padding masked)."""
-        x, inputs = self.vit._input_tokens(pixel_values)
+        x, placement = self.vit.embed_input(pixel_values)
+        inputs = self.vit.block_inputs(placement)
         x = self.vit.norm_pre(x)
         states = [x]
         for block, rope, spatial, mask in inputs[:stop]:

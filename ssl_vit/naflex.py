@@ -9,8 +9,9 @@ same batch runs in both:
     patch_valid  (B, N) bool               false for the padding after an image's h x w patches
 
 An image of h x w patches fills the first h * w rows in raster order; the rest is padding (zeros, coordinate 0).
-`NaFlexLayout` is what the backbone derives from a batch once per forward: each image's grid (read from the
-coordinates, one host sync, as timm does), the flat position of every patch on its grid, and the attention mask.
+`NaFlexLayout` is what the backbone derives from a batch once per forward (its token placement, as
+`ssl_vit.backbone.embeddings.GridPlacement` is a dense batch's): each image's grid (read from the coordinates, one
+host sync, as timm does), the flat position of every patch on its grid, the rotary tables and the attention mask.
 """
 
 from __future__ import annotations
@@ -173,11 +174,31 @@ class NaFlexLayout:
 
     def points(self) -> tuple[torch.Tensor, ...]:
         """(rows, cols, heights, widths), each (B x N,): every patch's place and its image's grid (padding: row 0,
-        column 0 of its image), for rotary tables built patch by patch (ssl_vit.rope)."""
+        column 0 of its image), for rotary tables built patch by patch (ssl_vit.backbone.rope)."""
         sizes = torch.tensor(self.grids, device=self.index.device)  # (B, 2)
         heights, widths = (sizes[:, i, None].expand_as(self.index) for i in (0, 1))
         rows, cols = self.index // widths, self.index % widths
         return tuple(t.reshape(-1) for t in (rows, cols, heights, widths))
+
+    def rope_tables(self, rope, depth: int) -> list:
+        """Each block's rotary (sin, cos) tables: every patch's rows from its place on its own image's grid, in one
+        call of the rope module (one augmentation draw per batch, as DINOv3's; one parameter gather under ZeRO-3)."""
+        batch, length = self.index.shape
+        tables = rope(None, points=self.points())
+
+        def per_image(table):  # (B x N, d) -> (B, N, d); the mixed kind's (1, heads, B x N, d) -> (B, heads, N, d)
+            if table.ndim == 2:
+                return table.reshape(batch, length, -1)
+            return table[0].reshape(table.shape[1], batch, length, -1).transpose(0, 1)
+
+        if isinstance(tables, list):
+            return [(per_image(sin), per_image(cos), *rest) for sin, cos, *rest in tables]
+        sin, cos, *rest = tables
+        return [(per_image(sin), per_image(cos), *rest)] * depth
+
+    def spatial_grid(self) -> None:
+        """No one grid to partition (the backbone refuses windows for NaFlex batches: `naflex_refusal`)."""
+        return None
 
     def attention_mask(self, num_prefix_tokens: int) -> torch.Tensor:
         """(B, 1, 1, prefix + N) bool, true for keys a query may attend (the prefix tokens and valid patches):

@@ -122,6 +122,18 @@ def _check_choices(key: str, value, choices) -> None:
             raise ConfigError(not_one_of(key, item, choices))
 
 
+def check_fields(instance) -> None:
+    """The `checked` rules of a dataclass instance's fields (outside Hydra: a model built in Python), as
+    `validate_config` applies them to a composed config; ConfigError naming the field, the value and what is
+    allowed."""
+    for spec in fields(instance):
+        value = getattr(instance, spec.name)
+        _check_choices(spec.name, value, spec.metadata.get("choices"))
+        problem = _rule_violation(value, spec.metadata)
+        if problem:
+            raise ConfigError(f"{spec.name}={value} {problem}")
+
+
 def to_container(cfg) -> dict:
     """A config (or a schema dataclass instance) as plain Python values, resolved, enums as their names: for JSON,
     metadata and trackers."""

@@ -21,7 +21,7 @@ from ssl_vit.analysis.plots import (
     plot_rollout,
 )
 from ssl_vit.artifacts import save_encoder
-from ssl_vit.vit import build_vit
+from ssl_vit.backbone import build_vit
 
 
 def _with_prefix(patch_attention: torch.Tensor) -> torch.Tensor:

@@ -218,8 +218,8 @@ def test_a_folder_without_a_readable_image_is_a_clear_error(tmp_path):
 
 
 def test_feature_extraction_drops_unreadable_samples_with_their_labels(tmp_path, caplog):
+    from ssl_vit.backbone import VisionTransformer
     from ssl_vit.eval.features import extract_features
-    from ssl_vit.vit import VisionTransformer
 
     data = FolderDataset(_bad_folder(tmp_path / "images", good_per_class=2))  # labels 0 0 0 | 1 1 1, 2 bad
     encoder = VisionTransformer(img_size=16, patch_size=8, embed_dim=32, depth=1, num_heads=2)

@@ -16,6 +16,7 @@ from helpers.pool import EVAL, OBJECTIVES, STEPS, strategy_run
 from safetensors.torch import load_file, save_file
 
 from ssl_vit.artifacts import load_encoder, read_metadata, save_encoder
+from ssl_vit.backbone import build_vit
 from ssl_vit.files import plain_mode
 from ssl_vit.objectives import load_trained, rebuild_untrained
 from ssl_vit.schema import ConfigError
@@ -30,7 +31,6 @@ from ssl_vit.train.checkpoint import (
 )
 from ssl_vit.train.consolidate import find_checkpoint, full_state, write_consolidated
 from ssl_vit.train.trainer import TrainState
-from ssl_vit.vit import build_vit
 
 UMASK = os.umask(0o022)
 os.umask(UMASK)

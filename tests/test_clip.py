@@ -14,6 +14,7 @@ from helpers.ranks import on_ranks
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.cli import register_configs
 from ssl_vit.eval.zeroshot import retrieval_recall, zeroshot_accuracy, zeroshot_classifier
 from ssl_vit.interop.sources import load_pretrained
@@ -21,7 +22,6 @@ from ssl_vit.objectives import Objective, load_trained
 from ssl_vit.objectives.clip import CLIP, share_gradient
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.schema import ConfigError
-from ssl_vit.vit import build_vit
 
 
 def _config(*overrides):
@@ -288,7 +288,7 @@ def test_open_clip_checkpoints_import_by_name_and_file_with_quick_gelu(tmp_path,
             param.add_(0.1 * torch.randn_like(param))
     torch.save(model.state_dict(), tmp_path / "weights.pt")
     imported = load_pretrained(f"open_clip:tiny-quickgelu:{tmp_path / 'weights.pt'}")
-    assert imported.encoder.config["act_layer"] == "quick_gelu"
+    assert imported.encoder.config.act_layer == "quick_gelu"
     images = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
         torch.testing.assert_close(imported.encoder(images) @ model.visual.proj, model.visual(images),
@@ -381,10 +381,10 @@ def test_clip_turns_on_the_pre_norm_unless_the_model_config_says_otherwise():
     from ssl_vit.train.build import build_components
 
     objective, *_ = build_components(_config("objective=clip_tiny", "model=vit_test", "output_dir=x"))
-    assert objective.backbone.config["pre_norm"] and objective.backbone.patch_embed.proj.bias is None
+    assert objective.backbone.config.pre_norm and objective.backbone.patch_embed.proj.bias is None
     objective, *_ = build_components(_config("objective=clip_tiny", "model=vit_test", "model.pre_norm=false",
                                              "output_dir=x"))
-    assert not objective.backbone.config["pre_norm"]
+    assert not objective.backbone.config.pre_norm
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """The Hydra configs compose, are typed, and stay in sync with the code."""
 
-import inspect
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -8,11 +8,11 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
+from ssl_vit.backbone import PRESETS, VisionTransformer, ViTConfig, preset_config
 from ssl_vit.cli import register_configs
-from ssl_vit.config import MODEL_OVERRIDE_FIELDS, launch_time
+from ssl_vit.config import MODEL_OVERRIDE_FIELDS, launch_time, model_kwargs
 from ssl_vit.objectives import OBJECTIVES
 from ssl_vit.schema import ConfigError, validate_config
-from ssl_vit.vit import PRESETS, VisionTransformer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -34,9 +34,16 @@ def test_every_preset_is_a_model_option(name):
     assert _compose(f"model={name}").model.name == name
 
 
-def test_model_overrides_are_vision_transformer_arguments():
-    params = inspect.signature(VisionTransformer).parameters
-    assert set(MODEL_OVERRIDE_FIELDS) <= set(params)
+def test_model_overrides_are_the_backbone_config_and_reach_the_backbone():
+    """model.* is ViTConfig's fields (less the data's and the objective's), with its checks; a value set on the
+    command line is the built backbone's."""
+    assert set(MODEL_OVERRIDE_FIELDS) == {f.name for f in fields(ViTConfig)} - {"img_size", "in_chans", "num_classes"}
+    cfg = _compose("model=vit_test", "model.mlp_ratio=2.0", "model.global_attn_indexes=[1]", "model.window_size=2")
+    backbone = VisionTransformer(preset_config("vit_test", **model_kwargs(cfg.model)))
+    assert backbone.config.mlp_hidden == 64 and backbone.config.global_attn_indexes == (1,)
+    assert backbone.blocks[0].attn.window == 2 and backbone.blocks[1].attn.window == 0
+    with pytest.raises(ConfigError, match="model.drop_path=1.5 is invalid: must be >= 0 and < 1"):
+        validate_config(_compose("model.drop_path=1.5", "output_dir=x"))
 
 
 def _listed_options(err, group):

@@ -12,10 +12,10 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 
 from ssl_vit.artifacts import load_encoder
+from ssl_vit.backbone import VisionTransformer
 from ssl_vit.cli import register_configs
 from ssl_vit.objectives.teacher import load_teacher
 from ssl_vit.schema import ConfigError
-from ssl_vit.vit import VisionTransformer
 
 NUM_CLASSES = 8  # data=synthetic's shapes
 
@@ -84,7 +84,7 @@ def test_inference_averages_the_two_heads_as_timms_distilled_deit(timm_teacher):
     with torch.no_grad():
         for p in objective.parameters():
             p.normal_(0, 0.1)  # every weight random, the zero-initialised heads too
-        config = {**objective.backbone.config, "num_classes": NUM_CLASSES}
+        config = objective.backbone.config.replace(num_classes=NUM_CLASSES)
         theirs = timm.create_model("deit_tiny_distilled_patch16_224", pretrained=False, img_size=16, patch_size=4,
                                    embed_dim=32, depth=2, num_heads=2, num_classes=NUM_CLASSES).eval()
         state = {k.removeprefix("backbone."): v for k, v in objective.state_dict().items()}
@@ -97,7 +97,7 @@ def test_inference_averages_the_two_heads_as_timms_distilled_deit(timm_teacher):
         # the encoder's embedding is timm's pre-logits: the mean of the class and distillation tokens
         torch.testing.assert_close(objective.backbone(images), theirs.forward_head(theirs.forward_features(images),
                                                                                    pre_logits=True), atol=1e-5, rtol=0)
-    assert config["dist_token"] is True
+    assert config.dist_token is True
 
 
 @pytest.mark.slow
@@ -122,8 +122,8 @@ def test_a_supervised_run_is_a_teacher_and_deit_saves_neither_teacher_nor_its_we
     metrics = [m for m in read_metrics(student) if "loss" in m]
     assert len(metrics) == 3 and all(0 <= m["teacher_agreement"] <= 1 for m in metrics)
     encoder = load_encoder(student / "encoder.safetensors")
-    assert set(encoder.state_dict()) == set(VisionTransformer(**encoder.config).state_dict())
-    assert encoder.config["dist_token"] is True
+    assert set(encoder.state_dict()) == set(VisionTransformer(encoder.config).state_dict())
+    assert encoder.config.dist_token is True
     assert sorted(load_file(student / "heads.safetensors")) == ["head.bias", "head.weight", "head_dist.bias",
                                                                 "head_dist.weight"]
     (checkpoint,) = (student / "checkpoints").glob("*/model.safetensors")

@@ -25,6 +25,7 @@ from torch import nn
 
 from ssl_vit import ema as ema_module
 from ssl_vit.artifacts import load_encoder, load_heads, read_preprocess, save_heads
+from ssl_vit.backbone import build_vit
 from ssl_vit.cli import register_configs
 from ssl_vit.data import SyntheticShapes, ViewBuilder, build_dataset, make_loader
 from ssl_vit.ema import EMA
@@ -35,7 +36,6 @@ from ssl_vit.optim import apply_schedule, build_optimizer
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.schema import ConfigError, validate_config
 from ssl_vit.train import build_components, pretrain
-from ssl_vit.vit import build_vit
 
 SMALL = dict(out_dim=64, ibot_out_dim=64, hidden_dim=32, bottleneck_dim=16, local_crops=2)
 
@@ -73,8 +73,8 @@ def test_the_teacher_has_no_stochastic_depth_or_dropout():
     torch.manual_seed(0)
     objective = build_objective(DINOConfig(**SMALL), build_vit("vit_test", drop_path=0.5, proj_drop=0.1),
                                 DataInfo(8, 16))
-    assert objective.backbone.config["drop_path"] == 0.5
-    assert objective.teacher.backbone.config["drop_path"] == 0.0 == objective.teacher.backbone.config["proj_drop"]
+    assert objective.backbone.config.drop_path == 0.5
+    assert objective.teacher.backbone.config.drop_path == 0.0 == objective.teacher.backbone.config.proj_drop
     images = torch.randn(4, 3, 16, 16)
     teacher, student = objective.teacher.backbone.train(), objective.backbone.train()
     assert torch.equal(teacher.forward_features(images), teacher.forward_features(images))

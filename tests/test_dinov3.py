@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.cli import register_configs
 from ssl_vit.data import make_loader
 from ssl_vit.data.multicrop import PARAMETERS, MultiCropViews
@@ -28,7 +29,6 @@ from ssl_vit.objectives.losses.gram import gram_loss
 from ssl_vit.objectives.patches import resize_patch_features
 from ssl_vit.schema import ConfigError, validate_config
 from ssl_vit.train import build_components
-from ssl_vit.vit import build_vit
 
 SMALL = dict(out_dim=64, ibot_out_dim=64, hidden_dim=32, bottleneck_dim=16, local_crops=2)
 

@@ -19,6 +19,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from ssl_vit.artifacts import load_encoder, save_encoder, save_encoder_state, save_heads
+from ssl_vit.backbone import build_vit
 from ssl_vit.cli import explain_hydra_error, register_configs
 from ssl_vit.config import EvalConfig
 from ssl_vit.data.views import PairedCrops, ViewBuilder
@@ -31,7 +32,6 @@ from ssl_vit.objectives.patches import resize_patch_features
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.schema import ConfigError, validate_config
 from ssl_vit.train.build import build_components
-from ssl_vit.vit import build_vit
 
 CLIP_TOWERS = dict(embed_dim=12, context_length=16, text_width=16, text_heads=2, text_layers=1)
 

@@ -8,6 +8,7 @@ import torch
 from sklearn.linear_model import LogisticRegression
 from sklearn.neighbors import NearestNeighbors
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.data import Digits, ViewBuilder
 from ssl_vit.eval.features import cache_key, cached, extract_features, features_from_tokens
 from ssl_vit.eval.fewshot import fewshot_eval, ridge_fit
@@ -15,7 +16,6 @@ from ssl_vit.eval.knn import knn_eval, knn_predict
 from ssl_vit.eval.linear import fit_logistic, linear_probe, standardise
 from ssl_vit.eval.run import chance_levels, feature_cache_dir, print_table
 from ssl_vit.eval.segmentation import constant_prediction_scores
-from ssl_vit.vit import build_vit
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,9 @@ import pytest
 import torch
 from helpers.builders import pretrain_config
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.eval.finetune import Classifier, finetune
 from ssl_vit.train import pretrain
-from ssl_vit.vit import build_vit
 
 
 class Colours(torch.utils.data.Dataset):

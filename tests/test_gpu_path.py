@@ -12,13 +12,13 @@ from accelerate.utils import DistributedType
 from helpers.builders import clip_batch, clip_model, objective_and_batch
 from safetensors.torch import save_file
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.data import SyntheticShapes
 from ssl_vit.eval.features import extract_features
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.train import strategy
 from ssl_vit.train.strategy import compile_cache_dir, enable_tf32, fsdp2_mixed_precision, fused_optimizer
 from ssl_vit.train.trainer import Meter, MicroSteps
-from ssl_vit.vit import build_vit
 
 
 class _DeepSpeedLike:

@@ -13,8 +13,8 @@ from timm.models.resnetv2 import ResNetV2
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 
 from ssl_vit.artifacts import load_encoder
+from ssl_vit.backbone import PRESETS, VisionTransformer, build_vit, count_parameters
 from ssl_vit.interop.timm import export_timm, from_timm
-from ssl_vit.vit import PRESETS, VisionTransformer, build_vit, count_parameters
 
 SMALL_VIT = dict(embed_dim=32, depth=2, num_heads=2)
 
@@ -150,7 +150,7 @@ def test_hybrid_trains_through_the_cli_and_saves_a_loadable_encoder(tmp_path):
     losses = [m["loss"] for m in read_metrics(out) if "loss" in m]
     assert len(losses) == 12 and min(losses[-3:]) < losses[0]
     encoder = load_encoder(out / "encoder.safetensors")
-    assert encoder.config["stem"] == "resnet" and encoder.config["patch_size"] == 1 and encoder.grid_size == (8, 8)
+    assert encoder.config.stem == "resnet" and encoder.config.patch_size == 1 and encoder.grid_size == (8, 8)
     assert "patch_embed.backbone.stages.0.blocks.0.conv2.weight" in encoder.state_dict()
     assert PRESETS["vit_test"]["patch_size"] == 4  # the preset's 4x4 pixel patches were not used
 

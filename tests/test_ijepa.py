@@ -13,9 +13,9 @@ from conftest import pretrain_in_process
 from safetensors.torch import load_file
 from torch import nn
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.objectives import DataInfo, build_objective, load_trained
 from ssl_vit.objectives.ijepa import IJEPAConfig, MultiBlockMasks, momentum_at
-from ssl_vit.vit import build_vit
 
 
 class ReferenceMaskCollator:

@@ -1,5 +1,5 @@
-"""Weight-init schemes (ssl_vit.init) against their definitions, on the meta device as in a normal build, and the
-presets' default."""
+"""Weight-init schemes (ssl_vit.backbone.init) against their definitions, on the meta device as in a normal build, and
+the presets' default."""
 
 import math
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 from helpers.builders import pretrain_config
 
-from ssl_vit.init import materialize
+from ssl_vit.backbone import build_vit
+from ssl_vit.backbone.init import materialize
 from ssl_vit.train.build import build_components, build_run
-from ssl_vit.vit import build_vit
 
 D, HIDDEN = 384, 1536  # vit_s16
 
@@ -122,7 +122,7 @@ def test_the_mocov3_scheme_is_vits_py_and_objective_mocov3_builds_with_it(tmp_pa
 
     cfg = pretrain_config(tmp_path, "objective=mocov3_tiny", "data.num_samples=16")
     run = build_run(cfg, *build_components(cfg), world=1)
-    assert run.objective.backbone.config["weight_init"] == "mocov3"
+    assert run.objective.backbone.config.weight_init == "mocov3"
     assert {group["weight_decay"] for group in run.optimizer.param_groups} == {0.1}
 
 
@@ -156,7 +156,7 @@ def test_the_ijepa_and_dinov3_schemes_are_their_references_and_their_objectives_
     for objective, scheme in (("ijepa_tiny", "ijepa"), ("dinov3_tiny", "dinov3")):
         cfg = pretrain_config(tmp_path, f"objective={objective}", "data.num_samples=16", "data.img_size=32")
         run = build_run(cfg, *build_components(cfg), world=1)
-        assert run.objective.backbone.config["weight_init"] == scheme
+        assert run.objective.backbone.config.weight_init == scheme
 
 
 def test_the_mae_scheme_is_models_mae_py_and_objective_mae_builds_with_it(tmp_path):
@@ -174,5 +174,5 @@ def test_the_mae_scheme_is_models_mae_py_and_objective_mae_builds_with_it(tmp_pa
     assert _std(vit.cls_token) == pytest.approx(0.02, rel=0.15)
     cfg = pretrain_config(tmp_path, "objective=mae", "data.num_samples=16")
     run = build_run(cfg, *build_components(cfg), world=1)
-    assert run.objective.backbone.config["weight_init"] == "mae"
+    assert run.objective.backbone.config.weight_init == "mae"
     assert cfg.optim.min_lr == 0 and cfg.optim.grad_clip is None  # main_pretrain.py's --min_lr, no clip_grad

@@ -16,13 +16,13 @@ from helpers.inprocess import run_script
 from helpers.ranks import pretrain_ranks
 
 from ssl_vit.artifacts import save_encoder
+from ssl_vit.backbone import build_vit
 from ssl_vit.files import plain_mode
 from ssl_vit.interop.hf import export_hf, from_hf
 from ssl_vit.interop.onnx import export_onnx
 from ssl_vit.interop.sources import load_pretrained
 from ssl_vit.interop.timm import export_timm
 from ssl_vit.preprocess import Preprocess
-from ssl_vit.vit import build_vit
 
 TRANSFORMERS4 = ROOT / ".venv" / "compat" / "transformers4"
 
@@ -508,8 +508,8 @@ def test_init_from_under_whole_and_sharded_parameters_resamples_to_the_run_size_
                             log_dir=tmp_path / "ranks"))
     assert read_metrics(run)[0]["lr"] == 0.0
     trained = load_encoder(run / "encoder.safetensors")
-    assert trained.config["img_size"] == [24, 24] and trained.config["layer_scale"] == 0.1
-    assert trained.config["pos_embed_antialias"] is False  # DINOv2 / transformers resampling recorded
+    assert trained.config.img_size == 24 and trained.config.layer_scale == 0.1
+    assert trained.config.pos_embed_antialias is False  # DINOv2 / transformers resampling recorded
     expected = from_hf(tmp_path / "hf")
     expected.set_img_size(24)
     for key, value in expected.state_dict().items():
@@ -595,7 +595,7 @@ def test_hf_import_of_directories_transformers_wrote_itself(tmp_path, name):
         else:
             close(out.last_hidden_state, tokens)
         close(out.hidden_states[-2], ours.blocks[:-1](ours.norm_pre(ours.embed(x))))
-    assert ours.config["act_layer"] == {"clip": "quick_gelu", "sigl": "gelu_tanh"}.get(name[:4], "gelu")
+    assert ours.config.act_layer == {"clip": "quick_gelu", "sigl": "gelu_tanh"}.get(name[:4], "gelu")
 
 
 def test_init_from_gives_a_dino_teacher_and_student_the_source_weights(tmp_path):

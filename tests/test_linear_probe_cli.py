@@ -7,8 +7,8 @@ from conftest import ROOT
 from helpers.inprocess import run_script
 
 from ssl_vit.artifacts import save_encoder
+from ssl_vit.backbone import build_vit
 from ssl_vit.interop.timm import from_timm
-from ssl_vit.vit import build_vit
 
 
 def _probe(*overrides, script=None):

@@ -4,10 +4,10 @@ import torch
 from helpers.builders import mae_objective
 from transformers.models.vit_mae import modeling_vit_mae
 
+from ssl_vit.backbone import VisionTransformer, sincos_pos_embed_2d
 from ssl_vit.data import SyntheticShapes, ViewBuilder, build_loader
 from ssl_vit.objectives.mae import mae_loss
 from ssl_vit.objectives.patches import patchify, per_sample_shuffle, unpatchify
-from ssl_vit.vit import VisionTransformer, sincos_pos_embed_2d
 
 
 def _mae_reference_sincos(embed_dim, grid_size):

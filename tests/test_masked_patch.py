@@ -2,11 +2,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.data import SyntheticShapes, ViewBuilder
 from ssl_vit.objectives import DataInfo, build_objective
 from ssl_vit.objectives.masked_patch import MaskedPatchConfig, colour_targets, corrupt_patches, quantise_colour
 from ssl_vit.objectives.patches import patchify, unpatchify
-from ssl_vit.vit import build_vit
 
 
 def _objective(**options):

@@ -12,10 +12,10 @@ from conftest import pretrain_in_process
 from helpers.ranks import on_ranks
 from torch import nn
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.objectives import DataInfo, build_objective, load_trained
 from ssl_vit.objectives.mocov3 import MoCoV3Config, momentum_at
 from ssl_vit.optim import param_groups
-from ssl_vit.vit import build_vit
 
 
 def _objective(**overrides):

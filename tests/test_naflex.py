@@ -7,12 +7,12 @@ import timm
 import torch
 import transformers
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.interop.hf import export_hf, from_hf
 from ssl_vit.interop.sources import load_pretrained
 from ssl_vit.interop.timm import converts, from_timm
 from ssl_vit.interop.timm_naflex import export_timm_naflex
 from ssl_vit.naflex import NaFlexLayout, batch_grids, pack, patchify, unpack, unpatchify
-from ssl_vit.vit import build_vit
 
 IMAGES = ((24, 40), (32, 32), (16, 48), (8, 12))  # pixels; 4 x 4 patches: grids 6x10, 8x8, 4x12, 2x3
 
@@ -200,7 +200,7 @@ def test_siglip2_export_and_import_match_transformers(tmp_path):
         tokens = ours.fc_norm(ours.forward_features(batch))  # SigLIP normalises every token (post_layernorm)
         assert (hidden[valid] - tokens[valid]).abs().max() < 1e-5
         back = from_hf(tmp_path)
-        assert back.config["pos_embed_interp"] == "bilinear"
+        assert back.config.pos_embed_interp == "bilinear"
         assert torch.allclose(back.forward_features(batch)[valid], ours.forward_features(batch)[valid], atol=1e-6)
 
 
@@ -380,8 +380,7 @@ def test_a_token_drop_keeps_positions_and_validity_consistent():
         tokens = vit.forward_features(batch, keep=keep)
         layout = vit.naflex_layout(batch)
         only_kept = torch.zeros_like(batch["patch_valid"]).scatter(1, keep, True) & batch["patch_valid"]
-        masked = vit.run_blocks(vit.embed_naflex(batch, layout), layout=NaFlexLayout(layout.grids, layout.index,
-                                                                                      only_kept))
+        masked = vit.run_blocks(vit.embed_naflex(batch, layout), NaFlexLayout(layout.grids, layout.index, only_kept))
     for row in range(4):
         expected = masked[row, prefix:][keep[row][kept_valid[row]]]
         assert torch.allclose(tokens[row, prefix:][kept_valid[row]], expected, atol=1e-5)

@@ -173,11 +173,11 @@ def test_distill_trains_on_naflex_batches_with_each_teacher_map_resized_to_each_
     """The teachers see the same crop box at their own fixed size; their patch maps are resized to each image's grid
     (as the dense path resizes them to the batch's): per image, the targets equal resizing that image's map alone."""
     from ssl_vit.artifacts import save_encoder
+    from ssl_vit.backbone import build_vit
     from ssl_vit.naflex import NaFlexLayout, pack
     from ssl_vit.objectives.distill import _resize_per_image
     from ssl_vit.objectives.patches import resize_patch_features
     from ssl_vit.preprocess import Preprocess
-    from ssl_vit.vit import build_vit
 
     teacher = save_encoder(build_vit("vit_test", img_size=24, patch_size=4), tmp_path / "teacher.safetensors",
                            Preprocess(24, mean=[0.5] * 3, std=[0.25] * 3))

@@ -4,10 +4,10 @@ import torch.nn.functional as F
 from helpers.builders import pretrain_config
 from omegaconf import OmegaConf
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.objectives import OBJECTIVES, DataInfo, Objective, build_objective
 from ssl_vit.objectives.supervised import Supervised, SupervisedConfig
 from ssl_vit.train.build import build_components
-from ssl_vit.vit import build_vit
 
 
 @pytest.mark.parametrize("head, layers", [("mlp", 3), ("linear", 1)])

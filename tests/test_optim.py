@@ -6,6 +6,7 @@ import torch
 from helpers.builders import pretrain_config
 from omegaconf import OmegaConf
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.config import OptimConfig, peak_lr
 from ssl_vit.objectives.base import DataInfo
 from ssl_vit.objectives.supervised import Supervised, SupervisedConfig
@@ -13,7 +14,6 @@ from ssl_vit.optim import apply_schedule, param_groups, schedule, weight_decay_s
 from ssl_vit.schema import ConfigError
 from ssl_vit.train.build import build_components, build_run
 from ssl_vit.train.trainer import describe_run
-from ssl_vit.vit import build_vit
 
 
 def test_no_weight_decay_on_biases_norms_pos_embed_and_tokens():

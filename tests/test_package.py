@@ -35,9 +35,9 @@ def test_the_command_lists_every_script_and_refuses_an_unknown_one_in_one_line(c
 
 
 def test_a_missing_optional_package_is_one_line_naming_its_extra(monkeypatch, tmp_path):
+    from ssl_vit.backbone import build_vit
     from ssl_vit.interop.hf import hf_config
     from ssl_vit.interop.onnx import export_onnx
-    from ssl_vit.vit import build_vit
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # import raises ModuleNotFoundError, as when absent
     with pytest.raises(MissingExtra, match=r"^a transformers export \(--to hf\) needs transformers, which is not "

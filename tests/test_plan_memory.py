@@ -9,6 +9,7 @@ from conftest import ROOT
 from helpers.inprocess import run_script
 from helpers.kept_for_backward import kept_for_backward
 
+from ssl_vit.backbone import build_vit, count_parameters
 from ssl_vit.schema import ConfigError
 from ssl_vit.train.memory import (
     DEEPSPEED_BUCKET,
@@ -20,7 +21,6 @@ from ssl_vit.train.memory import (
     plan,
     smallest_gpu_count,
 )
-from ssl_vit.vit import build_vit, count_parameters
 
 
 def test_meta_device_counts_match_the_paper_table_and_the_built_model():
@@ -86,8 +86,8 @@ def test_kept_activations_are_what_the_forward_leaves_alive_for_backward(name, c
     (True, {"window_size": 5, "global_attn_indexes": [1], "rel_pos": True}, 0.10),
 ])
 def test_windowed_blocks_keep_what_the_planner_says(prefix, windows, tolerance):
-    """Windowed attention and relative positions (ssl_vit.windows) against the storages a real fp32 forward keeps
-    for its backward."""
+    """Windowed attention and relative positions (ssl_vit.backbone.windows) against the storages a real fp32 forward
+    keeps for its backward."""
     size = dict(img_size=48, embed_dim=64, depth=3, num_heads=4, **({} if prefix else
                                                                     {"class_token": False, "global_pool": "avg"}))
     model = build_vit("vit_test", **size, **windows)

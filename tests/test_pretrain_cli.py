@@ -11,8 +11,8 @@ from conftest import check_ok as _ok
 from safetensors.torch import load_file
 
 from ssl_vit.artifacts import load_encoder
+from ssl_vit.backbone import sincos_pos_embed_2d
 from ssl_vit.data import StepBatchSampler
-from ssl_vit.vit import sincos_pos_embed_2d
 
 
 @pytest.mark.slow

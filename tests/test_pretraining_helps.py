@@ -21,10 +21,10 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.preprocessing import StandardScaler
 
 from ssl_vit.artifacts import load_encoder, read_preprocess
+from ssl_vit.backbone import build_vit
 from ssl_vit.cli import register_configs
 from ssl_vit.data import SyntheticShapes
 from ssl_vit.train import pretrain
-from ssl_vit.vit import build_vit
 
 MARGIN = 0.10
 

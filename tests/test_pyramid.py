@@ -1,4 +1,4 @@
-"""ViTDet's simple feature pyramid (ssl_vit.pyramid): levels, names and strides as detectron2's
+"""ViTDet's simple feature pyramid (ssl_vit.backbone.pyramid): levels, names and strides as detectron2's
 SimpleFeaturePyramid gives them (read from detectron2/modeling/backbone/vit.py: detectron2 is not installable here),
 each level the functional composition of its layers; the segmentation probe reads a level."""
 
@@ -9,11 +9,11 @@ from conftest import ROOT
 from hydra import compose, initialize_config_dir
 
 from ssl_vit.artifacts import save_encoder
+from ssl_vit.backbone import build_vit
+from ssl_vit.backbone.pyramid import SimpleFeaturePyramid
 from ssl_vit.cli import register_configs
 from ssl_vit.eval.run import evaluate
-from ssl_vit.pyramid import SimpleFeaturePyramid
 from ssl_vit.schema import ConfigError
-from ssl_vit.vit import build_vit
 
 
 def _ln(x, norm):

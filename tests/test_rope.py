@@ -1,5 +1,5 @@
-"""2-D rotary position embeddings (ssl_vit.rope, model.pos_embed=rope) against DINOv3's formulas and timm's port,
-and timm's DINOv3 ViTs imported with their outputs (1e-5, fp32)."""
+"""2-D rotary position embeddings (ssl_vit.backbone.rope, model.pos_embed=rope) against DINOv3's formulas and timm's
+port, and timm's DINOv3 ViTs imported with their outputs (1e-5, fp32)."""
 
 import json
 import math
@@ -11,11 +11,11 @@ import timm
 import torch
 from timm.layers import RotaryEmbeddingDinoV3
 
+from ssl_vit.backbone import VisionTransformer
+from ssl_vit.backbone.rope import AxialRope, MixedRope, Rope2D, apply_rope, build_rope
 from ssl_vit.interop.hf_dinov3 import dinov3_refusals
 from ssl_vit.interop.timm import export_timm, from_timm
 from ssl_vit.optim import build_optimizer
-from ssl_vit.rope import AxialRope, MixedRope, Rope2D, apply_rope, build_rope
-from ssl_vit.vit import VisionTransformer
 
 
 def _dinov3_rope(head_dim, grid, base=100.0, min_period=None, max_period=None, normalize="separate", shift=None,
@@ -144,7 +144,7 @@ def test_timms_rope_vit_models_import_with_their_outputs_and_export_back(name, t
     timm builds as that architecture, with our outputs; transformers' DINOv3 export refuses the variant by name."""
     model = _perturbed_timm(name)
     ours = from_timm(model).eval()
-    assert ours.config["rope_kind"] == ("mixed" if "mixed" in name else "axial")
+    assert ours.config.rope_kind == ("mixed" if "mixed" in name else "axial")
     images = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         torch.testing.assert_close(ours.forward_features(images), model.forward_features(images), atol=1e-5,
@@ -161,8 +161,8 @@ def test_timms_rope_vit_models_import_with_their_outputs_and_export_back(name, t
         assert (exported - model.forward_features(images)).abs().max() > 1e-2  # the moved weights, not timm's
     assert any("rope_kind=" in problem for problem in dinov3_refusals(ours.config))
     odd = VisionTransformer(img_size=32, patch_size=16, embed_dim=64, depth=1, num_heads=2, pos_embed="rope",
-                            rope_kind=ours.config["rope_kind"], rope_theta=100.0, norm_eps=1e-5)
-    with pytest.raises(ValueError, match=rf"rope_kind='{ours.config['rope_kind']}' .*cannot express: norm_eps=1e-05"):
+                            rope_kind=ours.config.rope_kind, rope_theta=100.0, norm_eps=1e-5)
+    with pytest.raises(ValueError, match=rf"rope_kind='{ours.config.rope_kind}' .*cannot express: norm_eps=1e-05"):
         export_timm(odd, tmp_path / "refused")
 
 
@@ -172,7 +172,7 @@ def test_timms_dinov3_vits_import_with_their_outputs(name):
     at the native grid and another one (RoPE needs no resampling); the class token is the pooled embedding."""
     model = _perturbed_timm(name)
     ours = from_timm(model).eval()
-    assert ours.config["pos_embed"] == "rope" and ours.num_prefix_tokens == 5 and ours.pos_embed is None
+    assert ours.config.pos_embed == "rope" and ours.num_prefix_tokens == 5 and ours.pos_embed is None
     for size in (64, 48):
         images = torch.randn(2, 3, size, size)
         with torch.no_grad():
@@ -180,7 +180,7 @@ def test_timms_dinov3_vits_import_with_their_outputs(name):
             got = ours.forward_features(images)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ours(images), expected[:, 0], atol=1e-5, rtol=1e-5)
-    rebuilt = VisionTransformer(**ours.config)
+    rebuilt = VisionTransformer(ours.config)
     rebuilt.load_state_dict(ours.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(rebuilt.eval().forward_features(images), got)
@@ -312,7 +312,7 @@ def test_a_rope_encoder_exports_as_timms_dinov3_and_loads_there_with_our_outputs
 def test_sincos_is_maes_fixed_table_and_none_adds_no_position():
     """pos_embed=sincos: MAE's 2-D sin-cos table (class slot zero), not trained; none: nothing added, so the patch
     tokens' outputs follow a permutation of the patches."""
-    from ssl_vit.vit import sincos_pos_embed_2d
+    from ssl_vit.backbone import sincos_pos_embed_2d
 
     fixed = VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, pos_embed="sincos")
     assert not fixed.pos_embed.requires_grad
@@ -350,7 +350,7 @@ def test_model_init_from_takes_timms_dinov3_checkpoints_and_dinov3vitmodel_direc
             cfg = compose("pretrain", overrides=["objective=masked_patch", f"model.init_from={spec}",
                                                  "data.img_size=32", "data.num_samples=8", "output_dir=x"])
         backbone = build_components(cfg)[0].backbone.eval()
-        assert backbone.config["pos_embed"] == "rope" and backbone.patch_embed.img_size == (32, 32)
+        assert backbone.config.pos_embed == "rope" and backbone.patch_embed.img_size == (32, 32)
         if source is not None:
             with torch.no_grad():
                 torch.testing.assert_close(backbone.forward_features(images), source.eval().forward_features(images),

@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 from PIL import Image
 
 from ssl_vit.artifacts import save_encoder
+from ssl_vit.backbone import build_vit
 from ssl_vit.cli import register_configs
 from ssl_vit.data.segmentation import ALPHA_THRESHOLD, IGNORE_INDEX, SegmentationFolder, TuxPaintComposites
 from ssl_vit.data.synthetic import COLOURS, SHAPES, SIZES, SyntheticShapes
@@ -18,7 +19,6 @@ from ssl_vit.eval.run import evaluate
 from ssl_vit.eval.segmentation import extract_dense, linear_segmentation, scores
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.schema import ConfigError
-from ssl_vit.vit import build_vit
 
 
 def test_synthetic_masks_are_the_generators_discs_and_squares():

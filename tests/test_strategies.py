@@ -19,7 +19,7 @@ from helpers.ranks import launch_ranks
 from safetensors.torch import load_file
 
 from ssl_vit.artifacts import load_encoder
-from ssl_vit.vit import build_vit
+from ssl_vit.backbone import build_vit
 
 distributed = pytest.mark.distributed
 
@@ -207,7 +207,7 @@ def test_a_non_finite_loss_under_zero2_is_skipped_and_counted_with_the_weights_u
     assert all(torch.isfinite(v).all() for v in after.values())
 
 
-INIT_TARGETS = {  # the std each scheme gives two large weights of vit_b16 (ssl_vit.init)
+INIT_TARGETS = {  # the std each scheme gives two large weights of vit_b16 (ssl_vit.backbone.init)
     "timm": {"blocks.0.attn.qkv.weight": 0.02, "blocks.0.mlp.fc1.weight": 0.02},
     "jax": {"blocks.0.attn.qkv.weight": 1 / math.sqrt(768),  # xavier-uniform per q/k/v: std sqrt(2 / (768 + 768))
             "blocks.0.mlp.fc1.weight": math.sqrt(2 / (768 + 3072))},

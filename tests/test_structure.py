@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
+from ssl_vit.backbone import ViTConfig
 from ssl_vit.config import EvalConfig, ModelConfig, OptimConfig, PlanConfig, PretrainConfig, TrainerConfig
 from ssl_vit.data import DATASETS
 from ssl_vit.data.config import AugRegConfig
@@ -193,7 +194,8 @@ def test_nothing_but_the_untrusted_module_unpickles_and_resume_checks_before_acc
 
 
 def _schemas() -> list[type]:
-    return [ModelConfig, OptimConfig, TrainerConfig, EvalConfig, PretrainConfig, PlanConfig, AugRegConfig,
+    """The schemas written out in source (ModelConfig is made from ViTConfig's fields, with their checks)."""
+    return [ViTConfig, OptimConfig, TrainerConfig, EvalConfig, PretrainConfig, PlanConfig, AugRegConfig,
             *(kind.config for kind in DATASETS.values()), *(cls.config_class for cls in OBJECTIVES.values())]
 
 
@@ -261,3 +263,24 @@ def test_building_a_run_reads_its_config_and_never_writes_it(overrides, tmp_path
     OmegaConf.set_readonly(cfg, True)
     objective, dataset, *_ = build_components(cfg)
     assert OmegaConf.is_readonly(cfg) and len(dataset) > 0 and objective.backbone is not None
+
+
+def test_the_backbone_forward_asks_no_input_kind_and_its_config_is_frozen():
+    """Dense and NaFlex batches differ in ssl_vit/backbone/embeddings.py alone (the placement it returns is all the
+    blocks see); a built model's ViTConfig cannot be changed in place, and a resize gives a new one."""
+    import dataclasses
+
+    import pytest
+
+    from ssl_vit.backbone import build_vit
+
+    backbone = ROOT / "ssl_vit" / "backbone"
+    asking = [path.name for path in sorted(backbone.glob("*.py"))
+              if "is_naflex" in path.read_text() and path.name != "embeddings.py"]
+    assert asking == []
+    vit = build_vit("vit_test")
+    before = vit.config
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        vit.config.embed_dim = 64
+    vit.set_img_size(32)
+    assert before.img_size == 16 and vit.config.img_size == (32, 32) and vit.config is not before

@@ -13,10 +13,10 @@ from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch import nn
 
 from ssl_vit.artifacts import load_encoder, save_encoder
+from ssl_vit.backbone import VisionTransformer, build_vit, resample_pos_embed
+from ssl_vit.backbone.init import LayerScale as OurLayerScale
 from ssl_vit.config import ModelConfig, model_kwargs
-from ssl_vit.init import LayerScale as OurLayerScale
 from ssl_vit.interop.timm import from_timm, layer_scale_init
-from ssl_vit.vit import VisionTransformer, build_vit, resample_pos_embed
 
 
 def _gammas(model: nn.Module) -> torch.Tensor:
@@ -28,8 +28,8 @@ def _check_import(theirs: nn.Module, size: int, init_value: float) -> VisionTran
     randomise(theirs)  # trained-looking weights: the gammas no longer hold the init value
     theirs.eval()
     ours = from_timm(theirs).eval()
-    assert ours.config["layer_scale"] == init_value
-    fresh = VisionTransformer(**ours.config)
+    assert ours.config.layer_scale == init_value
+    fresh = VisionTransformer(ours.config)
     gammas = _gammas(fresh)
     assert gammas.numel() > 0 and torch.equal(gammas, torch.full_like(gammas, init_value))
     images = torch.randn(2, 3, size, size)
@@ -43,7 +43,7 @@ def test_dinov2_import_records_its_layer_scale_init_and_resampling():
     assert theirs.blocks[0].ls1.init_values == 1e-5
     ours = _check_import(theirs, 56, 1e-5)
     assert (ours.pos_embed_interp, ours.pos_embed_antialias) == ("bicubic", False)
-    assert (ours.config["pos_embed_interp"], ours.config["pos_embed_antialias"]) == ("bicubic", False)
+    assert (ours.config.pos_embed_interp, ours.config.pos_embed_antialias) == ("bicubic", False)
     overridden = from_timm(theirs, pos_embed_antialias=True, pos_embed_interp="bilinear")
     assert (overridden.pos_embed_interp, overridden.pos_embed_antialias) == ("bilinear", True)
 
@@ -56,7 +56,7 @@ def test_plain_timm_import_records_layer_scale_and_timm_resampling(block_fn):
     ours = _check_import(theirs, 16, 0.1)
     assert (ours.pos_embed_interp, ours.pos_embed_antialias) == ("bicubic", True)  # resample_abs_pos_embed's
     without = from_timm(TimmViT(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=0))
-    assert without.config["layer_scale"] is None
+    assert without.config.layer_scale is None
 
 
 def test_layer_scale_init_without_a_record_comes_from_equal_gammas_or_is_an_error():
@@ -68,7 +68,7 @@ def test_layer_scale_init_without_a_record_comes_from_equal_gammas_or_is_an_erro
     randomise(theirs)
     with pytest.raises(ValueError, match="layer_scale="):
         from_timm(theirs)
-    assert from_timm(theirs, layer_scale=0.25).config["layer_scale"] == 0.25
+    assert from_timm(theirs, layer_scale=0.25).config.layer_scale == 0.25
 
 
 def test_resampling_without_antialias_is_plain_bicubic_interpolation():
@@ -150,7 +150,7 @@ def test_the_option_round_trips_through_the_encoder_file(tmp_path):
 
 
 def test_fine_tuning_at_another_size_uses_the_encoders_resampling(monkeypatch):
-    import ssl_vit.vit as vit
+    import ssl_vit.backbone.vit as vit
     from ssl_vit.eval.finetune import finetune
 
     class Grey(torch.utils.data.Dataset):

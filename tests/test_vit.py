@@ -11,7 +11,8 @@ from timm.models.vision_transformer import ParallelScalingBlock
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 from torch import nn
 
-from ssl_vit.vit import PRESETS, Attention, PatchEmbed, build_vit, count_parameters, resample_pos_embed
+from ssl_vit.backbone import PRESETS, PatchEmbed, build_vit, count_parameters, resample_pos_embed
+from ssl_vit.backbone.attention import Attention
 
 
 def test_patch_embedding_equals_patchify_then_matmul():

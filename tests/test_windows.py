@@ -1,4 +1,4 @@
-"""ViTDet / SAM windowed attention and decomposed relative positions (ssl_vit.windows, the backbone's
+"""ViTDet / SAM windowed attention and decomposed relative positions (ssl_vit.backbone.windows, the backbone's
 window_size / global_attn_indexes / rel_pos): identities, a block against timm's SAM block, timm's SAM ViT imported,
 a pre-trained run windowed for evaluation and fine-tuning, bad settings."""
 
@@ -13,13 +13,13 @@ from hydra import compose, initialize_config_dir
 from timm.models import vision_transformer_sam as timm_sam
 
 from ssl_vit.artifacts import load_encoder, save_encoder
+from ssl_vit.backbone import Block, build_vit, with_windows
+from ssl_vit.backbone.windows import decomposed_rel_pos_bias, rel_pos_table, window_partition, window_unpartition
 from ssl_vit.cli import register_configs
 from ssl_vit.eval.run import evaluate
 from ssl_vit.interop.sources import load_pretrained
 from ssl_vit.interop.timm import converts, from_timm
 from ssl_vit.schema import ConfigError
-from ssl_vit.vit import Block, build_vit, with_windows
-from ssl_vit.windows import decomposed_rel_pos_bias, rel_pos_table, window_partition, window_unpartition
 
 
 def test_partition_and_unpartition_round_trip_with_padding_exactly():
@@ -139,7 +139,7 @@ def test_with_windows_keeps_the_weights_and_adds_zero_tables():
     torch.manual_seed(0)
     plain = build_vit("vit_test", img_size=32).eval()
     windowed = with_windows(plain, 4, [1], rel_pos=True)
-    assert windowed.config["window_size"] == 4 and windowed.blocks[1].attn.window == 0
+    assert windowed.config.window_size == 4 and windowed.blocks[1].attn.window == 0
     assert windowed.blocks[0].attn.window == 4 and torch.equal(windowed.blocks[0].attn.rel_pos_h,
                                                                torch.zeros(7, 16))
     assert torch.equal(windowed.blocks[0].attn.qkv.weight, plain.blocks[0].attn.qkv.weight)
@@ -185,7 +185,7 @@ def test_a_globally_pre_trained_run_fine_tunes_windowed_from_init_from_with_over
                     "trainer.max_steps=3", "optim.warmup_steps=1", f"hydra.run.dir={out}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     encoder = load_encoder(out / "encoder.safetensors")
-    assert encoder.config["window_size"] == 4 and encoder.config["global_attn_indexes"] == [1]
+    assert encoder.config.window_size == 4 and encoder.config.global_attn_indexes == (1,)
     assert encoder.grid_size == (12, 12) and encoder.blocks[0].attn.rel_pos_h.abs().sum() > 0  # trained from 0
     source_encoder = load_encoder(source / "encoder.safetensors")
     assert source_encoder.blocks[0].attn.rel_pos_h is None
@@ -209,8 +209,8 @@ def test_timms_sam_vit_imports_with_its_windows_relative_positions_and_neck():
             param.add_(torch.randn_like(param) * 0.02)
     assert converts(theirs)
     ours = from_timm(theirs).eval()
-    assert ours.config["window_size"] == 14 and ours.config["global_attn_indexes"] == [2, 5, 8, 11]
-    assert ours.config["rel_pos"] and ours.config["neck_channels"] == 256 and ours.num_prefix_tokens == 0
+    assert ours.config.window_size == 14 and ours.config.global_attn_indexes == (2, 5, 8, 11)
+    assert ours.config.rel_pos and ours.config.neck_channels == 256 and ours.num_prefix_tokens == 0
     images = torch.randn(2, 3, 256, 256)
     with torch.no_grad():
         expected = theirs.forward_features(images)

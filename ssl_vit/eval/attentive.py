@@ -119,5 +119,5 @@ def attentive_eval(encoder, train_set, test_set, views, ecfg, seed: int = 0, pro
     dim = encoder.embed_dim
     return attentive_probe(train_x.view(len(train_x), -1, dim), train_y, test_x.view(len(test_x), -1, dim), test_y,
                            list(ecfg.attentive_lr_values), list(ecfg.attentive_weight_decays), ecfg.attentive_epochs,
-                           ecfg.attentive_batch_size, ecfg.attentive_heads or encoder.config["num_heads"],
+                           ecfg.attentive_batch_size, ecfg.attentive_heads or encoder.config.num_heads,
                            ecfg.val_fraction, seed, progress, len(train_set.classes) or None)

@@ -20,6 +20,8 @@ import torch
 from omegaconf import OmegaConf
 
 from ssl_vit.artifacts import run_directory
+from ssl_vit.backbone import with_windows
+from ssl_vit.backbone.pyramid import SimpleFeaturePyramid
 from ssl_vit.config import EVALUATORS
 from ssl_vit.data import eval_datasets
 from ssl_vit.data.naflex import NaFlexEvalViews
@@ -43,10 +45,8 @@ from ssl_vit.interop.native import NativeEncoder, native_kind
 from ssl_vit.interop.sources import load_pretrained
 from ssl_vit.objectives import load_trained
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
-from ssl_vit.pyramid import SimpleFeaturePyramid
 from ssl_vit.run_dirs import resolve_run
 from ssl_vit.schema import ConfigError, validate_config
-from ssl_vit.vit import with_windows
 
 log = logging.getLogger("ssl_vit")
 FEATURE_EVALUATORS = EVALUATORS[:3]
@@ -131,8 +131,8 @@ def encoder_size(requested: int | None, encoder, recorded) -> int:
 
 
 def windowed(ecfg, encoder, model=None):
-    """The encoder with eval.window_size / eval.global_attn_indexes applied (ssl_vit.vit.with_windows), after it was
-    set to its evaluation size; ConfigError for what cannot run windowed."""
+    """The encoder with eval.window_size / eval.global_attn_indexes applied (ssl_vit.backbone.with_windows), after it
+    was set to its evaluation size; ConfigError for what cannot run windowed."""
     if not ecfg.window_size:
         if ecfg.global_attn_indexes:
             raise ConfigError(f"eval.global_attn_indexes={list(ecfg.global_attn_indexes)} needs eval.window_size > 0")
@@ -147,8 +147,8 @@ def windowed(ecfg, encoder, model=None):
 
 
 def pyramid_dense(encoder, stride: int, seed: int, dense=None):
-    """images -> the `stride` level of ViTDet's simple feature pyramid (ssl_vit.pyramid, seeded with `seed`) over
-    the encoder's last feature map; ConfigError for a stride it has not, or an encoder that is not ours."""
+    """images -> the `stride` level of ViTDet's simple feature pyramid (ssl_vit.backbone.pyramid, seeded with `seed`)
+    over the encoder's last feature map; ConfigError for a stride it has not, or an encoder that is not ours."""
     if isinstance(encoder, NativeEncoder) or dense is not None:
         raise ConfigError(f"eval.pyramid_stride={stride}: the pyramid reads the patch tokens of an encoder of ours")
     torch.manual_seed(seed)
@@ -236,7 +236,7 @@ def check_evaluator_settings(ecfg, encoder) -> None:
             "a library's own model reads image tensors"
         if refusal:
             raise ConfigError(f"eval.resolution=naflex: {refusal}")
-    depth, heads = len(encoder.blocks), encoder.config["num_heads"]
+    depth, heads = len(encoder.blocks), encoder.config.num_heads
     if "segmentation" in ecfg.evaluators and ecfg.segmentation_blocks > depth:
         raise ConfigError(f"eval.segmentation_blocks={ecfg.segmentation_blocks} is more than the encoder's {depth} "
                           f"blocks (valid: 1..{depth})")

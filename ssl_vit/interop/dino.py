@@ -26,9 +26,9 @@ import torch
 from timm.models.vision_transformer import checkpoint_filter_fn
 
 from ssl_vit.artifacts import file_fingerprint
+from ssl_vit.backbone import VisionTransformer, ViTConfig
 from ssl_vit.interop.timm import from_timm, timm_architecture, timm_model_args
 from ssl_vit.untrusted import RESAVE_HINT, UntrustedFile, load_tensors
-from ssl_vit.vit import VisionTransformer
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ TOP_LEVEL = {"dino": {"student": "student.", "teacher": "teacher.", "dino_loss":
 _PARAMETRIZED = {"parametrizations.weight.original0": "weight_g", "parametrizations.weight.original1": "weight_v"}
 
 
-def load_reference_checkpoint(kind: str, file: str, architecture: dict, heads: bool = False):
+def load_reference_checkpoint(kind: str, file: str, architecture: ViTConfig, heads: bool = False):
     """(teacher encoder, None, identity, the rest by our names and the kind, or None unless `heads`) of
     `dino:<file>` / `dinov2:<file>`; `architecture`: our encoder config of the run's `model=`."""
     path = Path(file).expanduser()
@@ -112,16 +112,16 @@ def _our_name(name: str) -> str | None:
     return None
 
 
-def _backbone(state: dict[str, torch.Tensor], architecture: dict, what: str) -> VisionTransformer:
+def _backbone(state: dict[str, torch.Tensor], architecture: ViTConfig, what: str) -> VisionTransformer:
     """A reference backbone state as our encoder: the preset's architecture at the checkpoint's grid, through timm."""
     state = {re.sub(r"^blocks\.\d+\.(\d+)\.", r"blocks.\1.", k) if _chunked(state) else k: v
              for k, v in state.items()}  # DINOv2's block chunks: blocks.<chunk>.<i> -> blocks.<i>
-    config = dict(architecture)
+    config = architecture
     if "pos_embed" in state:
-        prefix = 0 if config.get("no_embed_class") else int(config.get("class_token", True))
+        prefix = 0 if config.no_embed_class else int(config.class_token)
         grid = math.isqrt(state["pos_embed"].shape[1] - prefix)
-        patch = config["patch_size"] if isinstance(config["patch_size"], int) else config["patch_size"][0]
-        config["img_size"] = grid * patch
+        patch = config.patch_size if isinstance(config.patch_size, int) else config.patch_size[0]
+        config = config.replace(img_size=grid * patch)
     model = timm.create_model(timm_architecture(config), pretrained=False, **timm_model_args(config))
     try:
         model.load_state_dict(checkpoint_filter_fn(state, model), strict=True)

@@ -34,12 +34,12 @@ from pathlib import Path
 import torch
 
 from ssl_vit.artifacts import file_fingerprint
+from ssl_vit.backbone import VisionTransformer, ViTConfig
 from ssl_vit.extras import require
 from ssl_vit.files import save_safetensors
 from ssl_vit.interop.hf_dinov3 import dinov3_config, dinov3_refusals, dinov3_state, from_dinov3
 from ssl_vit.interop.native import NativeEncoder, from_hf_native, not_a_vit
 from ssl_vit.preprocess import Preprocess
-from ssl_vit.vit import VisionTransformer
 
 HF_ARCHS = ("vit", "dinov2", "clip", "siglip", "siglip2", "dinov3")
 HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu"}
@@ -76,30 +76,30 @@ def _side(value) -> int:
     return int(value[0] if isinstance(value, (list, tuple)) else value)
 
 
-def refusals(config: dict, arch: str) -> list[str]:
+def refusals(config: ViTConfig, arch: str) -> list[str]:
     """What `arch` cannot represent in an encoder config, each naming the option and the targets that take it."""
     if arch == "dinov3":
         return dinov3_refusals(config)
     problems = []
-    if config.get("pos_embed", "learned") in ("rope", "none"):
-        problems.append(f"pos_embed={config['pos_embed']!r} ({arch} adds learned position embeddings; a RoPE encoder "
+    if config.pos_embed in ("rope", "none"):
+        problems.append(f"pos_embed={config.pos_embed!r} ({arch} adds learned position embeddings; a RoPE encoder "
                         "exports as --hf-arch dinov3)")
-    if config.get("stem", "patch") != "patch":
-        problems.append(f"stem={config['stem']!r} (transformers 5 has no hybrid ViT: 4.x moved ViTHybrid to "
+    if config.stem != "patch":
+        problems.append(f"stem={config.stem!r} (transformers 5 has no hybrid ViT: 4.x moved ViTHybrid to "
                         "deprecated; --to timm takes timm's hybrids, onnx and safetensors any stem)")
-    if config.get("parallel_block"):
+    if config.parallel_block:
         problems.append("parallel_block=True (no transformers vision model has parallel blocks)")
-    if config.get("dist_token"):
+    if config.dist_token:
         problems.append("dist_token=True (transformers' DeiT with a distillation token is not an export target here)")
-    if config.get("qk_norm"):
+    if config.qk_norm:
         problems.append("qk_norm=True (no transformers ViT-family model has QK-norm; open_clip does)")
-    if config.get("num_registers", 0) and arch != "dinov2":
-        problems.append(f"num_registers={config['num_registers']} (of these, only --hf-arch dinov2 has registers)")
-    class_token, pool = config.get("class_token", True), config.get("global_pool", "token")
-    if arch == "siglip2" and (config.get("pos_embed_interp", "bicubic") != "bilinear"
-                              or not config.get("pos_embed_antialias", True)):
-        problems.append(f"pos_embed_interp={config.get('pos_embed_interp', 'bicubic')!r}, pos_embed_antialias="
-                        f"{config.get('pos_embed_antialias', True)} (SigLIP 2 resamples its position grid bilinear "
+    if config.num_registers and arch != "dinov2":
+        problems.append(f"num_registers={config.num_registers} (of these, only --hf-arch dinov2 has registers)")
+    class_token, pool = config.class_token, config.global_pool
+    if arch == "siglip2" and (config.pos_embed_interp != "bilinear"
+                              or not config.pos_embed_antialias):
+        problems.append(f"pos_embed_interp={config.pos_embed_interp!r}, pos_embed_antialias="
+                        f"{config.pos_embed_antialias} (SigLIP 2 resamples its position grid bilinear "
                         "antialiased for each image: train with model.pos_embed_interp=bilinear)")
     if arch in ("siglip", "siglip2"):
         if class_token:
@@ -107,37 +107,37 @@ def refusals(config: dict, arch: str) -> list[str]:
     elif not class_token or pool != "token":
         problems.append(f"class_token={class_token}, global_pool={pool!r} ({arch} pools the class token; an "
                         "average-pooled model without class token exports as --hf-arch siglip)")
-    if arch == "clip" and not config.get("pre_norm"):
+    if arch == "clip" and not config.pre_norm:
         problems.append("pre_norm=False (CLIP normalises before the blocks: pre_layrnorm; use --hf-arch vit or dinov2)")
-    if arch != "clip" and config.get("pre_norm"):
+    if arch != "clip" and config.pre_norm:
         problems.append(f"pre_norm=True ({arch} has no norm before the blocks; use --hf-arch clip)")
     if arch == "dinov2":
-        width = config["embed_dim"]
-        mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
+        width = config.embed_dim
+        mlp_dim = config.mlp_hidden
         if mlp_dim % width:
             problems.append(f"mlp_dim={mlp_dim} (Dinov2Config takes width x an integer mlp_ratio)")
     for key in ("img_size", "patch_size"):
-        value = config[key]
+        value = getattr(config, key)
         if isinstance(value, (list, tuple)) and len(set(value)) > 1:
             problems.append(f"{key}={list(value)} (transformers' vision configs take square sizes)")
     return problems
 
 
-def default_arch(config: dict) -> str:
+def default_arch(config: ViTConfig) -> str:
     """The transformers class an encoder maps to most directly: CLIP for pre-norm models, DINOv2 for layer scale or
     registers, SigLIP without a class token, ViT otherwise."""
-    if config.get("pos_embed") == "rope":
+    if config.pos_embed == "rope":
         return "dinov3"
-    if config.get("pre_norm"):
+    if config.pre_norm:
         return "clip"
-    if not config.get("class_token", True):
+    if not config.class_token:
         return "siglip"
-    if config.get("num_registers") or config.get("layer_scale") is not None:
+    if config.num_registers or config.layer_scale is not None:
         return "dinov2"
     return "vit"
 
 
-def hf_config(config: dict, arch: str, projection_dim: int | None = None):
+def hf_config(config: ViTConfig, arch: str, projection_dim: int | None = None):
     """The transformers config of our encoder as `arch` (ValueError naming everything `arch` cannot hold)."""
     transformers = require("transformers", "a transformers export (--to hf)")
 
@@ -148,22 +148,22 @@ def hf_config(config: dict, arch: str, projection_dim: int | None = None):
         raise ValueError(f"transformers {arch} cannot represent this encoder: " + "; ".join(problems)
                          + f". {_OTHER_TARGETS}.")
     if arch == "dinov3":
-        return dinov3_config(config, HF_ACTIVATIONS[config.get("act_layer", "gelu")])
-    width = config["embed_dim"]
-    mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
-    common = dict(hidden_size=width, num_hidden_layers=config["depth"], num_attention_heads=config["num_heads"],
-                  num_channels=config.get("in_chans", 3), image_size=_side(config["img_size"]),
-                  patch_size=_side(config["patch_size"]),
-                  hidden_act=HF_ACTIVATIONS[config.get("act_layer", "gelu")],
-                  layer_norm_eps=config.get("norm_eps", 1e-6))
+        return dinov3_config(config, HF_ACTIVATIONS[config.act_layer])
+    width = config.embed_dim
+    mlp_dim = config.mlp_hidden
+    common = dict(hidden_size=width, num_hidden_layers=config.depth, num_attention_heads=config.num_heads,
+                  num_channels=config.in_chans, image_size=_side(config.img_size),
+                  patch_size=_side(config.patch_size),
+                  hidden_act=HF_ACTIVATIONS[config.act_layer],
+                  layer_norm_eps=config.norm_eps)
     if arch == "vit":
         return transformers.ViTConfig(**common, intermediate_size=mlp_dim, qkv_bias=True, pooler_act="linear",
                                       pooler_output_size=width, hidden_dropout_prob=0.0,
                                       attention_probs_dropout_prob=0.0, architectures=["ViTModel"])
     if arch == "dinov2":
-        registers = config.get("num_registers", 0)
+        registers = config.num_registers
         kwargs = dict(common, mlp_ratio=mlp_dim // width, qkv_bias=True, use_swiglu_ffn=False,
-                      layerscale_value=config.get("layer_scale") or 1.0, hidden_dropout_prob=0.0,
+                      layerscale_value=config.layer_scale or 1.0, hidden_dropout_prob=0.0,
                       attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
         if registers:
             if not hasattr(transformers, "Dinov2WithRegistersConfig"):
@@ -180,17 +180,17 @@ def hf_config(config: dict, arch: str, projection_dim: int | None = None):
     if arch == "siglip2":
         common.pop("image_size")
         return transformers.Siglip2VisionConfig(**common, intermediate_size=mlp_dim, attention_dropout=0.0,
-                                                num_patches=(_side(config["img_size"]) // common["patch_size"]) ** 2,
+                                                num_patches=(_side(config.img_size) // common["patch_size"]) ** 2,
                                                 vision_use_head=False, architectures=["Siglip2VisionModel"])
     return transformers.SiglipVisionConfig(**common, intermediate_size=mlp_dim, attention_dropout=0.0,
                                            vision_use_head=False, architectures=["SiglipVisionModel"])
 
 
-def hf_state(state: dict, config: dict, arch: str, projection: torch.Tensor | None = None) -> dict:
+def hf_state(state: dict, config: ViTConfig, arch: str, projection: torch.Tensor | None = None) -> dict:
     """Our encoder state dict under `arch`'s transformers 4.x names (which 5.x loads too)."""
-    width, depth = config["embed_dim"], config["depth"]
+    width, depth = config.embed_dim, config.depth
     block_names, block4, _, prefix = _LAYOUTS[arch]
-    registers = config.get("num_registers", 0)
+    registers = config.num_registers
     out = {}
 
     def get(name: str, size: int | None = None, fill: float = 0.0) -> torch.Tensor:
@@ -201,7 +201,7 @@ def hf_state(state: dict, config: dict, arch: str, projection: torch.Tensor | No
 
     # position embeddings with exactly one (class) prefix slot, or none (SigLIP)
     pos = state["pos_embed"][0].clone()
-    pos_prefix = 0 if config.get("no_embed_class") else int(config.get("class_token", True)) + registers
+    pos_prefix = 0 if config.no_embed_class else int(config.class_token) + registers
     patch_pos = pos[pos_prefix:]
     class_pos = pos[:1] if pos_prefix else torch.zeros(1, width)
     reg_pos = pos[1:pos_prefix] if pos_prefix else torch.zeros(registers, width)
@@ -292,7 +292,7 @@ def export_hf(encoder, out_dir: str | Path, arch: str | None = None, projection:
              else hf_state(encoder.state_dict(), config, arch, projection))
     save_safetensors(state, out_dir / "model.safetensors", metadata={"format": "pt"})
     if preprocess is None:  # nothing recorded: our eval transform's defaults at the encoder's size
-        preprocess = Preprocess(img_size=_side(config["img_size"]))
+        preprocess = Preprocess(img_size=_side(config.img_size))
     processor = (siglip2_processor_config(preprocess, hf.patch_size, hf.num_patches) if arch == "siglip2"
                  else processor_config(preprocess))
     (out_dir / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from packaging.version import Version
 
-from ssl_vit.vit import VisionTransformer
+from ssl_vit.backbone import VisionTransformer, ViTConfig
 
 MIN_TRANSFORMERS = "5.4"
 
@@ -31,20 +31,16 @@ _REQUIRED = {"pos_embed": ("rope", "DINOv3ViTModel has rotary position embedding
              "dist_token": (False, "no distillation token"), "parallel_block": (False, "no parallel blocks"),
              "qk_norm": (False, "no QK-norm"), "pre_norm": (False, "no norm before the blocks"),
              "norm_bias": (True, "LayerNorms with biases"), "no_embed_class": (False, "nothing to place")}
-_DEFAULTS = {"pos_embed": "learned", "class_token": True, "global_pool": "token", "rope_normalize": "separate",
-             "rope_kind": "dinov3",
-             "stem": "patch", "dist_token": False, "parallel_block": False, "qk_norm": False, "pre_norm": False,
-             "norm_bias": True, "no_embed_class": False}
 
 
-def dinov3_refusals(config: dict) -> list[str]:
+def dinov3_refusals(config: ViTConfig) -> list[str]:
     """What of an encoder config DINOv3ViTModel cannot hold (empty: it can)."""
-    problems = [f"{key}={config.get(key, _DEFAULTS[key])!r} ({why})" for key, (wanted, why) in _REQUIRED.items()
-                if config.get(key, _DEFAULTS[key]) != wanted]
-    if config.get("rope_min_period") is not None:
+    problems = [f"{key}={getattr(config, key)!r} ({why})" for key, (wanted, why) in _REQUIRED.items()
+                if getattr(config, key) != wanted]
+    if config.rope_min_period is not None:
         problems.append("rope_min_period / rope_max_period (DINOv3ViTConfig takes rope_theta periods only)")
     for key in ("img_size", "patch_size"):
-        value = config.get(key)
+        value = getattr(config, key)
         if isinstance(value, (list, tuple)) and len(set(value)) > 1:
             problems.append(f"{key}={list(value)} (square sizes only)")
     return problems
@@ -59,35 +55,35 @@ def check_layout() -> None:
                          f"{transformers.__version__}); pip install -U 'transformers>={MIN_TRANSFORMERS}'")
 
 
-def dinov3_config(config: dict, hidden_act: str):
+def dinov3_config(config: ViTConfig, hidden_act: str):
     """The DINOv3ViTConfig of an encoder config (`dinov3_refusals` empty); `hidden_act` transformers' name."""
     check_layout()
     from transformers import DINOv3ViTConfig  # heavy: transformers models only
 
-    width = config["embed_dim"]
-    side = config["img_size"] if isinstance(config["img_size"], int) else config["img_size"][0]
-    patch = config["patch_size"] if isinstance(config["patch_size"], int) else config["patch_size"][0]
-    bias = config.get("qkv_bias", True)
+    width = config.embed_dim
+    side = config.img_size if isinstance(config.img_size, int) else config.img_size[0]
+    patch = config.patch_size if isinstance(config.patch_size, int) else config.patch_size[0]
+    bias = config.qkv_bias
     return DINOv3ViTConfig(
-        hidden_size=width, intermediate_size=config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0)),
-        num_hidden_layers=config["depth"], num_attention_heads=config["num_heads"], patch_size=patch, image_size=side,
-        num_channels=config.get("in_chans", 3), layer_norm_eps=config.get("norm_eps", 1e-6),
-        hidden_act=hidden_act, rope_theta=config.get("rope_theta") or 100.0,
+        hidden_size=width, intermediate_size=config.mlp_hidden,
+        num_hidden_layers=config.depth, num_attention_heads=config.num_heads, patch_size=patch, image_size=side,
+        num_channels=config.in_chans, layer_norm_eps=config.norm_eps,
+        hidden_act=hidden_act, rope_theta=config.rope_theta or 100.0,
         query_bias=bias, key_bias=False, value_bias=bias, proj_bias=True, mlp_bias=True,
-        layerscale_value=config.get("layer_scale") or 1.0, num_register_tokens=config.get("num_registers", 0),
-        pos_embed_shift=config.get("rope_shift"), pos_embed_jitter=config.get("rope_jitter"),
-        pos_embed_rescale=config.get("rope_rescale"), use_gated_mlp=False)
+        layerscale_value=config.layer_scale or 1.0, num_register_tokens=config.num_registers,
+        pos_embed_shift=config.rope_shift, pos_embed_jitter=config.rope_jitter,
+        pos_embed_rescale=config.rope_rescale, use_gated_mlp=False)
 
 
-def dinov3_state(state: dict, config: dict) -> dict:
+def dinov3_state(state: dict, config: ViTConfig) -> dict:
     """Our state dict -> DINOv3ViTModel's."""
-    width = config["embed_dim"]
+    width = config.embed_dim
     out = {"embeddings.cls_token": state["cls_token"], "embeddings.mask_token": torch.zeros(1, 1, width),
            "embeddings.register_tokens": state.get("reg_token", torch.zeros(1, 0, width)),
            "embeddings.patch_embeddings.weight": state["patch_embed.proj.weight"],
            "embeddings.patch_embeddings.bias": state["patch_embed.proj.bias"],
            "norm.weight": state["norm.weight"], "norm.bias": state["norm.bias"]}
-    for i in range(config["depth"]):
+    for i in range(config.depth):
         ours, theirs = f"blocks.{i}.", f"model.layer.{i}."
         for name, hf_name in _BLOCK:
             for kind in ("weight", "bias"):

@@ -42,7 +42,7 @@ def export_onnx(encoder, out_dir: str | Path, preprocess=None, opset: int = 18,
     path = out_dir / MODEL_FILE
     module = _Outputs(copy.deepcopy(encoder)).eval().float()  # the caller's encoder keeps its mode and dtype
     height, width = encoder.patch_embed.img_size
-    example = torch.randn(2, encoder.config.get("in_chans", 3), height, width)
+    example = torch.randn(2, encoder.config.in_chans, height, width)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the tracer's warnings about Python-side shape checks
         torch.onnx.export(module, (example,), str(path), input_names=["pixel_values"],

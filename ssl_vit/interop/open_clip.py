@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from ssl_vit.artifacts import file_fingerprint
+from ssl_vit.backbone import VisionTransformer, ViTConfig
 from ssl_vit.files import save_safetensors
 from ssl_vit.interop.native import NativeEncoder, from_open_clip_native, not_a_vit
 from ssl_vit.preprocess import INTERPOLATIONS, Preprocess
-from ssl_vit.vit import VisionTransformer
 
 CONFIG_FILE = "open_clip_config.json"
 WEIGHTS_FILE = "open_clip_model.safetensors"
@@ -38,19 +38,19 @@ WEIGHTS_FILE = "open_clip_model.safetensors"
 _THEIR_NDIM = {"class_embedding": 1, "positional_embedding": 2}
 
 
-def _name_table(config: dict) -> list[tuple[str, str]]:
+def _name_table(config: ViTConfig) -> list[tuple[str, str]]:
     """(our name, open_clip's name in `visual`) of every image-tower tensor, for an encoder config; used both ways."""
-    pool_norm = "fc_norm" if config["global_pool"] == "avg" else "norm"
+    pool_norm = "fc_norm" if config.global_pool == "avg" else "norm"
     pairs = [("patch_embed.proj.weight", "conv1.weight"), ("cls_token", "class_embedding"),
              ("pos_embed", "positional_embedding")]
-    layers = [(pool_norm, "ln_post")] + ([("norm_pre", "ln_pre")] if config.get("pre_norm") else [])
-    for i in range(config["depth"]):
+    layers = [(pool_norm, "ln_post")] + ([("norm_pre", "ln_pre")] if config.pre_norm else [])
+    for i in range(config.depth):
         ours, theirs = f"blocks.{i}.", f"transformer.resblocks.{i}."
         block = [("norm1", "ln_1"), ("norm2", "ln_2"), ("attn.qkv", "attn.in_proj"), ("attn.proj", "attn.out_proj"),
                  ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")]
-        block += [("attn.q_norm", "attn.ln_q"), ("attn.k_norm", "attn.ln_k")] if config.get("qk_norm") else []
+        block += [("attn.q_norm", "attn.ln_q"), ("attn.k_norm", "attn.ln_k")] if config.qk_norm else []
         layers += [(ours + mine, theirs + their) for mine, their in block]
-        if config.get("layer_scale") is not None:
+        if config.layer_scale is not None:
             pairs += [(f"{ours}ls{j}.gamma", f"{theirs}ls_{j}.gamma") for j in (1, 2)]
     for mine, their in layers:  # open_clip's fused in-projection is named in_proj_weight / in_proj_bias
         joint = "_" if their.endswith("in_proj") else "."
@@ -58,50 +58,50 @@ def _name_table(config: dict) -> list[tuple[str, str]]:
     return pairs
 
 
-def _refusals(config: dict) -> list[str]:
+def _refusals(config: ViTConfig) -> list[str]:
     problems = []
-    if config.get("stem", "patch") != "patch":
-        problems.append(f"stem={config['stem']!r} (open_clip's ViT tower cuts pixel patches)")
-    if config.get("dist_token"):
+    if config.stem != "patch":
+        problems.append(f"stem={config.stem!r} (open_clip's ViT tower cuts pixel patches)")
+    if config.dist_token:
         problems.append("dist_token=True (open_clip's ViT has no distillation token)")
-    if not config.get("class_token", True):
+    if not config.class_token:
         problems.append("class_token=false (open_clip's ViT always has a class token)")
-    if config.get("num_registers", 0):
-        problems.append(f"num_registers={config['num_registers']} (open_clip's ViT has no registers)")
-    if config.get("parallel_block"):
+    if config.num_registers:
+        problems.append(f"num_registers={config.num_registers} (open_clip's ViT has no registers)")
+    if config.parallel_block:
         problems.append("parallel_block=true (open_clip's blocks are sequential)")
-    if config.get("pos_embed", "learned") in ("rope", "none"):
-        problems.append(f"pos_embed={config['pos_embed']!r} (open_clip's ViT adds an absolute position embedding)")
-    if config.get("no_embed_class"):
+    if config.pos_embed in ("rope", "none"):
+        problems.append(f"pos_embed={config.pos_embed!r} (open_clip's ViT adds an absolute position embedding)")
+    if config.no_embed_class:
         problems.append("no_embed_class=true (open_clip's position embedding has the class slot)")
-    width = config["embed_dim"]
-    mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
+    width = config.embed_dim
+    mlp_dim = config.mlp_hidden
     if int(width * (mlp_dim / width)) != mlp_dim:
         problems.append(f"mlp_dim={mlp_dim} (not width x a ratio open_clip can reproduce)")
     return problems
 
 
-def vision_config(config: dict) -> dict:
+def vision_config(config: ViTConfig) -> dict:
     """open_clip's CLIPVisionCfg for our encoder config (raises ValueError naming what open_clip cannot hold)."""
     problems = _refusals(config)
     if problems:
         raise ValueError("open_clip cannot represent this image tower: " + "; ".join(problems)
                          + ". Export the encoder through the timm or safetensors paths instead.")
-    width = config["embed_dim"]
-    mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
-    size = config["img_size"]
-    patch = config["patch_size"]
+    width = config.embed_dim
+    mlp_dim = config.mlp_hidden
+    size = config.img_size
+    patch = config.patch_size
     return {
         "image_size": size if isinstance(size, int) else list(size), "patch_size": patch if isinstance(patch, int)
-        else list(patch), "width": width, "layers": config["depth"], "head_width": width // config["num_heads"],
-        "mlp_ratio": mlp_dim / width, "ls_init_value": config.get("layer_scale"),
-        "no_ln_pre": not config.get("pre_norm", False), "pool_type": "avg" if config["global_pool"] == "avg" else "tok",
-        "final_ln_after_pool": config["global_pool"] == "avg", "norm_kwargs": {"eps": config.get("norm_eps", 1e-6)},
-        "block_type": "custom", "qk_norm": bool(config.get("qk_norm")),
+        else list(patch), "width": width, "layers": config.depth, "head_width": width // config.num_heads,
+        "mlp_ratio": mlp_dim / width, "ls_init_value": config.layer_scale,
+        "no_ln_pre": not config.pre_norm, "pool_type": "avg" if config.global_pool == "avg" else "tok",
+        "final_ln_after_pool": config.global_pool == "avg", "norm_kwargs": {"eps": config.norm_eps},
+        "block_type": "custom", "qk_norm": bool(config.qk_norm),
     }
 
 
-def vision_state(encoder_state: dict, config: dict, projection: torch.Tensor) -> dict:
+def vision_state(encoder_state: dict, config: ViTConfig, projection: torch.Tensor) -> dict:
     """Our encoder's weights under open_clip's `visual.` names; `projection` is our (out, in) projection weight. A
     tensor our encoder lacks (a bias-free norm or qkv) is written as zeros; a patch-embedding bias, which open_clip's
     conv1 lacks, is folded into the patch slots of the position embedding (the same constant on each)."""
@@ -252,14 +252,14 @@ def from_open_clip_visual(visual, ls_init_value: float | None = None) -> VisionT
     qk_norm = hasattr(attn, "ln_q") and not isinstance(attn.ln_q, torch.nn.Identity)
     pre_norm = not isinstance(visual.ln_pre, torch.nn.Identity)
     qkv_bias = getattr(attn, "in_proj_bias", None) is not None
-    config = dict(img_size=list(visual.image_size), patch_size=list(visual.patch_size),
-                  in_chans=visual.conv1.in_channels, embed_dim=width, depth=len(blocks), num_heads=attn.num_heads,
-                  mlp_dim=block.mlp.c_fc.out_features, act_layer=act_layer, norm_eps=block.ln_1.eps,
-                  pre_norm=pre_norm, global_pool=pool, qk_norm=qk_norm, qkv_bias=qkv_bias,
-                  layer_scale=(ls_init_value or 1e-5) if has_ls else None,
-                  pos_embed_interp="bicubic", pos_embed_antialias=True)  # open_clip's resize_pos_embed
+    config = ViTConfig(img_size=list(visual.image_size), patch_size=list(visual.patch_size),
+                       in_chans=visual.conv1.in_channels, embed_dim=width, depth=len(blocks),
+                       num_heads=attn.num_heads, mlp_dim=block.mlp.c_fc.out_features, act_layer=act_layer,
+                       norm_eps=block.ln_1.eps, pre_norm=pre_norm, global_pool=pool, qk_norm=qk_norm,
+                       qkv_bias=qkv_bias, layer_scale=(ls_init_value or 1e-5) if has_ls else None,
+                       pos_embed_interp="bicubic", pos_embed_antialias=True)  # open_clip's resize_pos_embed
     state, used = visual.state_dict(), {"proj"}  # the image-text projection is not part of the encoder
-    encoder = VisionTransformer(**config)
+    encoder = VisionTransformer(config)
     target = encoder.state_dict()
     ours = {}
     for mine, theirs in _name_table(config):

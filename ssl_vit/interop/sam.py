@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from timm.models.vision_transformer_sam import VisionTransformerSAM
 
+from ssl_vit.backbone import VisionTransformer, ViTConfig
+from ssl_vit.backbone.windows import resample_rel_pos
 from ssl_vit.files import save_safetensors
-from ssl_vit.vit import VisionTransformer
-from ssl_vit.windows import resample_rel_pos
 
 # timm's neck (Conv2d, LayerNorm2d, Conv2d, LayerNorm2d) -> ours (ConvNorm, ConvNorm)
 _NECK = {"neck.0.weight": "neck.0.weight", "neck.1.weight": "neck.0.norm.weight", "neck.1.bias": "neck.0.norm.bias",
@@ -73,28 +73,28 @@ SAM_ARCHITECTURE = "samvit_base_patch16"  # timm builds any size from it with mo
 SAM_NORM_EPS = 1e-5  # timm's VisionTransformerSAM: nn.LayerNorm's default
 
 
-def sam_model_args(config: dict) -> dict:
+def sam_model_args(config: ViTConfig) -> dict:
     """timm `VisionTransformerSAM` keyword arguments for our encoder; ValueError for what it cannot hold."""
-    problems = [f"{key}={config.get(key)}" for key, ok in (
-        ("pos_embed", config.get("pos_embed", "learned") in ("learned", "sincos")),
-        ("parallel_block", not config.get("parallel_block")), ("stem", config.get("stem", "patch") == "patch"),
-        ("layer_scale", config.get("layer_scale") is None), ("qk_norm", not config.get("qk_norm")),
-        ("act_layer", config.get("act_layer", "gelu") == "gelu"),
-        ("norm_bias", config.get("norm_bias", True)),
+    problems = [f"{key}={getattr(config, key)}" for key, ok in (
+        ("pos_embed", config.pos_embed in ("learned", "sincos")),
+        ("parallel_block", not config.parallel_block), ("stem", config.stem == "patch"),
+        ("layer_scale", config.layer_scale is None), ("qk_norm", not config.qk_norm),
+        ("act_layer", config.act_layer == "gelu"),
+        ("norm_bias", config.norm_bias),
         # a final norm before a neck (token pooling and a neck) has no place in timm's SAM
-        ("neck_channels", not (config.get("neck_channels") and config.get("global_pool", "token") == "token")),
+        ("neck_channels", not (config.neck_channels and config.global_pool == "token")),
     ) if not ok]
     if problems:
         raise ValueError(f"timm's SAM ViT cannot hold {', '.join(problems)}; --to onnx / safetensors take them")
-    width, size = config["embed_dim"], config["img_size"]
-    mlp_dim = config.get("mlp_dim") or width * config.get("mlp_ratio", 4.0)
-    return dict(img_size=size if isinstance(size, int) else list(size)[0], patch_size=config["patch_size"],
-                in_chans=config.get("in_chans", 3), embed_dim=width, depth=config["depth"],
-                num_heads=config["num_heads"], mlp_ratio=mlp_dim / width, qkv_bias=config.get("qkv_bias", True),
-                pre_norm=config.get("pre_norm", False), use_abs_pos=True, use_rel_pos=bool(config.get("rel_pos")),
-                window_size=config.get("window_size", 0),
-                global_attn_indexes=list(config.get("global_attn_indexes", [])),
-                neck_chans=config.get("neck_channels", 0), global_pool="avg", num_classes=0)
+    width, size = config.embed_dim, config.img_size
+    mlp_dim = config.mlp_hidden
+    return dict(img_size=size if isinstance(size, int) else list(size)[0], patch_size=config.patch_size,
+                in_chans=config.in_chans, embed_dim=width, depth=config.depth,
+                num_heads=config.num_heads, mlp_ratio=mlp_dim / width, qkv_bias=config.qkv_bias,
+                pre_norm=config.pre_norm, use_abs_pos=True, use_rel_pos=bool(config.rel_pos),
+                window_size=config.window_size,
+                global_attn_indexes=list(config.global_attn_indexes),
+                neck_chans=config.neck_channels, global_pool="avg", num_classes=0)
 
 
 def sam_state(encoder: VisionTransformer, args: dict) -> dict:
@@ -142,7 +142,7 @@ def export_timm_sam(encoder: VisionTransformer, out_dir, preprocess=None) -> tup
     if encoder.num_prefix_tokens:
         notes.append(f"timm's SAM ViT has no class or register tokens: the {encoder.num_prefix_tokens} prefix "
                      "token(s) were dropped, so its patch outputs differ from this encoder's (they attended to them)")
-    if encoder.config.get("norm_eps", 1e-6) != SAM_NORM_EPS:
+    if encoder.config.norm_eps != SAM_NORM_EPS:
         notes.append(f"timm's SAM ViT built from a config normalises with eps {SAM_NORM_EPS}, this encoder with "
-                     f"{encoder.config.get('norm_eps', 1e-6)}: outputs differ by float rounding (~1e-5)")
+                     f"{encoder.config.norm_eps}: outputs differ by float rounding (~1e-5)")
     return out_dir, "; ".join(notes)

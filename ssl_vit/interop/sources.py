@@ -35,6 +35,7 @@ from ssl_vit.artifacts import (
     read_preprocess,
     run_files,
 )
+from ssl_vit.backbone import VisionTransformer, ViTConfig
 from ssl_vit.interop.dino import load_reference_checkpoint
 from ssl_vit.interop.hf import load_hf_dir
 from ssl_vit.interop.native import NativeEncoder
@@ -43,7 +44,6 @@ from ssl_vit.interop.timm import load_timm_spec
 from ssl_vit.preprocess import Preprocess
 from ssl_vit.run_dirs import resolve_run
 from ssl_vit.untrusted import file_kind, refusing_pickles
-from ssl_vit.vit import VisionTransformer
 
 SOURCES = ("<encoder file or run dir>", "timm:<name>[:<file>]", "timm:<dir>", "hf:<dir>", "open_clip:<dir>",
            "open_clip:<name>:<file>", "dino:<checkpoint.pth>", "dinov2:<checkpoint.pth>")
@@ -63,7 +63,7 @@ class Pretrained:
     architecture_given: bool = False  # built to the run's model= config (a source that records no architecture)
 
 
-def load_pretrained(spec: str, architecture: Callable[[], dict] | None = None, heads: bool = False,
+def load_pretrained(spec: str, architecture: Callable[[], ViTConfig] | None = None, heads: bool = False,
                     native: str = "never") -> Pretrained:
     """The encoder a spec names (see the module docstring); ValueError / FileNotFoundError naming the problem.
     `architecture`: the encoder config for sources that record none (the reference DINO / DINOv2 checkpoints);

@@ -26,15 +26,15 @@ from timm.models.vision_transformer_sam import VisionTransformerSAM
 from torch import nn
 
 from ssl_vit.artifacts import file_fingerprint
+from ssl_vit.backbone import VisionTransformer, ViTConfig
+from ssl_vit.backbone.rope import ROPE_KINDS, ROPE_THETA
+from ssl_vit.backbone.stem import RESNET_CHANNELS
 from ssl_vit.files import save_safetensors
 from ssl_vit.interop.native import NativeEncoder, from_timm_native, not_a_vit
 from ssl_vit.interop.sam import from_timm_sam
 from ssl_vit.interop.timm_layers import activation_name, layer_scale_init
 from ssl_vit.interop.timm_naflex import from_timm_naflex, is_timm_naflex
 from ssl_vit.preprocess import INTERPOLATIONS, Preprocess
-from ssl_vit.rope import ROPE_KINDS, ROPE_THETA
-from ssl_vit.stem import RESNET_CHANNELS
-from ssl_vit.vit import VisionTransformer
 
 # How each family resamples its position embeddings for another grid: (interpolation mode, antialias).
 # timm's own: `resample_abs_pos_embed` defaults, used by its dynamic-size `_pos_embed` and `set_input_size`.
@@ -77,7 +77,7 @@ def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embe
     """Rebuild a timm `VisionTransformer` (standard or 22B-style parallel blocks) as ours, weights included.
 
     The encoder's `layer_scale` is the timm model's init value (`layer_scale_init`; DINOv2: 1e-5), so a fresh
-    `VisionTransformer(**encoder.config)` starts as timm's would; `layer_scale` overrides it. Position embeddings are
+    `VisionTransformer(encoder.config)` starts as timm's would; `layer_scale` overrides it. Position embeddings are
     resampled as the imported family does (DINOv2: bicubic without antialiasing; other timm models: timm's default,
     bicubic with antialiasing) unless `pos_embed_interp` / `pos_embed_antialias` say otherwise.
     """
@@ -213,16 +213,16 @@ TIMM_NAMES = {(192, 12, 3, 768): "vit_tiny", (384, 12, 6, 1536): "vit_small", (7
 _TIMM_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "quick_gelu": "quick_gelu"}
 
 
-def timm_architecture(config: dict) -> str:
+def timm_architecture(config: ViTConfig) -> str:
     """The timm model name of an encoder config: the preset's (vit_base_patch16_224, ...) or, for sizes timm has no
     name for (the test presets), the base architecture whose `model_args` then set every size."""
-    width, depth, heads = config["embed_dim"], config["depth"], config["num_heads"]
-    mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
-    patch = config["patch_size"] if isinstance(config["patch_size"], int) else config["patch_size"][0]
-    if config.get("stem", "patch") == "resnet":
+    width, depth, heads = config.embed_dim, config.depth, config.num_heads
+    mlp_dim = config.mlp_hidden
+    patch = config.patch_size if isinstance(config.patch_size, int) else config.patch_size[0]
+    if config.stem == "resnet":
         return _timm_hybrid(config)
     stem = TIMM_NAMES.get((width, depth, heads, mlp_dim))
-    if config.get("dist_token"):  # DeiT's distilled models (model_args set every size)
+    if config.dist_token:  # DeiT's distilled models (model_args set every size)
         name = f"deit_{(stem or 'vit_tiny').removeprefix('vit_')}_distilled_patch16_224"
         return name if timm.is_model(name) else "deit_tiny_distilled_patch16_224"
 
@@ -232,50 +232,50 @@ def timm_architecture(config: dict) -> str:
     return "vit_base_patch16_224"
 
 
-def _timm_hybrid(config: dict) -> str:
+def _timm_hybrid(config: ViTConfig) -> str:
     """The timm hybrid whose ResNet part is this encoder's (timm builds it from the name; model_args set the ViT)."""
-    layers = tuple(config.get("stem_layers", ()))
-    channels = config.get("stem_channels")
-    name = TIMM_HYBRIDS.get((layers, config.get("stem_width", 64)))
+    layers = tuple(config.stem_layers)
+    channels = config.stem_channels
+    name = TIMM_HYBRIDS.get((layers, config.stem_width))
     if name is None or (channels and list(channels) != list(RESNET_CHANNELS[:len(layers)])):
         known = ", ".join(f"stem_layers={list(k[0])}, stem_width={k[1]} ({v})" for k, v in TIMM_HYBRIDS.items())
         raise ValueError(f"timm has no hybrid with stem_layers={list(layers)}, stem_channels={channels}, stem_width="
-                         f"{config.get('stem_width', 64)}; its hybrids: {known}. --to onnx / safetensors take any stem")
+                         f"{config.stem_width}; its hybrids: {known}. --to onnx / safetensors take any stem")
     return name
 
 
-def timm_model_args(config: dict) -> dict:
+def timm_model_args(config: ViTConfig) -> dict:
     """timm `VisionTransformer` keyword arguments that rebuild our encoder exactly (JSON-serialisable, as in a timm
     hub config.json); ValueError naming what plain keyword arguments cannot express."""
     problems = []
-    if config.get("pos_embed", "learned") == "none":
+    if config.pos_embed == "none":
         problems.append("pos_embed='none' (timm's config files build learned position embeddings)")
-    if config.get("parallel_block"):
+    if config.parallel_block:
         problems.append("parallel_block=True (timm takes block_fn=ParallelScalingBlock, not expressible in a config "
                         "file: build timm's model yourself and load model.safetensors)")
-    if not config.get("norm_bias", True):
+    if not config.norm_bias:
         problems.append("norm_bias=False (timm's VisionTransformer has no bias-free LayerNorm argument)")
-    width = config["embed_dim"]
-    mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
+    width = config.embed_dim
+    mlp_dim = config.mlp_hidden
     if int(width * (mlp_dim / width)) != mlp_dim:
         problems.append(f"mlp_dim={mlp_dim} (timm rebuilds int(width x mlp_ratio) = {int(width * (mlp_dim / width))})")
-    if config.get("dist_token") and (config.get("stem", "patch") != "patch" or config.get("num_registers", 0)
-                                     or config.get("no_embed_class")):
+    if config.dist_token and (config.stem != "patch" or config.num_registers
+                                     or config.no_embed_class):
         problems.append("dist_token=True with a hybrid stem, registers or no_embed_class (timm's distilled DeiT has "
                         "none of them)")
-    if config.get("norm_eps", 1e-6) != 1e-6:
-        problems.append(f"norm_eps={config['norm_eps']} (timm's config files build LayerNorm with eps 1e-6)")
+    if config.norm_eps != 1e-6:
+        problems.append(f"norm_eps={config.norm_eps} (timm's config files build LayerNorm with eps 1e-6)")
     if problems:
         raise ValueError("a timm config cannot express: " + "; ".join(problems)
                          + ". --to hf / onnx / safetensors take these.")
-    size = config["img_size"]
-    args = dict(img_size=size if isinstance(size, int) else list(size), patch_size=config["patch_size"],
-                in_chans=config.get("in_chans", 3), embed_dim=width, depth=config["depth"],
-                num_heads=config["num_heads"], mlp_ratio=mlp_dim / width, qkv_bias=config.get("qkv_bias", True),
-                qk_norm=config.get("qk_norm", False), init_values=config.get("layer_scale"),
-                class_token=config.get("class_token", True), global_pool=config.get("global_pool", "token"),
-                reg_tokens=config.get("num_registers", 0), no_embed_class=config.get("no_embed_class", False),
-                pre_norm=config.get("pre_norm", False), act_layer=_TIMM_ACTIVATIONS[config.get("act_layer", "gelu")],
+    size = config.img_size
+    args = dict(img_size=size if isinstance(size, int) else list(size), patch_size=config.patch_size,
+                in_chans=config.in_chans, embed_dim=width, depth=config.depth,
+                num_heads=config.num_heads, mlp_ratio=mlp_dim / width, qkv_bias=config.qkv_bias,
+                qk_norm=config.qk_norm, init_values=config.layer_scale,
+                class_token=config.class_token, global_pool=config.global_pool,
+                reg_tokens=config.num_registers, no_embed_class=config.no_embed_class,
+                pre_norm=config.pre_norm, act_layer=_TIMM_ACTIVATIONS[config.act_layer],
                 num_classes=0)
     return args
 
@@ -295,33 +295,33 @@ _TIMM_ROPE_KINDS = {
 }
 
 
-def timm_rope_args(config: dict) -> tuple[str, dict]:
+def timm_rope_args(config: ViTConfig) -> tuple[str, dict]:
     """(architecture, Eva keyword arguments) that rebuild a RoPE encoder as timm's DINOv3 port (rope_kind dinov3)
     or its RoPE-ViT models (axial, mixed); ValueError naming what they cannot express. RoPE's training-time shift /
     jitter / rescale are not written (they change nothing at inference)."""
-    kind = config.get("rope_kind", "dinov3")
+    kind = config.rope_kind
     if kind not in _TIMM_ROPE_KINDS:
         raise ValueError(f"rope_kind {kind!r} is not one of {list(ROPE_KINDS)}")
     required, rope_args = _TIMM_ROPE_KINDS[kind]
-    problems = [f"{key}={config.get(key, default)!r}" for key, (wanted, default)
-                in (_TIMM_ROPE_REQUIRED | required).items() if config.get(key, default) != wanted]
+    problems = [f"{key}={getattr(config, key)!r}" for key, (wanted, default)
+                in (_TIMM_ROPE_REQUIRED | required).items() if getattr(config, key) != wanted]
     if problems:
         raise ValueError(f"timm's RoPE models of rope_kind={kind!r} (Eva: class token pooling, pixel patches, "
                          f"LayerNorm eps {required['norm_eps'][0]} with biases, GELU"
                          + (", rope_theta periods over each side" if kind == "dinov3" else "")
                          + ") cannot express: " + ", ".join(problems)
                          + ". --to hf --hf-arch dinov3 / onnx / safetensors take what transformers / ONNX can.")
-    width = config["embed_dim"]
-    mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
+    width = config.embed_dim
+    mlp_dim = config.mlp_hidden
     if int(width * (mlp_dim / width)) != mlp_dim:
         raise ValueError(f"mlp_dim={mlp_dim} is not int(width x a ratio) for width {width}: timm's Eva rebuilds its "
                          "MLP from mlp_ratio. --to hf --hf-arch dinov3 / onnx / safetensors keep it exactly.")
-    size = config["img_size"]
-    args = dict(img_size=size if isinstance(size, int) else list(size), patch_size=config["patch_size"],
-                in_chans=config.get("in_chans", 3), embed_dim=width, depth=config["depth"],
-                num_heads=config["num_heads"], mlp_ratio=mlp_dim / width, qkv_bias=config.get("qkv_bias", True),
-                init_values=config.get("layer_scale"), rope_temperature=config.get("rope_theta") or ROPE_THETA[kind],
-                use_rot_pos_emb=True, use_abs_pos_emb=False, num_reg_tokens=config.get("num_registers", 0),
+    size = config.img_size
+    args = dict(img_size=size if isinstance(size, int) else list(size), patch_size=config.patch_size,
+                in_chans=config.in_chans, embed_dim=width, depth=config.depth,
+                num_heads=config.num_heads, mlp_ratio=mlp_dim / width, qkv_bias=config.qkv_bias,
+                init_values=config.layer_scale, rope_temperature=config.rope_theta or ROPE_THETA[kind],
+                use_rot_pos_emb=True, use_abs_pos_emb=False, num_reg_tokens=config.num_registers,
                 use_fc_norm=False, global_pool="token", dynamic_img_size=True, num_classes=0, **rope_args)
     if kind == "dinov3":
         return ("vit_small_patch16_dinov3_qkvb" if args["qkv_bias"] else "vit_small_patch16_dinov3"), args
@@ -348,7 +348,7 @@ def export_timm(encoder, out_dir, preprocess=None):
     `timm.create_model("local-dir:DIR", pretrained=True)` or
     `timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file="DIR/model.safetensors"), **args)`."""
     config = encoder.config
-    rope = config.get("pos_embed") == "rope"
+    rope = config.pos_embed == "rope"
     architecture, args = timm_rope_args(config) if rope else (timm_architecture(config), timm_model_args(config))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -360,12 +360,12 @@ def export_timm(encoder, out_dir, preprocess=None):
         pretrained_cfg.update(mean=list(preprocess.mean), std=list(preprocess.std),
                               interpolation=preprocess.interpolation, crop_pct=preprocess.crop_pct,
                               crop_mode="squash" if preprocess.resize_mode == "squash" else "center")
-    hub = {"architecture": architecture, "num_classes": 0, "num_features": config["embed_dim"],
+    hub = {"architecture": architecture, "num_classes": 0, "num_features": config.embed_dim,
            "global_pool": args["global_pool"], "model_args": args, "pretrained_cfg": pretrained_cfg}
     (out_dir / "config.json").write_text(json.dumps(hub, indent=2) + "\n")
     state = {k: v.detach().float().contiguous().clone() for k, v in encoder.state_dict().items()}
     if rope:
-        state = _timm_rope_state(state, config.get("rope_kind", "dinov3"))
+        state = _timm_rope_state(state, config.rope_kind)
     save_safetensors(state, out_dir / "model.safetensors", metadata={"format": "pt"})
     return out_dir
 

@@ -18,9 +18,9 @@ import torch
 from timm.models.naflexvit import NaFlexVit
 from torch import nn
 
+from ssl_vit.backbone import VisionTransformer, ViTConfig
 from ssl_vit.files import save_safetensors
 from ssl_vit.interop.timm_layers import activation_name, layer_scale_init
-from ssl_vit.vit import VisionTransformer
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "quick_gelu": "quick_gelu"}
 
@@ -97,45 +97,45 @@ def from_timm_naflex(model: NaFlexVit) -> VisionTransformer:
     return ours.train(model.training)
 
 
-def _export_refusals(config: dict) -> list[str]:
+def _export_refusals(config: ViTConfig) -> list[str]:
     problems = []
     for key, default, why in (("parallel_block", False, "ViT-22B's parallel block"), ("dist_token", False,
                               "a distillation token"), ("window_size", 0, "windowed attention"),
                               ("rel_pos", False, "relative positions"), ("neck_channels", 0, "SAM's neck")):
-        if config.get(key, default) != default:
-            problems.append(f"{key}={config[key]!r} ({why})")
-    if config.get("stem", "patch") != "patch":
-        problems.append(f"stem={config['stem']!r} (NaFlexVit embeds pixel patches)")
-    if config.get("pos_embed", "learned") == "rope":
+        if getattr(config, key) != default:
+            problems.append(f"{key}={getattr(config, key)!r} ({why})")
+    if config.stem != "patch":
+        problems.append(f"stem={config.stem!r} (NaFlexVit embeds pixel patches)")
+    if config.pos_embed == "rope":
         problems.append("pos_embed='rope' (--to timm writes timm's RoPE models)")
-    if not config.get("norm_bias", True):
+    if not config.norm_bias:
         problems.append("norm_bias=False")
     return problems
 
 
-def naflex_model_args(config: dict) -> dict:
+def naflex_model_args(config: ViTConfig) -> dict:
     """timm NaFlexVit keyword arguments (classic ones plus NaFlexVitCfg fields) that rebuild our encoder."""
     problems = _export_refusals(config)
     if problems:
         raise ValueError("timm's NaFlexVit cannot hold: " + "; ".join(problems)
                          + ". --to timm (classic), onnx or safetensors take these.")
-    width = config["embed_dim"]
-    mlp_dim = config.get("mlp_dim") or int(width * config.get("mlp_ratio", 4.0))
-    size = config["img_size"]
+    width = config.embed_dim
+    mlp_dim = config.mlp_hidden
+    size = config.img_size
     size = list(size) if isinstance(size, (list, tuple)) else [size, size]
-    patch = config["patch_size"]
+    patch = config.patch_size
     patch = list(patch) if isinstance(patch, (list, tuple)) else [patch, patch]
-    pool = config.get("global_pool", "token")
-    return dict(img_size=size, patch_size=patch, in_chans=config.get("in_chans", 3), embed_dim=width,
-                depth=config["depth"], num_heads=config["num_heads"], mlp_ratio=mlp_dim / width,
-                qkv_bias=config.get("qkv_bias", True), qk_norm=config.get("qk_norm", False),
-                init_values=config.get("layer_scale"), class_token=config.get("class_token", True),
-                reg_tokens=config.get("num_registers", 0), global_pool=pool, fc_norm=pool == "avg",
-                pos_embed="none" if config.get("pos_embed") == "none" else "learned",
+    pool = config.global_pool
+    return dict(img_size=size, patch_size=patch, in_chans=config.in_chans, embed_dim=width,
+                depth=config.depth, num_heads=config.num_heads, mlp_ratio=mlp_dim / width,
+                qkv_bias=config.qkv_bias, qk_norm=config.qk_norm,
+                init_values=config.layer_scale, class_token=config.class_token,
+                reg_tokens=config.num_registers, global_pool=pool, fc_norm=pool == "avg",
+                pos_embed="none" if config.pos_embed == "none" else "learned",
                 pos_embed_grid_size=[size[0] // patch[0], size[1] // patch[1]],
-                pos_embed_interp_mode=config.get("pos_embed_interp", "bicubic"),
-                pos_embed_antialias=config.get("pos_embed_antialias", True), pre_norm=config.get("pre_norm", False),
-                act_layer=_ACTIVATIONS[config.get("act_layer", "gelu")], num_classes=0)
+                pos_embed_interp_mode=config.pos_embed_interp,
+                pos_embed_antialias=config.pos_embed_antialias, pre_norm=config.pre_norm,
+                act_layer=_ACTIVATIONS[config.act_layer], num_classes=0)
 
 
 def naflex_state(encoder: VisionTransformer) -> dict[str, torch.Tensor]:
@@ -179,7 +179,7 @@ def export_timm_naflex(encoder: VisionTransformer, out_dir, preprocess=None) -> 
     if preprocess is not None:
         pretrained_cfg.update(mean=list(preprocess.mean), std=list(preprocess.std),
                               interpolation=preprocess.interpolation, crop_pct=preprocess.crop_pct)
-    hub = {"architecture": "naflexvit_base_patch16_gap", "num_classes": 0, "num_features": config["embed_dim"],
+    hub = {"architecture": "naflexvit_base_patch16_gap", "num_classes": 0, "num_features": config.embed_dim,
            "global_pool": args["global_pool"], "model_args": args, "pretrained_cfg": pretrained_cfg}
     (out_dir / "config.json").write_text(json.dumps(hub, indent=2) + "\n")
     save_safetensors(naflex_state(encoder), out_dir / "model.safetensors", metadata={"format": "pt"})

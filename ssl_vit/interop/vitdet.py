@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ssl_vit.vit import VisionTransformer
+from ssl_vit.backbone import VisionTransformer
 
 PREFIX = "backbone.net."
 CHECKPOINT = "vitdet_backbone.pth"
@@ -28,25 +28,25 @@ CHECKPOINT = "vitdet_backbone.pth"
 def vitdet_args(encoder: VisionTransformer, img_size: int) -> dict:
     """detectron2 `ViT(...)` arguments for our encoder run at `img_size`; ValueError for what it cannot hold."""
     config = encoder.config
-    problems = [f"{key}={config.get(key)}" for key, ok in (
-        ("pos_embed", config.get("pos_embed", "learned") in ("learned", "sincos")),
-        ("parallel_block", not config.get("parallel_block")), ("stem", config.get("stem", "patch") == "patch"),
-        ("layer_scale", config.get("layer_scale") is None), ("qk_norm", not config.get("qk_norm")),
-        ("act_layer", config.get("act_layer", "gelu") == "gelu"), ("pre_norm", not config.get("pre_norm")),
-        ("neck_channels", not config.get("neck_channels")), ("norm_eps", config.get("norm_eps", 1e-6) == 1e-6),
+    problems = [f"{key}={getattr(config, key)}" for key, ok in (
+        ("pos_embed", config.pos_embed in ("learned", "sincos")),
+        ("parallel_block", not config.parallel_block), ("stem", config.stem == "patch"),
+        ("layer_scale", config.layer_scale is None), ("qk_norm", not config.qk_norm),
+        ("act_layer", config.act_layer == "gelu"), ("pre_norm", not config.pre_norm),
+        ("neck_channels", not config.neck_channels), ("norm_eps", config.norm_eps == 1e-6),
     ) if not ok]
     if problems:
         raise ValueError(f"detectron2's ViT cannot hold {', '.join(problems)}")
     depth, patch = len(encoder.blocks), encoder.patch_embed.patch_size
     if patch[0] != patch[1]:
         raise ValueError(f"detectron2's ViT takes square patches, not {patch}")
-    global_blocks = set(config.get("global_attn_indexes") or [])
-    window = config.get("window_size", 0)
-    return {"img_size": img_size, "patch_size": patch[0], "in_chans": config.get("in_chans", 3),
+    global_blocks = set(config.global_attn_indexes or [])
+    window = config.window_size
+    return {"img_size": img_size, "patch_size": patch[0], "in_chans": config.in_chans,
             "embed_dim": encoder.embed_dim, "depth": depth, "num_heads": encoder.blocks[0].attn.num_heads,
             "mlp_ratio": encoder.blocks[0].mlp.fc1.out_features / encoder.embed_dim,
-            "qkv_bias": config.get("qkv_bias", True), "use_abs_pos": True,
-            "use_rel_pos": bool(config.get("rel_pos")), "rel_pos_zero_init": True, "window_size": window,
+            "qkv_bias": config.qkv_bias, "use_abs_pos": True,
+            "use_rel_pos": bool(config.rel_pos), "rel_pos_zero_init": True, "window_size": window,
             "window_block_indexes": [i for i in range(depth) if window and i not in global_blocks],
             "pretrain_img_size": encoder.patch_embed.img_size[0], "pretrain_use_cls_token": encoder.num_pos_prefix == 1,
             "out_feature": "last_feat"}

@@ -14,20 +14,20 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from ssl_vit.backbone import PRESETS, WINDOW_SETTINGS, VisionTransformer, build_vit, preset_config, resample_pos_embed
+from ssl_vit.backbone.init import without_transformers_zero3, writable
+from ssl_vit.backbone.windows import resample_rel_pos
 from ssl_vit.config import model_kwargs, peak_lr, warmup_steps
 from ssl_vit.data import DATASETS, DataError, ViewBuilder, build_dataset, dataset_kind
 from ssl_vit.data.augreg import mixes
 from ssl_vit.data.naflex import NaFlexSettings, NaFlexViews
 from ssl_vit.data.subset import limit_samples
-from ssl_vit.init import without_transformers_zero3, writable
 from ssl_vit.interop.sources import SOURCES, Pretrained, load_pretrained
 from ssl_vit.objectives import OBJECTIVES, DataInfo, Objective, Requirements, build_objective, objective_class
 from ssl_vit.optim import build_optimizer, schedule, weight_decay_schedule
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
 from ssl_vit.schema import ConfigError, validate_config
 from ssl_vit.untrusted import UntrustedFile
-from ssl_vit.vit import PRESETS, WINDOW_SETTINGS, VisionTransformer, build_vit, resample_pos_embed
-from ssl_vit.windows import resample_rel_pos
 
 log = logging.getLogger("ssl_vit")
 
@@ -72,21 +72,13 @@ def init_source(cfg) -> Pretrained | None:
     try:
         # building the source model must not move the run's seed, nor be partitioned by transformers' ZeRO-3 hook
         with torch.random.fork_rng(devices=[]), without_transformers_zero3():
-            return load_pretrained(spec, architecture=lambda: preset_config(cfg.model.name, model_kwargs(cfg.model)),
+            return load_pretrained(spec, architecture=lambda: preset_config(cfg.model.name, **model_kwargs(cfg.model)),
                                    heads=bool(cfg.model.get("init_heads")))
     except UntrustedFile as err:  # the spec is right; the file is what is refused
         raise ConfigError(f"model.init_from: {err}") from err
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as err:
         raise ConfigError(f"model.init_from: {err} (valid forms: {list(SOURCES)})") from err
 
-
-def preset_config(name: str, overrides: dict) -> dict:
-    """The encoder config of a `model=` preset with model.* overrides (built on the meta device: no memory, no
-    random draws)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model {name!r}; valid choices: {sorted(PRESETS)}")
-    with torch.device("meta"):
-        return build_vit(name, **overrides).config
 
 
 def build_backbone(cfg, needs: Requirements, source: Pretrained | None):
@@ -97,11 +89,11 @@ def build_backbone(cfg, needs: Requirements, source: Pretrained | None):
                           f"{needs.init_from}")
     if needs.fixed_backbone is not None:  # its own pre-trained tower: its architecture, size and normalisation
         encoder_config, recorded = needs.fixed_backbone.config, needs.fixed_backbone.preprocess
-        img_size = _single_size(encoder_config["img_size"])
+        img_size = _single_size(encoder_config.img_size)
         if cfg.data.img_size not in (None, img_size):
             raise ConfigError(f"data.img_size={cfg.data.img_size}: the objective's fixed backbone was trained at "
                               f"{img_size} px (leave data.img_size unset)")
-        return VisionTransformer(**encoder_config), img_size, recorded
+        return VisionTransformer(encoder_config), img_size, recorded
     if source is not None:  # pre-trained weights to start from: the source's architecture at the run's size
         if needs.init_from is not None:
             raise ConfigError(f"model.init_from={cfg.model.init_from} with objective={cfg.objective.name}: "
@@ -109,9 +101,9 @@ def build_backbone(cfg, needs: Requirements, source: Pretrained | None):
         recorded = source.preprocess
         # as evaluation does: data.img_size, else the size the source's preprocessing gives, else its native size
         img_size = cfg.data.img_size or (recorded.img_size if recorded else
-                                         _single_size(source.encoder.config["img_size"]))
-        differ = {k: (source.encoder.config.get(k), v) for k, v in needs.defaults_for(cfg.model.name).items()
-                  if source.encoder.config.get(k) != v}
+                                         _single_size(source.encoder.config.img_size))
+        differ = {k: (getattr(source.encoder.config, k), v) for k, v in needs.defaults_for(cfg.model.name).items()
+                  if getattr(source.encoder.config, k) != v}
         if differ:
             log.warning("model.init_from: objective=%s builds its own models with %s; the source has %s (kept)",
                         cfg.objective.name, {k: v[1] for k, v in differ.items()}, {k: v[0] for k, v in differ.items()})
@@ -135,28 +127,22 @@ def _backbone_from(source: Pretrained, cfg, img_size: int) -> VisionTransformer:
                           f"{', '.join(f'model.{k}={v}' for k, v in conflicts.items())} (adjustable: "
                           f"{list(INIT_FROM_ADJUSTABLE)})")
     encoder = source.encoder
-    for key in ("pos_embed_interp", "pos_embed_antialias"):
-        if key in overrides:
-            setattr(encoder, key, overrides[key])
-            encoder.config[key] = overrides[key]
-    if _single_size(encoder.config["img_size"]) != img_size:
-        try:
-            encoder.set_img_size(img_size)
-        except ValueError as err:
-            raise ConfigError(f"model.init_from={cfg.model.init_from} at data.img_size={img_size}: {err}") from err
     # The run's init scheme (the preset's unless model.weight_init says otherwise): the objective's heads follow it,
     # so the same weights from any source start the same run.
     overrides.setdefault("weight_init", PRESETS[cfg.model.name].get("weight_init", "timm"))
     try:
-        backbone = VisionTransformer(**{**encoder.config, **overrides})
+        backbone = VisionTransformer(encoder.config.replace(img_size=img_size, **overrides))
     except ValueError as err:
         raise ConfigError(f"model.init_from={cfg.model.init_from} at data.img_size={img_size}: {err}") from err
+    source_state = encoder.state_dict()
+    if "pos_embed" in source_state and backbone.grid_size != encoder.grid_size:  # the run's way of resampling
+        source_state["pos_embed"] = backbone.resample_from(source_state["pos_embed"], encoder.grid_size)
     expected = set(backbone.state_dict())
     # relative-position tables: made for another window, resampled to this one's length (as they are when used at
     # another size); dropped where the run has none; new ones stay at zero (ViTDet's, added to the source)
     tables = {name: getattr(p, "ds_shape", p.shape)[0] for name, p in backbone.named_parameters() if "rel_pos" in name}
     state = {name: resample_rel_pos(value, tables[name]) if name in tables else value
-             for name, value in encoder.state_dict().items() if name in expected or "rel_pos" not in name}
+             for name, value in source_state.items() if name in expected or "rel_pos" not in name}
     fresh = {name for name in expected - set(state) if "rel_pos" in name}
     if fresh:
         log.info("model.init_from: %d relative-position tables start at zero (model.rel_pos=true; the source has "
@@ -276,7 +262,7 @@ def build_components(cfg, source: Pretrained | None = None, device_type: str = "
     backbone, img_size, recorded = build_backbone(cfg, needs, source)
     if needs.drops_patches and backbone.windowed:
         given = {key: str(value).lower() if isinstance(value, bool) else value
-                 for key in ("window_size", "rel_pos") if (value := backbone.config.get(key))}
+                 for key in ("window_size", "rel_pos") if (value := getattr(backbone.config, key))}
         raise ConfigError(f"objective={cfg.objective.name} with {', '.join(f'model.{k}={v}' for k, v in given.items())}"
                           ": its encoder sees a subset of each image's patches, and windowed attention and relative "
                           "positions need them all; pre-train without them (as ViTDet does: fine-tune the result "

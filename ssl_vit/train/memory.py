@@ -63,10 +63,10 @@ from dataclasses import asdict, dataclass
 import torch
 from timm.layers import GroupNormAct
 
+from ssl_vit.backbone import ParallelBlock, build_vit
 from ssl_vit.config import STRATEGIES
 from ssl_vit.extras import require
 from ssl_vit.schema import ConfigError, not_one_of
-from ssl_vit.vit import ParallelBlock, build_vit
 
 GIB = 1024**3
 PRECISIONS = ("bf16", "fp32")
@@ -94,8 +94,8 @@ class ModelShape:
     stem_elements: int = 0  # per image, kept by a hybrid's ResNet for backward
     stem_checkpointed: int = 0  # the same with per-stage gradient checkpointing
     stem_weights: int = 0  # per step: the standardised copy of every kernel (weight standardisation) it keeps
-    # ViTDet / SAM (ssl_vit.windows): the patch grid, each block's window (0: global), relative positions, and the
-    # prefix tokens (class, registers) the windows see
+    # ViTDet / SAM (ssl_vit.backbone.windows): the patch grid, each block's window (0: global), relative positions, and
+    # the prefix tokens (class, registers) the windows see
     grid: tuple[int, int] = (0, 0)
     windows: tuple[int, ...] = ()
     rel_pos: bool = False
@@ -124,7 +124,7 @@ class ModelShape:
                              if p.ndim == 4),
             grid=tuple(model.grid_size), prefix=model.num_prefix_tokens,
             windows=tuple(block.attn.window for block in model.blocks) if model.windowed else (),
-            rel_pos=bool(model.config.get("rel_pos")))
+            rel_pos=model.config.rel_pos)
 
 
 def stem_activation_elements(model) -> tuple[int, int]:

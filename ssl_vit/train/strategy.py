@@ -35,12 +35,12 @@ from accelerate.utils import (
     broadcast_object_list,
 )
 
+from ssl_vit.backbone import TransformerBlock
+from ssl_vit.backbone.init import fp32_random_init
 from ssl_vit.config import Precision
 from ssl_vit.extras import require
-from ssl_vit.init import fp32_random_init
 from ssl_vit.partition import local_shard
 from ssl_vit.schema import ConfigError
-from ssl_vit.vit import TransformerBlock
 
 log = logging.getLogger("ssl_vit")
 
@@ -238,7 +238,7 @@ def compile_seconds() -> float:
 class Preparation:
     """How the model is made ready to train (model.grad_checkpointing / checkpoint_policy, trainer.compile*)."""
 
-    checkpointing: bool | str = False  # False, or ssl_vit.vit.CHECKPOINTING's "full" / "selective"
+    checkpointing: bool | str = False  # False, or ssl_vit.backbone.CHECKPOINTING's "full" / "selective"
     compile: bool = False
     compile_mode: str | None = None
     compile_dynamic: bool | None = None
@@ -273,7 +273,7 @@ def fused_optimizer(accelerator) -> bool:
 def construction_context(accelerator):
     """Build the model under DeepSpeed's zero.Init when the config asks for it (ZeRO-3 with zero3_init_flag): every
     module's parameters are partitioned as its constructor returns, so a large preset never exists whole on one
-    rank. Layers initialise themselves in their constructors (ssl_vit.init), so the init survives."""
+    rank. Layers initialise themselves in their constructors (ssl_vit.backbone.init), so the init survives."""
     plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type == DistributedType.DEEPSPEED else None
     if plugin is None or plugin.zero_stage != 3 or not plugin.zero3_init_flag:
         return contextlib.nullcontext()
@@ -283,8 +283,8 @@ def construction_context(accelerator):
 @contextlib.contextmanager
 def zero_init(deepspeed_config: dict):
     """DeepSpeed's zero.Init building parameters in the dtype the config's precision means (bf16.enabled: bf16, else
-    fp32), initialised in fp32 either way (`ssl_vit.init.fp32_random_init`: a bf16 run starts from the fp32 run's
-    weights, rounded). The dtype comes from the config (`dtype=None`): DeepSpeed 0.19.8 reads an explicit one as
+    fp32), initialised in fp32 either way (`ssl_vit.backbone.init.fp32_random_init`: a bf16 run starts from the fp32
+    run's weights, rounded). The dtype comes from the config (`dtype=None`): DeepSpeed 0.19.8 reads an explicit one as
     `(dtype or fp16) if is_fp16_supported() else (bf16 if is_bf16_supported else fp32)`, the last test a bound
     method and always true, so an explicit fp32 became bf16 on a CPU without fp16 support (and bf16 fp32 on GPUs)."""
     import deepspeed  # heavy: only for ZeRO-3 runs

@@ -27,10 +27,11 @@ from accelerate.utils import gather_object, set_seed
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
+from ssl_vit.backbone import VisionTransformer, count_parameters
+from ssl_vit.backbone.init import rng_devices, without_transformers_zero3
 from ssl_vit.config import peak_lr
 from ssl_vit.data import describe_dataset, loader_workers, make_loader
 from ssl_vit.data.errors import SkipLog
-from ssl_vit.init import rng_devices, without_transformers_zero3
 from ssl_vit.optim import apply_schedule
 from ssl_vit.progress import progress_bar
 from ssl_vit.run_dirs import link_latest
@@ -72,7 +73,6 @@ from ssl_vit.train.strategy import (
     unshard,
 )
 from ssl_vit.train.watchdog import StepWatchdog
-from ssl_vit.vit import VisionTransformer, count_parameters
 
 log = logging.getLogger("ssl_vit")
 
@@ -563,7 +563,7 @@ class Trainer:
             if needs_model:
                 copy = objective.evaluation_copy(state).to(self.accelerator.device)
                 return copy.encoder, copy
-            encoder = VisionTransformer(**objective.encoder.config)
+            encoder = VisionTransformer(objective.encoder.config)
         encoder.load_state_dict(objective.artifacts(state).encoder)
         return encoder.to(self.accelerator.device), None
 

@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch import nn
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.cli import register_configs
 from ssl_vit.data.shards import write_shards
 from ssl_vit.data.sources import open_source
@@ -19,7 +20,6 @@ from ssl_vit.objectives import DataInfo, build_objective
 from ssl_vit.objectives.clip import CLIP, SigLIP
 from ssl_vit.objectives.mae import MAEConfig
 from ssl_vit.train.build import build_components
-from ssl_vit.vit import build_vit
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 CLIP_TOWERS = dict(embed_dim=16, context_length=16, text_width=16, text_heads=2, text_layers=1)

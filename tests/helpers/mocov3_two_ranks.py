@@ -5,9 +5,9 @@ and gradients on all 8."""
 
 import torch
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.objectives import DataInfo, build_objective
 from ssl_vit.objectives.mocov3 import MoCoV3Config
-from ssl_vit.vit import build_vit
 
 
 def build():

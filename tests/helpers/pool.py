@@ -133,8 +133,8 @@ class RunPool:
             from safetensors.torch import save_file
 
             from ssl_vit.artifacts import save_encoder
+            from ssl_vit.backbone import build_vit
             from ssl_vit.preprocess import Preprocess
-            from ssl_vit.vit import build_vit
 
             files = {"teacher": self.root / "resnet10t.safetensors",
                      "distill_teacher": self.root / "distill_teacher.safetensors",

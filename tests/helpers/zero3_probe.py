@@ -9,8 +9,8 @@ import sys
 from accelerate.utils import set_seed
 from omegaconf import OmegaConf
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.train.strategy import StrategySettings, construction_context, make_accelerator
-from ssl_vit.vit import build_vit
 
 preset, schemes, out = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
 cfg = OmegaConf.create({"trainer": {"precision": "fp32", "grad_accum_steps": 1, "tensorboard": False},

@@ -10,10 +10,10 @@ import os
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from ssl_vit.backbone import build_vit
 from ssl_vit.objectives import DataInfo, build_objective
 from ssl_vit.objectives.dino import DINOConfig
 from ssl_vit.train.strategy import kept_fp32_buffers, zero_init
-from ssl_vit.vit import build_vit
 
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29531"), RANK="0",
                   WORLD_SIZE="1", LOCAL_RANK="0")

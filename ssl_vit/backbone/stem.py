@@ -17,8 +17,8 @@ from timm.layers import Format, HybridEmbed, StdConv2dSame
 from timm.models.resnetv2 import ResNetV2, create_resnetv2_stem
 from torch import nn
 
+from ssl_vit.backbone.init import PatchProjection, rng_devices, writable
 from ssl_vit.geometry import check_divisible, pair
-from ssl_vit.init import PatchProjection, rng_devices, writable
 
 STEMS = ("patch", "resnet")
 # timm's ResNetV2 stage widths (bottleneck outputs); a stem with k stages uses the first k unless told otherwise.
