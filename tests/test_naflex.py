@@ -175,11 +175,25 @@ def test_our_encoder_exports_to_timm_naflexvit_exactly(tmp_path, kind):
         assert torch.allclose(back.encoder(batch), ours(batch), atol=1e-6)
 
 
-def test_timm_naflexvit_with_map_pooling_is_refused_in_one_line():
-    theirs = timm.create_model("naflexvit_base_patch16_map", num_classes=0, img_size=32, patch_size=4, embed_dim=64,
-                               depth=1, num_heads=4)
-    with pytest.raises(ValueError, match="global_pool='map'"):
-        from_timm(theirs)
+@pytest.mark.parametrize("name", ["naflexvit_base_patch16_siglip", "naflexvit_base_patch16_map"])
+def test_timm_naflexvit_with_a_map_head_moves_both_ways_exactly(tmp_path, name):
+    """SigLIP 2's NaFlex family: the MAP head attends over each image's own patches (padding masked), both ways."""
+    torch.manual_seed(0)
+    theirs = timm.create_model(name, num_classes=0, img_size=32, patch_size=4, embed_dim=64, depth=2,
+                               num_heads=4).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # off init, the latent and the pool's MLP too
+    ours = from_timm(theirs).eval()
+    assert ours.config.global_pool == "map" and ours.attn_pool is not None
+    batch = pack(_images(), 4, seq_len=64)
+    export_timm_naflex(ours, tmp_path)
+    back = timm.create_model(f"local-dir:{tmp_path}", pretrained=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(batch), theirs(batch), atol=1e-5, rtol=0)
+        torch.testing.assert_close(back(batch), ours(batch), atol=1e-5, rtol=0)
+        padded = pack(_images(), 4, seq_len=96)  # more padding changes nothing: it is never attended
+        torch.testing.assert_close(ours(padded), ours(batch), atol=1e-5, rtol=0)
 
 
 # ----- transformers' SigLIP 2 NaFlex vision model both ways -----

@@ -68,7 +68,7 @@ class Attention(nn.Module):
 
     def __init__(self, dim, num_heads, qkv_bias=True, qk_norm=False, norm_layer=nn.LayerNorm, attn_drop=0.0,
                  proj_drop=0.0, weight_init="timm", mask_k_bias=False, window: int = 0,
-                 rel_pos_size: Sequence[int] | None = None):
+                 rel_pos_size: Sequence[int] | None = None, proj_bias: bool = True):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
@@ -79,7 +79,7 @@ class Attention(nn.Module):
         self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.attn_drop = attn_drop
-        self.proj = Linear(dim, dim, scheme=weight_init)
+        self.proj = Linear(dim, dim, bias=proj_bias, scheme=weight_init)
         self.proj_drop = nn.Dropout(proj_drop)
         self.window = int(window)
         self.rel_pos_h = self.rel_pos_w = None

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import (
 
 from ssl_vit.backbone.attention import Attention, KeyMaskedLinear, attend
 from ssl_vit.backbone.init import LayerScale, Linear
-from ssl_vit.backbone.mlp import Mlp, make_activation
+from ssl_vit.backbone.mlp import build_mlp, make_activation
 from ssl_vit.backbone.rope import apply_rope
 
 # Activation checkpointing of a block: "full" keeps only its input and recomputes the whole block in backward;
@@ -78,19 +78,20 @@ def _layer_scale(dim, init_value):
 
 
 class Block(TransformerBlock):
-    """Pre-norm block of the paper: z = z + MSA(LN(z)); z = z + MLP(LN(z))."""
+    """Pre-norm block of the paper: z = z + MSA(LN(z)); z = z + MLP(LN(z)); the MLP of any `mlp_kind`."""
 
     def __init__(self, dim, num_heads, mlp_dim, qkv_bias=True, qk_norm=False, norm_layer=nn.LayerNorm,
                  layer_scale=None, drop_path=0.0, attn_drop=0.0, proj_drop=0.0, weight_init="timm", act_layer="gelu",
-                 mask_k_bias=False, window: int = 0, rel_pos_size: Sequence[int] | None = None):
+                 mask_k_bias=False, window: int = 0, rel_pos_size: Sequence[int] | None = None, mlp_kind="mlp",
+                 proj_bias=True):
         super().__init__()
         self.norm1 = norm_layer(dim)
         self.attn = Attention(dim, num_heads, qkv_bias, qk_norm, norm_layer, attn_drop, proj_drop, weight_init,
-                              mask_k_bias, window, rel_pos_size)
+                              mask_k_bias, window, rel_pos_size, proj_bias)
         self.ls1 = _layer_scale(dim, layer_scale)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = norm_layer(dim)
-        self.mlp = Mlp(dim, mlp_dim, proj_drop, weight_init, act_layer)
+        self.mlp = build_mlp(mlp_kind, dim, mlp_dim, proj_drop, weight_init, act_layer, bias=proj_bias)
         self.ls2 = _layer_scale(dim, layer_scale)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 

@@ -16,7 +16,9 @@ from ssl_vit.backbone.rope import ROPE_KINDS, ROPE_NORMALIZATIONS
 from ssl_vit.backbone.stem import STEMS
 from ssl_vit.schema import ConfigError, check_fields, checked, closest_names
 
-GLOBAL_POOLS = ("token", "avg")
+# token: the class token; avg: the mean of the patch tokens; map: attention pooling by a learned query
+# (SigLIP's MAP head, Perception Encoder's attention pool; ssl_vit.backbone.pooling)
+GLOBAL_POOLS = ("token", "avg", "map")
 # Interpolation modes for resampling position embeddings to a new grid (the ones F.interpolate can antialias).
 # Conventions differ: timm resamples bicubic with antialiasing (its `resample_abs_pos_embed` default); DINOv2 and HF
 # transformers resample bicubic without it; FlexiViT / RADIO bilinear without it.
@@ -25,8 +27,13 @@ POS_EMBED_INTERP_MODES = ("bicubic", "bilinear")
 # embeddings inside attention (ssl_vit.backbone.rope), nothing added; none: no position information
 POS_EMBEDS = ("learned", "sincos", "rope", "none")
 # MLP activations: exact GELU (the paper, timm, DINOv2, HF "gelu"), tanh-approximated GELU (SigLIP, HF
-# "gelu_pytorch_tanh"), QuickGELU x * sigmoid(1.702 x) (OpenAI's CLIP weights, HF "quick_gelu").
-ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
+# "gelu_pytorch_tanh"), QuickGELU x * sigmoid(1.702 x) (OpenAI's CLIP weights, HF "quick_gelu"), SiLU (the gate of
+# SwiGLU MLPs: DINOv2-g, DINOv3 H+ / 7B, AIMv2).
+ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu", "silu")
+# The blocks' feed-forward network (ssl_vit.backbone.mlp): the paper's MLP, SwiGLU with separate gate and value
+# projections (timm's SwiGLU), or packed in one (timm's SwiGLUPacked, DINOv2's SwiGLUFFNFused)
+MLP_KINDS = ("mlp", "swiglu", "swiglu_packed")
+NORM_LAYERS = ("layernorm", "rmsnorm")  # RMSNorm (AIMv2): x / rms(x) x weight, no bias, no mean
 
 
 @dataclass(frozen=True)
@@ -41,9 +48,15 @@ class ViTConfig:
     depth: int = checked(12, ge=1)
     num_heads: int = checked(12, ge=1)
     mlp_ratio: float = checked(4.0, gt=0)
-    mlp_dim: int | None = checked(None, ge=1)  # None: embed_dim x mlp_ratio
+    mlp_dim: int | None = checked(None, ge=1)  # None: embed_dim x mlp_ratio; SwiGLU: the gated (fc2 input) width
+    mlp_kind: str = checked("mlp", choices=MLP_KINDS)
     class_token: bool = True
     global_pool: str = checked("token", choices=GLOBAL_POOLS)
+    # The final norm after pooling (timm's fc_norm; None: with avg pooling only, as timm). AIMv2: false (the
+    # final norm on every token, then the average)
+    fc_norm: bool | None = None
+    pool_heads: int | None = checked(None, ge=1)  # global_pool=map: its attention heads (None: num_heads; PE: 8)
+    pool_mlp_dim: int | None = checked(None, ge=1)  # global_pool=map: its MLP width (None: the blocks' MLP width)
     dist_token: bool = False  # DeiT's distillation token (objective=deit turns it on)
     num_registers: int = checked(0, ge=0)
     # learned | sincos | rope | none (POS_EMBEDS). rope: DINOv3's 2-D rotary embeddings (ssl_vit.backbone.rope):
@@ -64,10 +77,14 @@ class ViTConfig:
     pos_embed_interp: str = checked("bicubic", choices=POS_EMBED_INTERP_MODES)  # resampling to another grid
     pos_embed_antialias: bool = True  # timm antialiases (default); DINOv2 / HF transformers do not
     qkv_bias: bool = True
+    proj_bias: bool = True  # biases of the attention output and the MLP projections (timm's proj_bias; AIMv2: none)
     qk_norm: bool = False
-    norm_bias: bool = True
+    norm_layer: str = checked("layernorm", choices=NORM_LAYERS)
+    norm_bias: bool = True  # LayerNorm biases (RMSNorm has none)
     norm_eps: float = checked(1e-6, gt=0)
-    pre_norm: bool = False  # CLIP's LayerNorm before the blocks (and no patch-embedding bias)
+    pre_norm: bool = False  # CLIP's LayerNorm before the blocks
+    patch_bias: bool | None = None  # the patch projection's bias (None: without pre_norm, as timm and CLIP)
+    patch_norm: bool = False  # a norm after the patch projection (timm's embed_norm_layer: AIMv2)
     parallel_block: bool = False  # ViT-22B's parallel attention + MLP
     layer_scale: float | None = None  # the initial value of CaiT / DINOv2's per-channel residual scales
     drop_path: float = checked(0.0, ge=0, lt=1)
@@ -105,6 +122,12 @@ class ViTConfig:
             raise ConfigError("global_pool='token' needs class_token=True; use global_pool='avg' without one")
         if self.dist_token and not (self.class_token and self.global_pool == "token"):
             raise ConfigError("dist_token=True (DeiT) needs class_token=True and global_pool='token'")
+        if self.parallel_block and self.mlp_kind != "mlp":
+            raise ConfigError(f"mlp_kind={self.mlp_kind!r} with parallel_block=True: ViT-22B's parallel block fuses "
+                              "the plain MLP's input projection with QKV; SwiGLU parallel blocks are not built")
+        if self.global_pool != "map" and (self.pool_heads is not None or self.pool_mlp_dim is not None):
+            raise ConfigError(f"pool_heads / pool_mlp_dim set the attention pool of global_pool='map', not "
+                              f"global_pool={self.global_pool!r}")
 
     @classmethod
     def from_dict(cls, values: dict, where: str = "the model config") -> ViTConfig:
@@ -129,6 +152,15 @@ class ViTConfig:
     def mlp_hidden(self) -> int:
         """The MLP's hidden width: mlp_dim, else embed_dim x mlp_ratio."""
         return self.mlp_dim or int(self.embed_dim * self.mlp_ratio)
+
+    @property
+    def has_patch_bias(self) -> bool:
+        return (not self.pre_norm) if self.patch_bias is None else self.patch_bias
+
+    @property
+    def has_fc_norm(self) -> bool:
+        """Whether the final norm comes after pooling (and not on the tokens before)."""
+        return (self.global_pool == "avg") if self.fc_norm is None else self.fc_norm
 
     @property
     def num_prefix_tokens(self) -> int:

@@ -85,13 +85,16 @@ class PatchEmbed(nn.Module):
     The hybrid stem (`ssl_vit.stem.HybridPatchEmbed`) has the same interface: img_size, patch_size, grid_size,
     num_patches, stride (image pixels per token side), grid_for, resize, forward -> (B, N, D)."""
 
-    def __init__(self, img_size=224, patch_size=16, in_chans=3, embed_dim=768, bias=True, weight_init="timm"):
+    def __init__(self, img_size=224, patch_size=16, in_chans=3, embed_dim=768, bias=True, weight_init="timm",
+                 norm_layer=None):
         super().__init__()
         self.img_size, self.patch_size = pair(img_size), pair(patch_size)
         check_divisible(self.img_size, self.patch_size)
         self.grid_size = (self.img_size[0] // self.patch_size[0], self.img_size[1] // self.patch_size[1])
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.proj = PatchProjection(in_chans, embed_dim, self.patch_size, bias=bias, scheme=weight_init)
+        # a norm of each patch embedding (timm's PatchEmbed norm_layer: AIMv2's RMSNorm); None: none
+        self.norm = norm_layer(embed_dim) if norm_layer is not None else nn.Identity()
 
     @property
     def stride(self) -> tuple[int, int]:
@@ -118,10 +121,10 @@ class PatchEmbed(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W), or a NaFlex batch's flat patches (B, N, P * P * C) (`embed_flat`)."""
         if images.ndim == 3:
-            return self.embed_flat(images)
+            return self.norm(self.embed_flat(images))
         self.grid_for(images.shape[-2], images.shape[-1])
         # In the weights' dtype (bf16 weights under DeepSpeed's bf16 mode; a no-op otherwise), as HF's ViT does.
-        return self.proj(images.to(self.proj.weight.dtype)).flatten(2).transpose(1, 2)
+        return self.norm(self.proj(images.to(self.proj.weight.dtype)).flatten(2).transpose(1, 2))
 
 
 

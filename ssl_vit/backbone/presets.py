@@ -30,6 +30,44 @@ _SHAPES: dict[str, dict] = {
         patch_size=14, embed_dim=6144, depth=48, num_heads=48, mlp_dim=24576,
         qkv_bias=False, norm_bias=False, qk_norm=True, parallel_block=True, class_token=False, global_pool="avg",
     ),
+    # ----- The encoder families of 2024-26, each as timm 1.0.31 defines it (timm name in the comment) -----
+    # DINOv2 ViT-g/14 (vit_giant_patch14_dinov2; DINOv2's vit_giant2): packed SwiGLU of (int(1536 x 4 x 2/3) + 7)
+    # // 8 x 8 = 4096, layer scale 1e-5, 518 px, position tables resampled as DINOv2 does (bicubic, no antialias).
+    "vit_g14_dinov2": dict(patch_size=14, img_size=518, embed_dim=1536, depth=40, num_heads=24, mlp_dim=4096,
+                           mlp_kind="swiglu_packed", act_layer="silu", layer_scale=1e-5, pos_embed_antialias=False),
+    # DINOv3 ViT-H+/16 and ViT-7B/16 (vit_huge_plus_patch16_dinov3, vit_7b_patch16_dinov3): DINOv3's RoPE (periods
+    # 100 ** (2i / (D/2))), 4 registers, SwiGLU, no QKV bias, LayerNorm eps 1e-5, layer scale 1e-5.
+    "vit_hplus16_dinov3": dict(patch_size=16, embed_dim=1280, depth=32, num_heads=20, mlp_dim=5120,
+                               mlp_kind="swiglu", act_layer="silu", pos_embed="rope", rope_theta=100.0,
+                               num_registers=4, qkv_bias=False, norm_eps=1e-5, layer_scale=1e-5),
+    "vit_7b16_dinov3": dict(patch_size=16, embed_dim=4096, depth=40, num_heads=32, mlp_dim=8192,
+                            mlp_kind="swiglu", act_layer="silu", pos_embed="rope", rope_theta=100.0,
+                            num_registers=4, qkv_bias=False, norm_eps=1e-5, layer_scale=1e-5),
+    # SigLIP So400m/14 at 224 (vit_so400m_patch14_siglip_224; transformers' SiglipVisionConfig of
+    # google/siglip-so400m-patch14-224: 4304 wide MLP, gelu_pytorch_tanh) and SigLIP 2 So400m/16 at 256
+    # (vit_so400m_patch16_siglip_256, v2 weights): no class token, the MAP head. timm's patch14 entry builds exact
+    # GELU; SigLIP's own weights use the tanh form, which this preset keeps (big_vision, transformers).
+    "vit_so400m14_siglip": dict(patch_size=14, embed_dim=1152, depth=27, num_heads=16, mlp_dim=4304,
+                                class_token=False, global_pool="map", act_layer="gelu_tanh"),
+    "vit_so400m16_siglip2": dict(patch_size=16, img_size=256, embed_dim=1152, depth=27, num_heads=16, mlp_dim=4304,
+                                 class_token=False, global_pool="map", act_layer="gelu_tanh"),
+    # AIMv2 L/14 and H/14 (aimv2_large_patch14_224, aimv2_huge_patch14_224; apple/ml-aim): SwiGLU, RMSNorm eps 1e-5
+    # (also on the patch embeddings), no attention / MLP biases, no class token, the final norm on every token then
+    # the average.
+    "vit_l14_aimv2": dict(patch_size=14, embed_dim=1024, depth=24, num_heads=8, mlp_dim=2816, mlp_kind="swiglu",
+                          act_layer="silu", norm_layer="rmsnorm", norm_eps=1e-5, patch_norm=True, qkv_bias=False,
+                          proj_bias=False, class_token=False, global_pool="avg", fc_norm=False),
+    "vit_h14_aimv2": dict(patch_size=14, embed_dim=1536, depth=24, num_heads=12, mlp_dim=4096, mlp_kind="swiglu",
+                          act_layer="silu", norm_layer="rmsnorm", norm_eps=1e-5, patch_norm=True, qkv_bias=False,
+                          proj_bias=False, class_token=False, global_pool="avg", fc_norm=False),
+    # The families at test size: AIMv2's block and pooling, SigLIP's MAP head, DINOv2-g's packed SwiGLU.
+    "vit_test_aimv2": dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, mlp_dim=88,
+                           mlp_kind="swiglu", act_layer="silu", norm_layer="rmsnorm", norm_eps=1e-5, patch_norm=True,
+                           qkv_bias=False, proj_bias=False, class_token=False, global_pool="avg", fc_norm=False),
+    "vit_test_siglip": dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, mlp_dim=96,
+                            class_token=False, global_pool="map", act_layer="gelu_tanh"),
+    "vit_test_dinov2": dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, mlp_dim=64,
+                            mlp_kind="swiglu_packed", act_layer="silu", layer_scale=1e-5),
 }
 # Every preset initialises as big_vision (`jax`: the paper's code; model.weight_init overrides). Measured with
 # benchmarks/init_schemes.py (vit_tiny, supervised, synthetic shapes, 300 steps, 3 seeds; mean [min, max]; the

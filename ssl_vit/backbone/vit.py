@@ -35,12 +35,13 @@ from ssl_vit.backbone.embeddings import (
 from ssl_vit.backbone.init import Linear, check_scheme, init_embeddings
 from ssl_vit.backbone.mlp import make_activation
 from ssl_vit.backbone.norms import norm_factory
+from ssl_vit.backbone.pooling import AttentionPool, pool_tokens
 from ssl_vit.backbone.presets import PRESETS
 from ssl_vit.backbone.pyramid import ConvNorm
 from ssl_vit.backbone.rope import build_rope
 from ssl_vit.backbone.stem import HybridPatchEmbed, check_stem
 from ssl_vit.geometry import pair
-from ssl_vit.naflex import masked_mean, patch_valid
+from ssl_vit.naflex import patch_valid
 
 
 class VisionTransformer(TokenEmbedding, nn.Module):
@@ -68,12 +69,15 @@ class VisionTransformer(TokenEmbedding, nn.Module):
         self.num_pos_prefix = 0 if c.no_embed_class or c.pos_embed in ("rope", "none") else self.num_prefix_tokens
         self.pos_embed_kind = c.pos_embed
 
-        # CLIP-style pre-norm models have no patch-embedding bias (as in timm).
-        stem_kind = HybridPatchEmbed if c.stem == "resnet" else PatchEmbed
-        stem_args = dict(layers=c.stem_layers, channels=c.stem_channels, width=c.stem_width) if c.stem == "resnet" \
-            else {}
-        self.patch_embed = stem_kind(c.img_size, c.patch_size, c.in_chans, embed_dim, bias=not c.pre_norm,
-                                     weight_init=c.weight_init, **stem_args)
+        if c.stem == "resnet":
+            if c.patch_norm:
+                raise ValueError("patch_norm=True with stem=resnet: the hybrid's patch embedding has no norm here")
+            self.patch_embed = HybridPatchEmbed(c.img_size, c.patch_size, c.in_chans, embed_dim,
+                                                bias=c.has_patch_bias, weight_init=c.weight_init,
+                                                layers=c.stem_layers, channels=c.stem_channels, width=c.stem_width)
+        else:
+            self.patch_embed = PatchEmbed(c.img_size, c.patch_size, c.in_chans, embed_dim, bias=c.has_patch_bias,
+                                          weight_init=c.weight_init, norm_layer=norm_layer if c.patch_norm else None)
         self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim)) if c.class_token else None
         # DeiT's distillation token (timm's VisionTransformerDistilled: right after the class token)
         self.dist_token = nn.Parameter(torch.empty(1, 1, embed_dim)) if c.dist_token else None
@@ -104,13 +108,17 @@ class VisionTransformer(TokenEmbedding, nn.Module):
             (ParallelBlock if c.parallel_block else Block)(
                 embed_dim, num_heads, c.mlp_hidden, qkv_bias=c.qkv_bias, qk_norm=c.qk_norm, norm_layer=norm_layer,
                 layer_scale=c.layer_scale, drop_path=rate, attn_drop=c.attn_drop, proj_drop=c.proj_drop,
-                weight_init=c.weight_init, act_layer=c.act_layer, mask_k_bias=mask_k_bias, **spatial(window))
+                weight_init=c.weight_init, act_layer=c.act_layer, mask_k_bias=mask_k_bias,
+                **({"mlp_kind": c.mlp_kind, "proj_bias": c.proj_bias} if not c.parallel_block else {}),
+                **spatial(window))
             for rate, window in zip(drop_rates, windows, strict=True)
         ])
-        # As in timm: average pooling normalises after pooling (fc_norm), token pooling before (norm).
-        use_fc_norm = c.global_pool == "avg"
-        self.norm = nn.Identity() if use_fc_norm else norm_layer(embed_dim)
-        self.fc_norm = norm_layer(embed_dim) if use_fc_norm else nn.Identity()
+        # As in timm: average pooling normalises after pooling (fc_norm), token and attention pooling before (norm)
+        self.norm = nn.Identity() if c.has_fc_norm else norm_layer(embed_dim)
+        self.fc_norm = norm_layer(embed_dim) if c.has_fc_norm else nn.Identity()
+        self.attn_pool = (AttentionPool(embed_dim, c.pool_heads or num_heads, c.pool_mlp_dim or c.mlp_hidden,
+                                        norm_layer, c.act_layer, c.weight_init)
+                          if c.global_pool == "map" else None)
         # SAM's neck (segment-anything's image encoder): 1x1 then 3x3 convolution, each bias-free with a channel
         # LayerNorm, over the last patch map (`forward_neck`); 0: none
         channels = c.neck_channels
@@ -227,14 +235,10 @@ class VisionTransformer(TokenEmbedding, nn.Module):
         return self.neck(patch_map) if self.neck is not None else patch_map
 
     def pool(self, tokens: torch.Tensor, patch_valid: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, n, D) output tokens -> (B, D) image embedding (with a distillation token: the mean of the class and
-        distillation tokens, as timm's DeiT pre-logits). `patch_valid` (B, N): a NaFlex batch's mask, so that the
-        average leaves the padding out."""
-        if self.global_pool == "avg":
-            return self.fc_norm(masked_mean(tokens[:, self.num_prefix_tokens:], patch_valid))
-        if self.dist_token is not None:
-            return (tokens[:, 0] + tokens[:, 1]) / 2
-        return tokens[:, 0]
+        """(B, n, D) output tokens -> (B, D) image embedding by `global_pool` (ssl_vit.backbone.pooling); with a
+        distillation token: the mean of the class and distillation tokens, as timm's DeiT pre-logits. `patch_valid`
+        (B, N): a NaFlex batch's mask, so that the average and the attention pool leave the padding out."""
+        return pool_tokens(self, tokens, patch_valid)
 
     def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False,
                      patch_valid: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,6 +12,7 @@ import timm
 import torch
 from timm.data import resolve_data_config
 from timm.layers import (
+    AttentionPoolLatent,
     HybridEmbed,
     RotaryEmbeddingCat,
     RotaryEmbeddingDinoV3,
@@ -32,7 +33,7 @@ from ssl_vit.backbone.stem import RESNET_CHANNELS
 from ssl_vit.files import save_safetensors
 from ssl_vit.interop.native import NativeEncoder, from_timm_native, not_a_vit
 from ssl_vit.interop.sam import from_timm_sam
-from ssl_vit.interop.timm_layers import activation_name, layer_scale_init
+from ssl_vit.interop.timm_layers import activation_name, layer_scale_init, mlp_settings, norm_settings
 from ssl_vit.interop.timm_naflex import from_timm_naflex, is_timm_naflex
 from ssl_vit.preprocess import INTERPOLATIONS, Preprocess
 
@@ -94,10 +95,12 @@ def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embe
     parallel = isinstance(block, ParallelScalingBlock)
     if not parallel and not isinstance(block, Block):
         raise ValueError(f"unsupported timm block {type(block).__name__}; supported: Block, ParallelScalingBlock")
-    if model.global_pool not in ("token", "avg"):
-        raise ValueError(f"unsupported timm global_pool {model.global_pool!r}; supported: 'token', 'avg'")
+    if model.global_pool not in ("token", "avg", "map"):
+        raise ValueError(f"unsupported timm global_pool {model.global_pool!r}; supported: 'token', 'avg', 'map'")
     attn = block if parallel else block.attn
     norm = block.in_norm if parallel else block.norm1
+    if isinstance(model.norm, nn.Identity) and isinstance(model.fc_norm, nn.Identity):
+        raise ValueError("this timm model has no final norm (final_norm=False), which ssl-vit's ViT always has")
     has_layer_scale = not isinstance(block.ls if parallel else block.ls1, nn.Identity)
     if layer_scale is not None and not has_layer_scale:
         raise ValueError("layer_scale was given but this timm model has no layer scale")
@@ -108,15 +111,17 @@ def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embe
         img_size=model.patch_embed.img_size, patch_size=model.patch_embed.patch_size,
         in_chans=model.patch_embed.proj.in_channels, num_classes=getattr(model, "num_classes", 0),
         embed_dim=model.embed_dim, depth=len(model.blocks), num_heads=attn.num_heads,
-        mlp_dim=(block.in_split[0] if parallel else block.mlp.fc1.out_features),
         class_token=model.cls_token is not None, global_pool=model.global_pool, num_registers=model.num_reg_tokens,
+        fc_norm=not isinstance(model.fc_norm, nn.Identity), **_attn_pool_settings(model),
         no_embed_class=model.no_embed_class,
         pos_embed_interp=pos_embed_interp if pos_embed_interp is not None else family_interp,
         pos_embed_antialias=pos_embed_antialias if pos_embed_antialias is not None else family_antialias,
         qkv_bias=(block.in_proj.bias is not None) if parallel else (block.attn.qkv.bias is not None),
-        qk_norm=not isinstance(attn.q_norm, nn.Identity), norm_bias=norm.bias is not None, norm_eps=norm.eps,
+        qk_norm=not isinstance(attn.q_norm, nn.Identity), **norm_settings(norm),
         pre_norm=not isinstance(model.norm_pre, nn.Identity), parallel_block=parallel,
-        act_layer=activation_name(block.mlp_act if parallel else block.mlp.act),
+        patch_norm=not isinstance(getattr(model.patch_embed, "norm", nn.Identity()), nn.Identity),
+        **({"act_layer": activation_name(block.mlp_act), "mlp_dim": block.in_split[0]} if parallel
+           else mlp_settings(block.mlp)),
         # The init value (the loaded weights then set the gammas themselves).
         layer_scale=(layer_scale if layer_scale is not None else layer_scale_init(model)) if has_layer_scale else None,
     )
@@ -125,6 +130,24 @@ def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embe
     ours = VisionTransformer(**kwargs)
     ours.load_state_dict(model.state_dict(), strict=True)
     return ours
+
+
+def _attn_pool_settings(model: TimmViT) -> dict:
+    """pool_heads / pool_mlp_dim of a timm MAP head (`AttentionPoolLatent`), checked to be the one ssl-vit builds;
+    {} without one."""
+    pool = model.attn_pool
+    if pool is None:
+        return {}
+    if not isinstance(pool, AttentionPoolLatent):
+        raise ValueError(f"unsupported timm attention pool {type(pool).__name__}; supported: AttentionPoolLatent")
+    odd = [what for what, present in (
+        ("several latents", pool.latent_len != 1), ("a position embedding", pool.pos_embed is not None),
+        ("no query projection", isinstance(pool.q, nn.Identity)), ("QK-norm", not isinstance(pool.q_norm, nn.Identity)),
+        ("no output MLP", pool.mlp is None), ("prefix tokens in the pool", model.pool_include_prefix)) if present]
+    if odd:
+        raise ValueError(f"this timm model's attention pool has {', '.join(odd)}, which ssl-vit's MAP head does not "
+                         "build")
+    return dict(pool_heads=pool.num_heads, pool_mlp_dim=pool.mlp.fc1.out_features)
 
 
 # timm's DINOv3 port (Eva) -> ours: per-block layer-scale gammas, and separate q / v biases into the fused qkv bias
@@ -171,11 +194,10 @@ def _from_timm_dinov3(model: Eva, layer_scale: float | None = None) -> VisionTra
     rope = _rope_kwargs(model.rope)
     block = model.blocks[0]
     unsupported = [name for name, present in (
-        ("SwiGLU / gated MLP", not hasattr(block.mlp, "fc1")), ("post-norm blocks", not hasattr(block, "norm1")),
+        ("post-norm blocks", not hasattr(block, "norm1")),
         ("attention gates or separate q / k / v projections", block.attn.qkv is None
          or getattr(block.attn, "gate", None) is not None),
-        ("a norm inside the MLP or attention", not isinstance(block.mlp.norm, nn.Identity)
-         or not isinstance(getattr(block.attn, "norm", nn.Identity()), nn.Identity)),
+        ("a norm inside the attention", not isinstance(getattr(block.attn, "norm", nn.Identity()), nn.Identity)),
         ("a norm before the blocks", not isinstance(model.norm_pre, nn.Identity))) if present]
     if unsupported:
         raise ValueError(f"this timm DINOv3 model has {', '.join(unsupported)}, which ssl-vit's ViT does not build")
@@ -183,13 +205,13 @@ def _from_timm_dinov3(model: Eva, layer_scale: float | None = None) -> VisionTra
     kwargs = dict(
         img_size=model.patch_embed.img_size, patch_size=model.patch_embed.patch_size,
         in_chans=model.patch_embed.proj.in_channels, embed_dim=model.embed_dim, depth=len(model.blocks),
-        num_heads=block.attn.num_heads, mlp_dim=block.mlp.fc1.out_features, class_token=model.cls_token is not None,
+        num_heads=block.attn.num_heads, **mlp_settings(block.mlp), class_token=model.cls_token is not None,
         global_pool="token" if model.cls_token is not None else "avg",
         num_registers=0 if model.reg_token is None else model.reg_token.shape[1],
         pos_embed="rope", **rope,
         qkv_bias=block.attn.q_bias is not None if hasattr(block.attn, "q_bias") else block.attn.qkv.bias is not None,
         qk_norm=not isinstance(block.attn.q_norm, nn.Identity),
-        norm_bias=block.norm1.bias is not None, norm_eps=block.norm1.eps, act_layer=activation_name(block.mlp.act),
+        **norm_settings(block.norm1),
         layer_scale=(layer_scale or DINOV3_LAYER_SCALE) if has_layer_scale else None)
     ours = VisionTransformer(**kwargs)
     state = {}
@@ -210,7 +232,17 @@ def _from_timm_dinov3(model: Eva, layer_scale: float | None = None) -> VisionTra
 # Our presets' timm architectures: (embed_dim, depth, num_heads, mlp_dim) -> timm name stem (+ _patch{P}_{size}).
 TIMM_NAMES = {(192, 12, 3, 768): "vit_tiny", (384, 12, 6, 1536): "vit_small", (768, 12, 12, 3072): "vit_base",
               (1024, 24, 16, 4096): "vit_large", (1280, 32, 16, 5120): "vit_huge", (1408, 40, 16, 6144): "vit_giant"}
-_TIMM_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "quick_gelu": "quick_gelu"}
+_TIMM_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "quick_gelu": "quick_gelu", "silu": "silu"}
+# The timm entry points that build the layers a config file cannot name (mlp_layer, an eps of a norm), by mlp_kind:
+# model_args then set every size. (entry point, the norm it builds: (norm_layer, eps), whether its patches are normed)
+TIMM_FAMILIES = {"swiglu_packed": ("vit_giant_patch14_dinov2", ("layernorm", 1e-6), False),  # SwiGLUPacked
+                 "swiglu": ("aimv2_large_patch14_224", ("rmsnorm", 1e-5), True)}  # SwiGLU, RmsNorm(1e-5)
+# Named family members: (mlp_kind, embed_dim, depth, num_heads, mlp_dim, patch) -> timm name (sizes as timm's).
+TIMM_FAMILY_NAMES = {("swiglu_packed", 1536, 40, 24, 4096, 14): "vit_giant_patch14_dinov2",
+                     ("swiglu", 1024, 24, 8, 2816, 14): "aimv2_large_patch14_224",
+                     ("swiglu", 1536, 24, 12, 4096, 14): "aimv2_huge_patch14_224",
+                     ("mlp", 1152, 27, 16, 4304, 14): "vit_so400m_patch14_siglip_224",
+                     ("mlp", 1152, 27, 16, 4304, 16): "vit_so400m_patch16_siglip_256"}
 
 
 def timm_architecture(config: ViTConfig) -> str:
@@ -221,6 +253,11 @@ def timm_architecture(config: ViTConfig) -> str:
     patch = config.patch_size if isinstance(config.patch_size, int) else config.patch_size[0]
     if config.stem == "resnet":
         return _timm_hybrid(config)
+    named = TIMM_FAMILY_NAMES.get((config.mlp_kind, width, depth, heads, mlp_dim, patch))
+    if named is not None:
+        return named
+    if config.mlp_kind in TIMM_FAMILIES:
+        return TIMM_FAMILIES[config.mlp_kind][0]
     stem = TIMM_NAMES.get((width, depth, heads, mlp_dim))
     if config.dist_token:  # DeiT's distilled models (model_args set every size)
         name = f"deit_{(stem or 'vit_tiny').removeprefix('vit_')}_distilled_patch16_224"
@@ -253,18 +290,31 @@ def timm_model_args(config: ViTConfig) -> dict:
     if config.parallel_block:
         problems.append("parallel_block=True (timm takes block_fn=ParallelScalingBlock, not expressible in a config "
                         "file: build timm's model yourself and load model.safetensors)")
-    if not config.norm_bias:
+    if not config.norm_bias and config.norm_layer == "layernorm":
         problems.append("norm_bias=False (timm's VisionTransformer has no bias-free LayerNorm argument)")
     width = config.embed_dim
     mlp_dim = config.mlp_hidden
-    if int(width * (mlp_dim / width)) != mlp_dim:
-        problems.append(f"mlp_dim={mlp_dim} (timm rebuilds int(width x mlp_ratio) = {int(width * (mlp_dim / width))})")
+    fc1 = 2 * mlp_dim if config.mlp_kind == "swiglu_packed" else mlp_dim  # what timm's mlp_ratio sizes
+    if int(width * (fc1 / width)) != fc1:
+        problems.append(f"mlp_dim={mlp_dim} (timm rebuilds int(width x mlp_ratio) = {int(width * (fc1 / width))})")
+    if config.has_patch_bias == config.pre_norm:
+        problems.append(f"patch_bias={config.has_patch_bias} with pre_norm={config.pre_norm} (timm's patch embedding "
+                        "has a bias exactly when there is no pre-norm)")
+    if config.global_pool == "map" and ((config.pool_heads or config.num_heads) != config.num_heads
+                                        or (config.pool_mlp_dim or mlp_dim) != mlp_dim):
+        problems.append(f"pool_heads={config.pool_heads}, pool_mlp_dim={config.pool_mlp_dim} (timm's MAP head has "
+                        "the blocks' heads and MLP width)")
     if config.dist_token and (config.stem != "patch" or config.num_registers
                                      or config.no_embed_class):
         problems.append("dist_token=True with a hybrid stem, registers or no_embed_class (timm's distilled DeiT has "
                         "none of them)")
-    if config.norm_eps != 1e-6:
-        problems.append(f"norm_eps={config.norm_eps} (timm's config files build LayerNorm with eps 1e-6)")
+    family = TIMM_FAMILIES.get(config.mlp_kind)
+    norm = (config.norm_layer, config.norm_eps)
+    family_norm = family is not None and norm == family[1]
+    if config.norm_eps != 1e-6 and not family_norm:
+        problems.append(f"norm_eps={config.norm_eps} (timm's config files build {config.norm_layer} with eps 1e-6"
+                        + (f"; its {config.mlp_kind} entry point {family[0]} {family[1][0]} with {family[1][1]}"
+                           if family else "") + ")")
     if problems:
         raise ValueError("a timm config cannot express: " + "; ".join(problems)
                          + ". --to hf / onnx / safetensors take these.")
@@ -277,6 +327,19 @@ def timm_model_args(config: ViTConfig) -> dict:
                 reg_tokens=config.num_registers, no_embed_class=config.no_embed_class,
                 pre_norm=config.pre_norm, act_layer=_TIMM_ACTIVATIONS[config.act_layer],
                 num_classes=0)
+    # only what differs from timm's defaults (or the entry point's), so that the file reads as timm writes its own
+    args["mlp_ratio"] = fc1 / width
+    if config.has_fc_norm != (config.global_pool == "avg"):
+        args["fc_norm"] = config.has_fc_norm
+    if not config.proj_bias:
+        args["proj_bias"] = False
+    if not family_norm and norm != ("layernorm", 1e-6):  # timm's by name (eps 1e-6)
+        args["norm_layer"] = config.norm_layer
+    entry_patch_norm = bool(family and family[2])
+    if config.patch_norm and not (entry_patch_norm and family_norm):
+        args["embed_norm_layer"] = config.norm_layer
+    elif not config.patch_norm and entry_patch_norm:
+        args["embed_norm_layer"] = None
     return args
 
 
@@ -284,7 +347,8 @@ def timm_model_args(config: ViTConfig) -> dict:
 # Every kind: class-token pooling after the final norm, pixel patches, LayerNorm with biases, GELU.
 _TIMM_ROPE_REQUIRED = {"class_token": (True, True), "global_pool": ("token", "token"), "stem": ("patch", "patch"),
                        "dist_token": (False, False), "parallel_block": (False, False), "qk_norm": (False, False),
-                       "pre_norm": (False, False), "norm_bias": (True, True), "act_layer": ("gelu", "gelu")}
+                       "pre_norm": (False, False), "norm_bias": (True, True), "norm_layer": ("layernorm", None),
+                       "proj_bias": (True, None), "patch_norm": (False, None), "has_fc_norm": (False, None)}
 # Per kind: the DINOv3 port (vit_*_dinov3: periods over each side, eps 1e-5, q / v biases) or RoPE-ViT's
 # (vit_*_rope[_mixed]_224: rope_theta on patch indices, eps 1e-6, a fused qkv bias with its key part).
 _TIMM_ROPE_KINDS = {
@@ -305,9 +369,11 @@ def timm_rope_args(config: ViTConfig) -> tuple[str, dict]:
     required, rope_args = _TIMM_ROPE_KINDS[kind]
     problems = [f"{key}={getattr(config, key)!r}" for key, (wanted, default)
                 in (_TIMM_ROPE_REQUIRED | required).items() if getattr(config, key) != wanted]
+    if config.act_layer != ("gelu" if config.mlp_kind == "mlp" else "silu"):  # Eva's MLP: GELU; its SwiGLU: SiLU
+        problems.append(f"act_layer={config.act_layer!r} with mlp_kind={config.mlp_kind!r}")
     if problems:
         raise ValueError(f"timm's RoPE models of rope_kind={kind!r} (Eva: class token pooling, pixel patches, "
-                         f"LayerNorm eps {required['norm_eps'][0]} with biases, GELU"
+                         f"LayerNorm eps {required['norm_eps'][0]} with biases, a GELU MLP or a SiLU SwiGLU"
                          + (", rope_theta periods over each side" if kind == "dinov3" else "")
                          + ") cannot express: " + ", ".join(problems)
                          + ". --to hf --hf-arch dinov3 / onnx / safetensors take what transformers / ONNX can.")
@@ -316,13 +382,16 @@ def timm_rope_args(config: ViTConfig) -> tuple[str, dict]:
     if int(width * (mlp_dim / width)) != mlp_dim:
         raise ValueError(f"mlp_dim={mlp_dim} is not int(width x a ratio) for width {width}: timm's Eva rebuilds its "
                          "MLP from mlp_ratio. --to hf --hf-arch dinov3 / onnx / safetensors keep it exactly.")
+    # Eva's SwiGLU: separate gate and value projections when aligned (align_to 1 changes no width), packed without
+    mlp = {"mlp": {}, "swiglu": dict(swiglu_mlp=True, swiglu_align_to=1),
+           "swiglu_packed": dict(swiglu_mlp=True, swiglu_align_to=0)}[config.mlp_kind]
     size = config.img_size
     args = dict(img_size=size if isinstance(size, int) else list(size), patch_size=config.patch_size,
                 in_chans=config.in_chans, embed_dim=width, depth=config.depth,
                 num_heads=config.num_heads, mlp_ratio=mlp_dim / width, qkv_bias=config.qkv_bias,
                 init_values=config.layer_scale, rope_temperature=config.rope_theta or ROPE_THETA[kind],
                 use_rot_pos_emb=True, use_abs_pos_emb=False, num_reg_tokens=config.num_registers,
-                use_fc_norm=False, global_pool="token", dynamic_img_size=True, num_classes=0, **rope_args)
+                use_fc_norm=False, global_pool="token", dynamic_img_size=True, num_classes=0, **rope_args, **mlp)
     if kind == "dinov3":
         return ("vit_small_patch16_dinov3_qkvb" if args["qkv_bias"] else "vit_small_patch16_dinov3"), args
     return f"vit_small_patch16_rope{'_mixed' if kind == 'mixed' else ''}_224", args

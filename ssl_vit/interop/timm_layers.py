@@ -1,9 +1,9 @@
-"""What the timm importers share: reading a timm block's activation and layer-scale init value."""
+"""What the timm importers share: reading a timm block's activation, MLP, norms and layer-scale init value."""
 
 from __future__ import annotations
 
 import torch
-from timm.layers import GELU, GELUTanh, LayerScale, QuickGELU
+from timm.layers import GELU, GELUTanh, GluMlp, LayerScale, Mlp, QuickGELU, RmsNorm, SwiGLU
 from torch import nn
 
 
@@ -39,4 +39,39 @@ def activation_name(act: nn.Module) -> str:
         return "gelu_tanh"
     if isinstance(act, (nn.GELU, GELU)):  # timm's GELU is F.gelu, exact
         return "gelu"
-    raise ValueError(f"unsupported timm MLP activation {type(act).__name__}; supported: GELU, GELU(tanh), QuickGELU")
+    if isinstance(act, nn.SiLU):
+        return "silu"
+    raise ValueError(f"unsupported timm MLP activation {type(act).__name__}; supported: GELU, GELU(tanh), QuickGELU, "
+                     "SiLU")
+
+
+def mlp_settings(mlp: nn.Module) -> dict:
+    """Our mlp_kind, mlp_dim, act_layer and proj_bias for a timm block's MLP: `Mlp`, `SwiGLU`, or `GluMlp` with the
+    gate first (`SwiGLUPacked`: DINOv2's); ValueError for the others."""
+    if not isinstance(getattr(mlp, "norm", nn.Identity()), nn.Identity):
+        raise ValueError(f"this timm model's MLP has a norm inside ({type(mlp.norm).__name__}, scale_mlp_norm), "
+                         "which ssl-vit's ViT does not build")
+    if type(mlp) is Mlp:
+        kind, hidden, bias = "mlp", mlp.fc1.out_features, mlp.fc1.bias is not None
+    elif type(mlp) is SwiGLU:
+        kind, hidden, bias = "swiglu", mlp.fc1_g.out_features, mlp.fc1_g.bias is not None
+    elif type(mlp) is GluMlp and not mlp.gate_last:
+        kind, hidden, bias = "swiglu_packed", mlp.fc2.in_features, mlp.fc1.bias is not None
+    else:
+        raise ValueError(f"unsupported timm MLP {type(mlp).__name__}" + (" with the gate last" if isinstance(
+            mlp, GluMlp) else "") + "; supported: Mlp, SwiGLU, SwiGLUPacked (GluMlp, gate first)")
+    if (mlp.fc2.bias is not None) != bias:
+        raise ValueError("this timm model's MLP has a bias on one projection only, which ssl-vit's ViT does not build")
+    return dict(mlp_kind=kind, mlp_dim=hidden, act_layer=activation_name(mlp.act), proj_bias=bias)
+
+
+def norm_settings(norm: nn.Module) -> dict:
+    """Our norm_layer, norm_eps and norm_bias for a timm norm layer (LayerNorm, RmsNorm); ValueError otherwise."""
+    if isinstance(norm, RmsNorm | nn.RMSNorm):
+        if getattr(norm, "weight", None) is None:
+            raise ValueError("this timm model's RMSNorm has no scale (affine=False), which ssl-vit's ViT does not "
+                             "build")
+        return dict(norm_layer="rmsnorm", norm_eps=float(norm.eps or 1e-6))
+    if isinstance(norm, nn.LayerNorm):
+        return dict(norm_layer="layernorm", norm_eps=float(norm.eps), norm_bias=norm.bias is not None)
+    raise ValueError(f"unsupported timm norm layer {type(norm).__name__}; supported: LayerNorm, RmsNorm")

@@ -4,9 +4,10 @@ NaFlexVit is timm's classic ViT with a linear patch embedding over flat (row, co
 embeddings stored as a (1, h, w, D) grid without prefix slots, and the prefix tokens in front; its blocks carry the
 classic names. So the mapping is three tensors: the patch projection (a Conv2d kernel flattened channel-last), the
 position grid, and a class-token position slot folded into the class token (timm's own `checkpoint_filter_fn` does
-the same for classic checkpoints). What it cannot hold is refused in one line: MAP pooling, RoPE, factorized
-position embeddings, grid-sampled or aspect-preserving position resampling (import); parallel blocks, hybrids,
-bias-free norms, distillation tokens, windows (export).
+the same for classic checkpoints). SigLIP 2's NaFlex family (a MAP head, tanh GELU, bilinear position resampling)
+moves both ways. What it cannot hold is refused in one line: RoPE, factorized position embeddings, grid-sampled or
+aspect-preserving position resampling, Eva (SwiGLU) blocks (import); parallel blocks, hybrids, bias-free norms,
+SwiGLU, a MAP head unlike the blocks, distillation tokens, windows (export).
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import json
 from pathlib import Path
 
 import torch
+from timm.layers import AttentionPoolLatent
 from timm.models.naflexvit import NaFlexVit
+from timm.models.vision_transformer import Block
 from torch import nn
 
 from ssl_vit.backbone import VisionTransformer, ViTConfig
 from ssl_vit.files import save_safetensors
-from ssl_vit.interop.timm_layers import activation_name, layer_scale_init
+from ssl_vit.interop.timm_layers import layer_scale_init, mlp_settings, norm_settings
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "quick_gelu": "quick_gelu"}
 
@@ -28,9 +31,11 @@ _ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "quick_gelu": "quick_g
 def _import_refusals(model: NaFlexVit) -> list[str]:
     embeds = model.embeds
     problems = []
-    if model.global_pool not in ("token", "avg"):
-        problems.append(f"global_pool={model.global_pool!r} (ours pools the class token or the average; build it with "
-                        "global_pool='avg' to import the trunk)")
+    if model.global_pool not in ("token", "avg", "map"):
+        problems.append(f"global_pool={model.global_pool!r} (ours pools the class token, the average or by MAP)")
+    if not isinstance(model.blocks[0], Block):
+        problems.append(f"{type(model.blocks[0]).__name__} blocks (timm's classic Block imports: SwiGLU NaFlexVits "
+                        "are built of Eva blocks)")
     if getattr(model, "rope", None) is not None:
         problems.append("RoPE (use timm's Eva / vit_*_rope models, which import)")
     if getattr(embeds, "pos_embed_type", "learned") not in ("learned", "none"):
@@ -38,23 +43,30 @@ def _import_refusals(model: NaFlexVit) -> list[str]:
     if embeds.pos_embed_ar_preserving or embeds.pos_embed_align_corners or embeds.pos_embed_use_grid_sample:
         problems.append("pos_embed_ar_preserving / align_corners / use_grid_sample (ours resamples each image's grid "
                         "with F.interpolate, timm's default)")
-    if embeds.norm_input is not None or not isinstance(embeds.norm, nn.Identity):
-        problems.append("an input or embedding norm")
+    if embeds.norm_input is not None:
+        problems.append("an input norm")
     if not isinstance(embeds.proj, nn.Linear):
         problems.append("a convolutional patch embedding (embed_proj_type='conv')")
     if model.pool_include_prefix:
         problems.append("pool_include_prefix=True")
-    if model.global_pool == "avg" and not isinstance(model.norm, nn.Identity):
-        problems.append("average pooling of normalised tokens (final_norm without fc_norm: ours normalises after "
-                        "pooling)")
     return problems
 
 
+def _attn_pool_settings(model: NaFlexVit) -> dict:
+    pool = model.attn_pool
+    if pool is None:
+        return {}
+    if not isinstance(pool, AttentionPoolLatent) or pool.latent_len != 1 or pool.pos_embed is not None \
+            or isinstance(pool.q, nn.Identity) or not isinstance(pool.q_norm, nn.Identity) or pool.mlp is None:
+        raise ValueError("this timm NaFlexVit's attention pool is not the one-latent MAP head (with its query "
+                         "projection and MLP) that ssl-vit builds")
+    return dict(pool_heads=pool.num_heads, pool_mlp_dim=pool.mlp.fc1.out_features)
+
+
 def from_timm_naflex(model: NaFlexVit) -> VisionTransformer:
-    """Rebuild a timm NaFlexVit as ours (learned or no position embeddings, class-token or average pooling),
-    weights included; it then reads NaFlex batches (ssl_vit.naflex) and images. Pooled outputs are timm's; with
-    class-token pooling after a `fc_norm` (naflexvit_*_gap built with global_pool='token') our token outputs are
-    normalised where timm's are not."""
+    """Rebuild a timm NaFlexVit as ours (learned or no position embeddings; class-token, average or MAP pooling,
+    the final norm before or after it), weights included; it then reads NaFlex batches (ssl_vit.naflex) and
+    images."""
     problems = _import_refusals(model)
     if problems:
         raise ValueError("this timm NaFlexVit cannot be imported: " + "; ".join(problems))
@@ -62,17 +74,18 @@ def from_timm_naflex(model: NaFlexVit) -> VisionTransformer:
     patch = embeds.patch_size
     grid = embeds.pos_embed_grid_size or (16, 16)
     has_ls = not isinstance(block.ls1, nn.Identity)
-    norm = block.norm1
     kwargs = dict(
         img_size=[grid[0] * patch[0], grid[1] * patch[1]], patch_size=list(patch), in_chans=embeds.in_chans,
         embed_dim=model.embed_dim, depth=len(model.blocks), num_heads=block.attn.num_heads,
-        mlp_dim=block.mlp.fc1.out_features, class_token=model.has_class_token, global_pool=model.global_pool,
+        **mlp_settings(block.mlp), class_token=model.has_class_token, global_pool=model.global_pool,
+        fc_norm=not isinstance(model.fc_norm, nn.Identity), patch_norm=not isinstance(embeds.norm, nn.Identity),
+        **_attn_pool_settings(model),
         num_registers=model.num_reg_tokens, no_embed_class=True,
         pos_embed="learned" if getattr(embeds, "pos_embed", None) is not None else "none",
         pos_embed_interp=embeds.pos_embed_interp_mode, pos_embed_antialias=embeds.pos_embed_antialias,
         qkv_bias=block.attn.qkv.bias is not None, qk_norm=not isinstance(block.attn.q_norm, nn.Identity),
-        norm_bias=norm.bias is not None, norm_eps=norm.eps, pre_norm=not isinstance(model.norm_pre, nn.Identity),
-        act_layer=activation_name(block.mlp.act), layer_scale=layer_scale_init(model) if has_ls else None,
+        **norm_settings(block.norm1), pre_norm=not isinstance(model.norm_pre, nn.Identity),
+        layer_scale=layer_scale_init(model) if has_ls else None,
     )
     ours = VisionTransformer(**kwargs)
     state = {}
@@ -85,11 +98,10 @@ def from_timm_naflex(model: NaFlexVit) -> VisionTransformer:
         elif name == "embeds.pos_embed":
             value = value.flatten(1, 2)
             name = "pos_embed"
+        elif name.startswith("embeds.norm."):
+            name = name.replace("embeds.norm.", "patch_embed.norm.")
         elif name.startswith("embeds."):
             name = name.removeprefix("embeds.")
-        elif name.startswith("fc_norm.") and model.global_pool == "token":
-            # the class token normalised after pooling = every token normalised, then the class token taken (ours)
-            name = name.replace("fc_norm.", "norm.")
         state[name] = value
     if "head.weight" in state and not isinstance(ours.head, nn.Linear):
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
@@ -108,8 +120,17 @@ def _export_refusals(config: ViTConfig) -> list[str]:
         problems.append(f"stem={config.stem!r} (NaFlexVit embeds pixel patches)")
     if config.pos_embed == "rope":
         problems.append("pos_embed='rope' (--to timm writes timm's RoPE models)")
-    if not config.norm_bias:
+    if not config.norm_bias and config.norm_layer == "layernorm":
         problems.append("norm_bias=False")
+    if config.mlp_kind != "mlp":
+        problems.append(f"mlp_kind={config.mlp_kind!r} (NaFlexVit builds SwiGLU as Eva blocks, with other names)")
+    if config.norm_eps != 1e-6:
+        problems.append(f"norm_eps={config.norm_eps} (NaFlexVit's named norms have eps 1e-6)")
+    if config.has_patch_bias == config.pre_norm:
+        problems.append(f"patch_bias={config.has_patch_bias} with pre_norm={config.pre_norm}")
+    if config.global_pool == "map" and (config.pool_mlp_dim or config.mlp_hidden) != config.mlp_hidden:
+        problems.append(f"pool_mlp_dim={config.pool_mlp_dim} (NaFlexVit sizes its MAP head by a ratio: give the "
+                        "blocks' width)")
     return problems
 
 
@@ -130,7 +151,10 @@ def naflex_model_args(config: ViTConfig) -> dict:
                 depth=config.depth, num_heads=config.num_heads, mlp_ratio=mlp_dim / width,
                 qkv_bias=config.qkv_bias, qk_norm=config.qk_norm,
                 init_values=config.layer_scale, class_token=config.class_token,
-                reg_tokens=config.num_registers, global_pool=pool, fc_norm=pool == "avg",
+                reg_tokens=config.num_registers, global_pool=pool, fc_norm=config.has_fc_norm,
+                proj_bias=config.proj_bias, norm_layer=config.norm_layer,
+                embed_norm_layer=config.norm_layer if config.patch_norm else None,
+                attn_pool_num_heads=config.pool_heads,
                 pos_embed="none" if config.pos_embed == "none" else "learned",
                 pos_embed_grid_size=[size[0] // patch[0], size[1] // patch[1]],
                 pos_embed_interp_mode=config.pos_embed_interp,
@@ -153,6 +177,8 @@ def naflex_state(encoder: VisionTransformer) -> dict[str, torch.Tensor]:
             out["embeds.pos_embed"] = value[:, prefix:].reshape(1, *grid, -1)
         elif name in ("cls_token", "reg_token"):
             out[f"embeds.{name}"] = value
+        elif name.startswith("patch_embed.norm."):
+            out[name.replace("patch_embed.norm.", "embeds.norm.")] = value
         else:
             out[name] = value
     if prefix:  # a prefix token's position embedding is a constant: fold it into the token
