@@ -52,7 +52,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ssl_vit.artifacts import load_encoder, load_heads, read_metadata, read_preprocess, run_files
-from ssl_vit.backbone import Block, ParallelBlock, VisionTransformer
+from ssl_vit.backbone import Block, ParallelBlock, VisionTransformer, ViTConfig
 from ssl_vit.schema import to_container, validate_config
 
 
@@ -75,7 +75,7 @@ class DataInfo:
 class FixedBackbone:
     """A pre-trained backbone an objective brings itself (LiT's locked image tower): built instead of `model=`."""
 
-    config: dict  # VisionTransformer keyword arguments
+    config: ViTConfig
     preprocess: object = None  # its recorded ssl_vit.preprocess.Preprocess, or None
 
 

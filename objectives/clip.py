@@ -237,8 +237,8 @@ class CLIP(Objective):
         if not cfg.lock_image or not cfg.image_encoder:
             return cls.needs
         path = encoder_file(cfg.image_encoder)
-        return replace(cls.needs, fixed_backbone=FixedBackbone(json.loads(read_metadata(path)["model"]),
-                                                               read_preprocess(path)),
+        config = ViTConfig.from_dict(json.loads(read_metadata(path)["model"]), where=str(path))
+        return replace(cls.needs, fixed_backbone=FixedBackbone(config, read_preprocess(path)),
                        init_from="the locked image tower (objective.image_encoder) is the encoder already; use one")
 
     @classmethod

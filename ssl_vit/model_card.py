@@ -57,7 +57,7 @@ def _title(run: Path | None, encoder) -> str:
     name = "ViT"
     if run is not None:
         config = _config(run)
-        name = f"{config.model['name']} pre-trained with {config.objective['name'].split(':')[-1]}"
+        name = f"{config['model']['name']} pre-trained with {config['objective']['name'].split(':')[-1]}"
     return f"{name} ({encoder.config.embed_dim} wide, {encoder.config.depth} blocks, " \
            f"{sum(p.numel() for p in encoder.parameters()) / 1e6:.2f}M parameters)"
 
@@ -74,10 +74,10 @@ def _config(run: Path) -> dict:
 def _training(run: Path) -> list[str]:
     config = _config(run)
     summary = json.loads((run / SUMMARY_FILE).read_text()) if (run / SUMMARY_FILE).is_file() else {}
-    objective = {k: v for k, v in config.objective.items() if v is not None}
-    data = {k: v for k, v in config.data.items() if v is not None and k in
+    objective = {k: v for k, v in config["objective"].items() if v is not None}
+    data = {k: v for k, v in config["data"].items() if v is not None and k in
             ("name", "root", "urls", "num_samples", "img_size", "batch_size", "augment", "captions")}
-    optim = {k: v for k, v in config.optim.items() if v is not None}
+    optim = {k: v for k, v in config.get("optim", {}).items() if v is not None}
     lines = ["## Training", ""]
     if summary:
         step, batch = summary.get("step"), summary.get("global_batch")

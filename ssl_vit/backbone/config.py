@@ -153,6 +153,14 @@ class ViTConfig:
         """The MLP's hidden width: mlp_dim, else embed_dim x mlp_ratio."""
         return self.mlp_dim or int(self.embed_dim * self.mlp_ratio)
 
+    def beyond_classic(self) -> list[str]:
+        """The options of the 2024-26 families set here, as "key=value" (SwiGLU, RMSNorm, a MAP head, no output
+        biases, a patch norm, the final norm moved): what a target that holds only the classic ViT block refuses."""
+        return [f"{key}={getattr(self, key)!r}" for key, classic in (
+            ("mlp_kind", "mlp"), ("norm_layer", "layernorm"), ("proj_bias", True), ("patch_norm", False),
+            ("has_fc_norm", self.global_pool == "avg")) if getattr(self, key) != classic] + (
+            ["global_pool='map'"] if self.global_pool == "map" else [])
+
     @property
     def has_patch_bias(self) -> bool:
         return (not self.pre_norm) if self.patch_bias is None else self.patch_bias

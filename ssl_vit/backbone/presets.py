@@ -60,13 +60,14 @@ _SHAPES: dict[str, dict] = {
     "vit_h14_aimv2": dict(patch_size=14, embed_dim=1536, depth=24, num_heads=12, mlp_dim=4096, mlp_kind="swiglu",
                           act_layer="silu", norm_layer="rmsnorm", norm_eps=1e-5, patch_norm=True, qkv_bias=False,
                           proj_bias=False, class_token=False, global_pool="avg", fc_norm=False),
-    # The families at test size: AIMv2's block and pooling, SigLIP's MAP head, DINOv2-g's packed SwiGLU.
+    # The families at test size: AIMv2's block and pooling, SigLIP's MAP head, DINOv2-g's packed SwiGLU (88: DINOv2's
+    # width rule at ratio 4, as transformers' Dinov2Config rebuilds it).
     "vit_test_aimv2": dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, mlp_dim=88,
                            mlp_kind="swiglu", act_layer="silu", norm_layer="rmsnorm", norm_eps=1e-5, patch_norm=True,
                            qkv_bias=False, proj_bias=False, class_token=False, global_pool="avg", fc_norm=False),
     "vit_test_siglip": dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, mlp_dim=96,
                             class_token=False, global_pool="map", act_layer="gelu_tanh"),
-    "vit_test_dinov2": dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, mlp_dim=64,
+    "vit_test_dinov2": dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, mlp_dim=88,
                             mlp_kind="swiglu_packed", act_layer="silu", layer_scale=1e-5),
 }
 # Every preset initialises as big_vision (`jax`: the paper's code; model.weight_init overrides). Measured with

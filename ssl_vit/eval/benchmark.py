@@ -32,7 +32,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from ssl_vit.config import BENCHMARK_PROTOCOLS
 from ssl_vit.data import dataset_kind, eval_datasets
 from ssl_vit.data.subset import labels_of
-from ssl_vit.eval.features import FEATURE_KINDS, cache_key, cached
+from ssl_vit.eval.features import FEATURE_KINDS, cache_key, cached, our_feature_kind
 from ssl_vit.eval.fewshot import fewshot_eval
 from ssl_vit.eval.knn import knn_eval
 from ssl_vit.eval.linear import linear_probe
@@ -289,9 +289,7 @@ def feature_kind(encoder: Encoder, requested: str) -> str:
             raise ConfigError(f"encoders: {encoder.label}: {err}") from err
     if requested not in FEATURE_KINDS:
         raise ConfigError(f"eval.features={requested} is not one of {list(FEATURE_KINDS)}")
-    if requested in ("cls", "cls_avg") and encoder.module.cls_token is None:
-        return "pooled"
-    return requested
+    return our_feature_kind(encoder.module, requested)
 
 
 def protocol_settings(protocol: str, cfg) -> dict:

@@ -43,6 +43,15 @@ def collate_labelled(views, items: list[tuple]) -> tuple:
 
 
 
+def our_feature_kind(encoder, requested: str) -> str:
+    """The feature kind `requested` (eval.features) means for one of our encoders: the class-token kinds become the
+    encoder's pooled embedding where it has no class token (SigLIP's MAP head, AIMv2's mean); evaluate and benchmark
+    both ask this."""
+    if requested in ("cls", "cls_avg") and encoder.cls_token is None:
+        return "pooled"
+    return requested
+
+
 def features_from_tokens(encoder, images: torch.Tensor, kind: str, last_k: int = 4) -> torch.Tensor:
     if isinstance(encoder, NativeEncoder):  # a library's own model: its summary or its token mean
         return encoder.features(images, native_kind(encoder, kind), last_k)

@@ -27,7 +27,7 @@ from ssl_vit.data import eval_datasets
 from ssl_vit.data.naflex import NaFlexEvalViews
 from ssl_vit.data.subset import labels_of
 from ssl_vit.eval.attentive import attentive_eval
-from ssl_vit.eval.features import FEATURE_KINDS, cache_key, cached, extract_features
+from ssl_vit.eval.features import FEATURE_KINDS, cache_key, cached, extract_features, our_feature_kind
 from ssl_vit.eval.fewshot import fewshot_eval
 from ssl_vit.eval.finetune import finetune
 from ssl_vit.eval.knn import knn_eval
@@ -88,7 +88,12 @@ def evaluate(cfg, progress: bool = True) -> dict:
             model = load_run_model(checkpoint, cfg.eval, text)
             encoder = model.encoder
             embed, dense = adaptor_features(model, cfg.eval.features)
-        check_evaluator_settings(cfg.eval, encoder)
+        if features in FEATURE_KINDS and our_feature_kind(encoder, features) != features:
+            log.info("eval.features=%s: this encoder has no class token; its pooled embedding (global_pool=%s) "
+                     "instead", features, encoder.global_pool)
+            features = our_feature_kind(encoder, features)
+            ecfg = OmegaConf.merge(cfg.eval, {"features": features})
+        check_evaluator_settings(ecfg, encoder)
     img_size = encoder_size(cfg.data.img_size, encoder, recorded)
     encoder = windowed(cfg.eval, encoder, model)
     if cfg.eval.pyramid_stride is not None and "segmentation" in ecfg.evaluators:

@@ -35,17 +35,20 @@ import torch
 
 from ssl_vit.artifacts import file_fingerprint
 from ssl_vit.backbone import VisionTransformer, ViTConfig
+from ssl_vit.backbone.mlp import dinov2_swiglu_hidden
 from ssl_vit.extras import require
 from ssl_vit.files import save_safetensors
+from ssl_vit.interop.hf_aimv2 import aimv2_config, aimv2_refusals, aimv2_state, from_aimv2
 from ssl_vit.interop.hf_dinov3 import dinov3_config, dinov3_refusals, dinov3_state, from_dinov3
+from ssl_vit.interop.hf_mlp import GATED, gated_parts, ours_from_gated
 from ssl_vit.interop.native import NativeEncoder, from_hf_native, not_a_vit
 from ssl_vit.preprocess import Preprocess
 
-HF_ARCHS = ("vit", "dinov2", "clip", "siglip", "siglip2", "dinov3")
-HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu"}
+HF_ARCHS = ("vit", "dinov2", "clip", "siglip", "siglip2", "dinov3", "aimv2")
+HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu", "silu": "silu"}
 # transformers activation names -> ours (gelu_new is the same tanh formula as gelu_pytorch_tanh)
 FROM_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_python": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
-                       "gelu_new": "gelu_tanh", "quick_gelu": "quick_gelu"}
+                       "gelu_new": "gelu_tanh", "quick_gelu": "quick_gelu", "silu": "silu", "swish": "silu"}
 
 # Per-block names: (ours, transformers 4.x, transformers 5.x in-memory); q / k / v are the thirds of our qkv.
 _VIT_ATTENTION = (("q", "attention.attention.query", "attention.q_proj"),
@@ -80,7 +83,24 @@ def refusals(config: ViTConfig, arch: str) -> list[str]:
     """What `arch` cannot represent in an encoder config, each naming the option and the targets that take it."""
     if arch == "dinov3":
         return dinov3_refusals(config)
+    if arch == "aimv2":
+        return aimv2_refusals(config)
     problems = []
+    if config.mlp_kind != "mlp" and arch != "dinov2":
+        problems.append(f"mlp_kind={config.mlp_kind!r} ({arch} has a plain MLP; SwiGLU models export as --hf-arch "
+                        "dinov2, dinov3 or aimv2)")
+    if config.norm_layer != "layernorm":
+        problems.append(f"norm_layer={config.norm_layer!r} ({arch} has LayerNorms; RMSNorm models export as --hf-arch "
+                        "aimv2)")
+    if not config.proj_bias or config.patch_norm:
+        problems.append(f"proj_bias={config.proj_bias}, patch_norm={config.patch_norm} ({arch} has output and MLP "
+                        "biases and no norm of the patch embeddings; --hf-arch aimv2 has neither)")
+    if config.global_pool == "map" and arch not in ("siglip", "siglip2"):
+        problems.append("global_pool='map' (of these, only --hf-arch siglip / siglip2 have a MAP head)")
+    if config.global_pool == "map" and ((config.pool_heads or config.num_heads) != config.num_heads
+                                        or (config.pool_mlp_dim or config.mlp_hidden) != config.mlp_hidden):
+        problems.append(f"pool_heads={config.pool_heads}, pool_mlp_dim={config.pool_mlp_dim} (SigLIP's head has the "
+                        "blocks' heads and MLP width)")
     if config.pos_embed in ("rope", "none"):
         problems.append(f"pos_embed={config.pos_embed!r} ({arch} adds learned position embeddings; a RoPE encoder "
                         "exports as --hf-arch dinov3)")
@@ -107,15 +127,20 @@ def refusals(config: ViTConfig, arch: str) -> list[str]:
     elif not class_token or pool != "token":
         problems.append(f"class_token={class_token}, global_pool={pool!r} ({arch} pools the class token; an "
                         "average-pooled model without class token exports as --hf-arch siglip)")
+    elif config.has_fc_norm:
+        problems.append(f"fc_norm=True ({arch} normalises every token before it pools the class token)")
     if arch == "clip" and not config.pre_norm:
         problems.append("pre_norm=False (CLIP normalises before the blocks: pre_layrnorm; use --hf-arch vit or dinov2)")
     if arch != "clip" and config.pre_norm:
         problems.append(f"pre_norm=True ({arch} has no norm before the blocks; use --hf-arch clip)")
-    if arch == "dinov2":
-        width = config.embed_dim
-        mlp_dim = config.mlp_hidden
-        if mlp_dim % width:
-            problems.append(f"mlp_dim={mlp_dim} (Dinov2Config takes width x an integer mlp_ratio)")
+    if arch == "dinov2" and config.mlp_kind in GATED:
+        if _dinov2_swiglu_ratio(config) is None:
+            problems.append(f"mlp_dim={config.mlp_hidden} (Dinov2's SwiGLU is 2/3 of width x an integer mlp_ratio, "
+                            "rounded up to a multiple of 8)")
+        if config.act_layer != "silu" or not config.proj_bias:
+            problems.append(f"act_layer={config.act_layer!r} (Dinov2's SwiGLU gates with SiLU, with biases)")
+    elif arch == "dinov2" and config.mlp_hidden % config.embed_dim:
+        problems.append(f"mlp_dim={config.mlp_hidden} (Dinov2Config takes width x an integer mlp_ratio)")
     for key in ("img_size", "patch_size"):
         value = getattr(config, key)
         if isinstance(value, (list, tuple)) and len(set(value)) > 1:
@@ -123,11 +148,21 @@ def refusals(config: ViTConfig, arch: str) -> list[str]:
     return problems
 
 
+def _dinov2_swiglu_ratio(config: ViTConfig) -> int | None:
+    """The (integer) Dinov2Config mlp_ratio whose SwiGLU width (dinov2_swiglu_hidden) is ours, or None."""
+    return next((ratio for ratio in range(1, 17)
+                 if dinov2_swiglu_hidden(config.embed_dim, ratio) == config.mlp_hidden), None)
+
+
 def default_arch(config: ViTConfig) -> str:
-    """The transformers class an encoder maps to most directly: CLIP for pre-norm models, DINOv2 for layer scale or
-    registers, SigLIP without a class token, ViT otherwise."""
+    """The transformers class an encoder maps to most directly: DINOv3 for RoPE, AIMv2 for RMSNorm, CLIP for
+    pre-norm models, DINOv2 for layer scale, registers or SwiGLU, SigLIP without a class token, ViT otherwise."""
     if config.pos_embed == "rope":
         return "dinov3"
+    if config.norm_layer == "rmsnorm":
+        return "aimv2"
+    if config.mlp_kind in GATED:
+        return "dinov2"
     if config.pre_norm:
         return "clip"
     if not config.class_token:
@@ -149,6 +184,8 @@ def hf_config(config: ViTConfig, arch: str, projection_dim: int | None = None):
                          + f". {_OTHER_TARGETS}.")
     if arch == "dinov3":
         return dinov3_config(config, HF_ACTIVATIONS[config.act_layer])
+    if arch == "aimv2":
+        return aimv2_config(config, HF_ACTIVATIONS[config.act_layer])
     width = config.embed_dim
     mlp_dim = config.mlp_hidden
     common = dict(hidden_size=width, num_hidden_layers=config.depth, num_attention_heads=config.num_heads,
@@ -162,7 +199,9 @@ def hf_config(config: ViTConfig, arch: str, projection_dim: int | None = None):
                                       attention_probs_dropout_prob=0.0, architectures=["ViTModel"])
     if arch == "dinov2":
         registers = config.num_registers
-        kwargs = dict(common, mlp_ratio=mlp_dim // width, qkv_bias=True, use_swiglu_ffn=False,
+        swiglu = config.mlp_kind in GATED
+        kwargs = dict(common, mlp_ratio=_dinov2_swiglu_ratio(config) if swiglu else mlp_dim // width, qkv_bias=True,
+                      use_swiglu_ffn=swiglu,
                       layerscale_value=config.layer_scale or 1.0, hidden_dropout_prob=0.0,
                       attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
         if registers:
@@ -181,9 +220,11 @@ def hf_config(config: ViTConfig, arch: str, projection_dim: int | None = None):
         common.pop("image_size")
         return transformers.Siglip2VisionConfig(**common, intermediate_size=mlp_dim, attention_dropout=0.0,
                                                 num_patches=(_side(config.img_size) // common["patch_size"]) ** 2,
-                                                vision_use_head=False, architectures=["Siglip2VisionModel"])
+                                                vision_use_head=config.global_pool == "map",
+                                                architectures=["Siglip2VisionModel"])
     return transformers.SiglipVisionConfig(**common, intermediate_size=mlp_dim, attention_dropout=0.0,
-                                           vision_use_head=False, architectures=["SiglipVisionModel"])
+                                           vision_use_head=config.global_pool == "map",
+                                           architectures=["SiglipVisionModel"])
 
 
 def hf_state(state: dict, config: ViTConfig, arch: str, projection: torch.Tensor | None = None) -> dict:
@@ -211,7 +252,15 @@ def hf_state(state: dict, config: ViTConfig, arch: str, projection: torch.Tensor
         qkv_w, qkv_b = state[f"{ours}attn.qkv.weight"], get(f"{ours}attn.qkv.bias", 3 * width)
         gammas = [get(f"{ours}ls{j}.gamma", fill=1.0) for j in (1, 2)]
         fold = arch != "dinov2"
+        gated = config.mlp_kind in GATED
+        if gated:  # DINOv2's SwiGLU under its 4.x names: weights_in = [gate | up] (5.x splits it on load)
+            parts = gated_parts(state, f"{ours}mlp.", config.mlp_kind)
+            for kind in ("weight", "bias"):
+                out[f"{theirs}mlp.weights_in.{kind}"] = torch.cat([parts[f"gate.{kind}"], parts[f"up.{kind}"]])
+                out[f"{theirs}mlp.weights_out.{kind}"] = parts[f"down.{kind}"]
         for mine, hf, _ in block_names:
+            if gated and mine.startswith("mlp."):
+                continue
             if mine in ("q", "k", "v"):
                 j = "qkv".index(mine)
                 out[f"{theirs}{hf}.weight"] = qkv_w[j * width:(j + 1) * width]
@@ -252,11 +301,39 @@ def hf_state(state: dict, config: ViTConfig, arch: str, projection: torch.Tensor
         out["embeddings.patch_embedding.weight"] = weight.permute(0, 2, 3, 1).flatten(1) if flat else weight
         out["embeddings.patch_embedding.bias"] = patch_bias if patch_bias is not None else torch.zeros(width)
         out["embeddings.position_embedding.weight"] = patch_pos
-        norm("post_layernorm", "fc_norm")
+        norm("post_layernorm", "fc_norm" if config.has_fc_norm else "norm")
+        if config.global_pool == "map":
+            out.update(_siglip_head(state, width))
     tensors = {prefix + k: v.detach().float().contiguous().clone() for k, v in out.items()}
     if projection is not None:  # CLIPVisionModelWithProjection's image_embeds
         tensors["visual_projection.weight"] = projection.detach().float().contiguous().clone()
     return tensors
+
+
+def _siglip_head(state: dict, width: int) -> dict:
+    """Our MAP head -> SigLIP's `head` (nn.MultiheadAttention holds q, k, v in one in_proj)."""
+    head = {"head.probe": state["attn_pool.latent"],
+            "head.attention.in_proj_weight": torch.cat([state["attn_pool.q.weight"], state["attn_pool.kv.weight"]]),
+            "head.attention.in_proj_bias": torch.cat([state["attn_pool.q.bias"], state["attn_pool.kv.bias"]]),
+            "head.attention.out_proj.weight": state["attn_pool.proj.weight"],
+            "head.attention.out_proj.bias": state["attn_pool.proj.bias"]}
+    for ours, theirs in (("norm", "layernorm"), ("mlp.fc1", "mlp.fc1"), ("mlp.fc2", "mlp.fc2")):
+        for kind in ("weight", "bias"):
+            head[f"head.{theirs}.{kind}"] = state[f"attn_pool.{ours}.{kind}"]
+    return head
+
+
+def _our_map_head(state: dict, width: int) -> dict:
+    """SigLIP's `head` -> our MAP head."""
+    in_w, in_b = state["head.attention.in_proj_weight"], state["head.attention.in_proj_bias"]
+    ours = {"attn_pool.latent": state["head.probe"], "attn_pool.q.weight": in_w[:width],
+            "attn_pool.kv.weight": in_w[width:], "attn_pool.q.bias": in_b[:width], "attn_pool.kv.bias": in_b[width:],
+            "attn_pool.proj.weight": state["head.attention.out_proj.weight"],
+            "attn_pool.proj.bias": state["head.attention.out_proj.bias"]}
+    for mine, theirs in (("norm", "layernorm"), ("mlp.fc1", "mlp.fc1"), ("mlp.fc2", "mlp.fc2")):
+        for kind in ("weight", "bias"):
+            ours[f"attn_pool.{mine}.{kind}"] = state[f"head.{theirs}.{kind}"]
+    return ours
 
 
 def processor_config(preprocess) -> dict:
@@ -288,8 +365,8 @@ def export_hf(encoder, out_dir: str | Path, arch: str | None = None, projection:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(out_dir)
-    state = (dinov3_state(encoder.state_dict(), config) if arch == "dinov3"
-             else hf_state(encoder.state_dict(), config, arch, projection))
+    writer = {"dinov3": dinov3_state, "aimv2": aimv2_state}.get(arch)
+    state = writer(encoder.state_dict(), config) if writer else hf_state(encoder.state_dict(), config, arch, projection)
     save_safetensors(state, out_dir / "model.safetensors", metadata={"format": "pt"})
     if preprocess is None:  # nothing recorded: our eval transform's defaults at the encoder's size
         preprocess = Preprocess(img_size=_side(config.img_size))
@@ -312,7 +389,8 @@ def siglip2_processor_config(preprocess, patch_size: int, max_num_patches: int) 
 # ----- import -----
 _MODEL_TYPES = {"vit": "vit", "dinov2": "dinov2", "dinov2_with_registers": "dinov2", "clip_vision_model": "clip",
                 "clip": "clip", "siglip_vision_model": "siglip", "siglip": "siglip", "dinov3_vit": "dinov3",
-                "siglip2_vision_model": "siglip2", "siglip2": "siglip2"}
+                "siglip2_vision_model": "siglip2", "siglip2": "siglip2", "aimv2_vision_model": "aimv2",
+                "aimv2": "aimv2"}
 
 
 def _arch_of(hf_cfg) -> str:
@@ -333,11 +411,11 @@ def load_hf_vision(path: str | Path):
         raise FileNotFoundError(f"{str(path)!r} is not a transformers model directory (no config.json)")
     hf_cfg = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)  # never a directory's own code
     arch = _arch_of(hf_cfg)
-    if hf_cfg.model_type in ("clip", "siglip", "siglip2", "clip_vision_model"):  # an image-text model's vision tower
+    if hf_cfg.model_type in ("clip", "siglip", "siglip2", "clip_vision_model", "aimv2"):  # an image-text model's tower
         with_projection = "CLIPVisionModelWithProjection" in (hf_cfg.architectures or [])
         cls = transformers.CLIPVisionModelWithProjection if with_projection else \
-            transformers.CLIPVisionModel if arch == "clip" else \
-            transformers.Siglip2VisionModel if arch == "siglip2" else transformers.SiglipVisionModel
+            transformers.CLIPVisionModel if arch == "clip" else transformers.Aimv2VisionModel if arch == "aimv2" \
+            else transformers.Siglip2VisionModel if arch == "siglip2" else transformers.SiglipVisionModel
         model = cls.from_pretrained(path)
     else:
         model = transformers.AutoModel.from_pretrained(path, trust_remote_code=False)
@@ -355,23 +433,27 @@ def from_hf(path: str | Path):
     if act is None:
         raise ValueError(f"{path}: hidden_act {hf_cfg.hidden_act!r} has no equivalent here; supported: "
                          f"{sorted(FROM_HF_ACTIVATIONS)}")
-    if getattr(hf_cfg, "use_swiglu_ffn", False):
-        raise ValueError(f"{path}: use_swiglu_ffn=True (DINOv2 giant's SwiGLU MLP) is not supported")
-    if arch == "dinov3":
+    if arch in ("dinov3", "aimv2"):
         try:
-            return from_dinov3(module, hf_cfg, act)
+            return (from_dinov3 if arch == "dinov3" else from_aimv2)(module, hf_cfg, act)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
+    swiglu = bool(getattr(hf_cfg, "use_swiglu_ffn", False))  # DINOv2-g: SiLU-gated, its packed layout
+    head = arch in ("siglip", "siglip2") and bool(getattr(hf_cfg, "vision_use_head", False))
     width, depth = hf_cfg.hidden_size, hf_cfg.num_hidden_layers
     registers = getattr(hf_cfg, "num_register_tokens", 0) if arch == "dinov2" else 0
-    mlp_dim = int(width * hf_cfg.mlp_ratio) if arch == "dinov2" else hf_cfg.intermediate_size
+    mlp_dim = (dinov2_swiglu_hidden(width, hf_cfg.mlp_ratio) if swiglu else int(width * hf_cfg.mlp_ratio)
+               if arch == "dinov2" else hf_cfg.intermediate_size)
     patch = hf_cfg.patch_size
     siglip = arch in ("siglip", "siglip2")
     # SigLIP 2 keeps a square grid of num_patches position embeddings
     size = int(round(hf_cfg.num_patches ** 0.5)) * _side(patch) if arch == "siglip2" else hf_cfg.image_size
     kwargs = dict(img_size=size, patch_size=patch, in_chans=hf_cfg.num_channels, embed_dim=width, depth=depth,
-                  num_heads=hf_cfg.num_attention_heads, mlp_dim=mlp_dim, act_layer=act, norm_eps=hf_cfg.layer_norm_eps,
-                  class_token=not siglip, global_pool="avg" if siglip else "token",
+                  num_heads=hf_cfg.num_attention_heads, mlp_dim=mlp_dim, norm_eps=hf_cfg.layer_norm_eps,
+                  mlp_kind="swiglu_packed" if swiglu else "mlp", act_layer="silu" if swiglu else act,
+                  # SigLIP: post_layernorm on every token, then its MAP head (ours: the final norm, global_pool=map);
+                  # without a head, the token mean normalised after pooling (fc_norm) gives its tokens exactly
+                  class_token=not siglip, global_pool="map" if head else "avg" if siglip else "token",
                   num_registers=registers, pre_norm=arch == "clip", layer_scale=None,
                   # transformers' interpolate_pos_encoding: bicubic, antialiased only in Dinov2WithRegisters (as the
                   # original DINOv2 register models: interpolate_antialias=True)
@@ -381,7 +463,10 @@ def from_hf(path: str | Path):
     if arch == "siglip2":  # resize_positional_embeddings: F.interpolate bilinear, antialiased, per image
         kwargs.update(pos_embed_interp="bilinear", pos_embed_antialias=True)
     try:
-        ours = _our_state(state, arch, width, depth, registers)
+        ours = _our_state(state, arch, width, depth, registers, swiglu)
+        if head:
+            ours.update(_our_map_head(state, width))
+            ours["norm.weight"], ours["norm.bias"] = ours.pop("fc_norm.weight"), ours.pop("fc_norm.bias")
     except KeyError as err:
         raise ValueError(f"{path}: a {type(module).__name__} without the weight {err} (a layout this import does "
                          f"not know; supported: {sorted(_MODEL_TYPES)})") from None
@@ -396,8 +481,8 @@ def from_hf(path: str | Path):
     return encoder.eval()
 
 
-def _our_state(state: dict, arch: str, width: int, depth: int, registers: int) -> dict:
-    """transformers weights (5.x in-memory names, or 4.x names) -> ours."""
+def _our_state(state: dict, arch: str, width: int, depth: int, registers: int, swiglu: bool = False) -> dict:
+    """transformers weights (5.x in-memory names, or 4.x names) -> ours; `swiglu`: DINOv2's SwiGLU MLP."""
     block_names, block4, block5, _ = _LAYOUTS[arch]
 
     def pick(i: int, hf4: str, hf5: str, kind: str) -> torch.Tensor:
@@ -407,7 +492,13 @@ def _our_state(state: dict, arch: str, width: int, depth: int, registers: int) -
     ours = {}
     for i in range(depth):
         mine_prefix = f"blocks.{i}."
+        if swiglu:
+            parts = {f"{part}.{kind}": state[f"{block5.format(i=i)}mlp.{part}_proj.{kind}"]
+                     for part in ("gate", "up", "down") for kind in ("weight", "bias")}
+            ours.update(ours_from_gated(parts, f"{mine_prefix}mlp.", "swiglu_packed"))
         for mine, hf4, hf5 in block_names:
+            if swiglu and mine.startswith("mlp."):
+                continue
             if mine not in ("q", "k", "v"):
                 for kind in ("weight", "bias"):
                     ours[f"{mine_prefix}{mine}.{kind}"] = pick(i, hf4, hf5, kind)

@@ -15,12 +15,14 @@ import torch
 from packaging.version import Version
 
 from ssl_vit.backbone import VisionTransformer, ViTConfig
+from ssl_vit.interop.hf_mlp import GATED, gated_parts, ours_from_gated
 
 MIN_TRANSFORMERS = "5.4"
 
-# ours -> transformers, per block (Linear weights and biases alike)
-_BLOCK = (("norm1", "norm1"), ("norm2", "norm2"), ("attn.proj", "attention.o_proj"), ("mlp.fc1", "mlp.up_proj"),
-          ("mlp.fc2", "mlp.down_proj"))
+# ours -> transformers, per block (Linear weights and biases alike); the MLP: a plain one's fc1 / fc2 are up_proj /
+# down_proj, a gated one (use_gated_mlp: DINOv3 ViT-H+ / 7B) ssl_vit.interop.hf_mlp's gate / up / down
+_BLOCK = (("norm1", "norm1"), ("norm2", "norm2"), ("attn.proj", "attention.o_proj"))
+_PLAIN_MLP = (("mlp.fc1", "mlp.up_proj"), ("mlp.fc2", "mlp.down_proj"))
 # What DINOv3ViTModel requires of an encoder config: key -> (value, why); the encoder's defaults where unset.
 _REQUIRED = {"pos_embed": ("rope", "DINOv3ViTModel has rotary position embeddings only"),
              "class_token": (True, "DINOv3ViTModel has a class token"),
@@ -30,7 +32,10 @@ _REQUIRED = {"pos_embed": ("rope", "DINOv3ViTModel has rotary position embedding
              "stem": ("patch", "DINOv3ViTModel embeds pixel patches"),
              "dist_token": (False, "no distillation token"), "parallel_block": (False, "no parallel blocks"),
              "qk_norm": (False, "no QK-norm"), "pre_norm": (False, "no norm before the blocks"),
-             "norm_bias": (True, "LayerNorms with biases"), "no_embed_class": (False, "nothing to place")}
+             "norm_bias": (True, "LayerNorms with biases"), "no_embed_class": (False, "nothing to place"),
+             "norm_layer": ("layernorm", "LayerNorm"), "patch_norm": (False, "no norm of the patch embeddings"),
+             "has_patch_bias": (True, "a patch-embedding bias"),
+             "has_fc_norm": (False, "the final norm on every token")}
 
 
 def dinov3_refusals(config: ViTConfig) -> list[str]:
@@ -69,10 +74,10 @@ def dinov3_config(config: ViTConfig, hidden_act: str):
         num_hidden_layers=config.depth, num_attention_heads=config.num_heads, patch_size=patch, image_size=side,
         num_channels=config.in_chans, layer_norm_eps=config.norm_eps,
         hidden_act=hidden_act, rope_theta=config.rope_theta or 100.0,
-        query_bias=bias, key_bias=False, value_bias=bias, proj_bias=True, mlp_bias=True,
+        query_bias=bias, key_bias=False, value_bias=bias, proj_bias=config.proj_bias, mlp_bias=config.proj_bias,
         layerscale_value=config.layer_scale or 1.0, num_register_tokens=config.num_registers,
         pos_embed_shift=config.rope_shift, pos_embed_jitter=config.rope_jitter,
-        pos_embed_rescale=config.rope_rescale, use_gated_mlp=False)
+        pos_embed_rescale=config.rope_rescale, use_gated_mlp=config.mlp_kind in GATED)
 
 
 def dinov3_state(state: dict, config: ViTConfig) -> dict:
@@ -85,9 +90,13 @@ def dinov3_state(state: dict, config: ViTConfig) -> dict:
            "norm.weight": state["norm.weight"], "norm.bias": state["norm.bias"]}
     for i in range(config.depth):
         ours, theirs = f"blocks.{i}.", f"model.layer.{i}."
-        for name, hf_name in _BLOCK:
+        for name, hf_name in _BLOCK + (() if config.mlp_kind in GATED else _PLAIN_MLP):
             for kind in ("weight", "bias"):
-                out[f"{theirs}{hf_name}.{kind}"] = state[f"{ours}{name}.{kind}"]
+                if f"{ours}{name}.{kind}" in state:
+                    out[f"{theirs}{hf_name}.{kind}"] = state[f"{ours}{name}.{kind}"]
+        if config.mlp_kind in GATED:
+            out.update({f"{theirs}mlp.{part.replace('.', '_proj.')}": value
+                        for part, value in gated_parts(state, f"{ours}mlp.", config.mlp_kind).items()})
         q, k, v = state[f"{ours}attn.qkv.weight"].chunk(3)
         out.update({f"{theirs}attention.q_proj.weight": q, f"{theirs}attention.k_proj.weight": k,
                     f"{theirs}attention.v_proj.weight": v})
@@ -102,10 +111,11 @@ def dinov3_state(state: dict, config: ViTConfig) -> dict:
 def from_dinov3(module, hf_cfg, act_layer: str) -> VisionTransformer:
     check_layout()
     """Our encoder from a DINOv3ViTModel, weights included (its mask token dropped); `act_layer` ours."""
-    if getattr(hf_cfg, "use_gated_mlp", False):
-        raise ValueError("use_gated_mlp=True (DINOv3's SwiGLU MLP, ViT-7B / H+) is not supported")
-    if not getattr(hf_cfg, "proj_bias", True) or not getattr(hf_cfg, "mlp_bias", True):
-        raise ValueError("proj_bias=False or mlp_bias=False: ssl-vit's blocks have these biases")
+    proj_bias, mlp_bias = getattr(hf_cfg, "proj_bias", True), getattr(hf_cfg, "mlp_bias", True)
+    if proj_bias != mlp_bias:
+        raise ValueError(f"proj_bias={proj_bias}, mlp_bias={mlp_bias}: ssl-vit's blocks have both biases or neither "
+                         "(proj_bias)")
+    gated = bool(getattr(hf_cfg, "use_gated_mlp", False))
     if hf_cfg.query_bias != hf_cfg.value_bias:
         raise ValueError(f"query_bias={hf_cfg.query_bias}, value_bias={hf_cfg.value_bias}: ssl-vit's qkv has all "
                          f"three biases or none")
@@ -114,6 +124,7 @@ def from_dinov3(module, hf_cfg, act_layer: str) -> VisionTransformer:
     encoder = VisionTransformer(
         img_size=hf_cfg.image_size, patch_size=hf_cfg.patch_size, in_chans=hf_cfg.num_channels, embed_dim=width,
         depth=depth, num_heads=hf_cfg.num_attention_heads, mlp_dim=hf_cfg.intermediate_size,
+        mlp_kind="swiglu" if gated else "mlp", proj_bias=bool(proj_bias),
         act_layer=act_layer, norm_eps=hf_cfg.layer_norm_eps, class_token=True,
         global_pool="token", num_registers=hf_cfg.num_register_tokens, pos_embed="rope", rope_theta=hf_cfg.rope_theta,
         rope_shift=hf_cfg.pos_embed_shift, rope_jitter=hf_cfg.pos_embed_jitter, rope_rescale=hf_cfg.pos_embed_rescale,
@@ -125,9 +136,14 @@ def from_dinov3(module, hf_cfg, act_layer: str) -> VisionTransformer:
         ours["reg_token"] = state["embeddings.register_tokens"]
     for i in range(depth):
         theirs, mine = f"model.layer.{i}.", f"blocks.{i}."
-        for name, hf_name in _BLOCK:
+        for name, hf_name in _BLOCK + (() if gated else _PLAIN_MLP):
             for kind in ("weight", "bias"):
-                ours[f"{mine}{name}.{kind}"] = state[f"{theirs}{hf_name}.{kind}"]
+                if f"{theirs}{hf_name}.{kind}" in state:
+                    ours[f"{mine}{name}.{kind}"] = state[f"{theirs}{hf_name}.{kind}"]
+        if gated:
+            parts = {f"{part}.{kind}": state[f"{theirs}mlp.{part}_proj.{kind}"] for part in ("gate", "up", "down")
+                     for kind in ("weight", "bias") if f"{theirs}mlp.{part}_proj.{kind}" in state}
+            ours.update(ours_from_gated(parts, f"{mine}mlp.", "swiglu"))
         ours[f"{mine}attn.qkv.weight"] = torch.cat([state[f"{theirs}attention.{p}_proj.weight"] for p in "qkv"])
         if hf_cfg.query_bias:
             k_bias = state.get(f"{theirs}attention.k_proj.bias", torch.zeros(width))

@@ -20,6 +20,20 @@ from ssl_vit.extras import require
 MODEL_FILE = "model.onnx"
 
 
+def _rms_norm(g, x, normalized_shape, weight, eps):
+    """aten::rms_norm (RMSNorm: AIMv2) as ONNX primitives, for the TorchScript exporter, which has no symbolic for
+    it below opset 23: x / sqrt(mean(x^2) + eps) * weight over the normalised dimensions."""
+    from torch.onnx import symbolic_helper
+
+    dims = symbolic_helper._get_const(normalized_shape, "is", "normalized_shape")
+    eps = symbolic_helper._maybe_get_const(eps, "f")
+    eps = torch.finfo(torch.float32).eps if eps is None or symbolic_helper._is_value(eps) else float(eps)
+    axes = g.op("Constant", value_t=torch.tensor(list(range(-len(dims), 0)), dtype=torch.long))
+    mean = g.op("ReduceMean", g.op("Mul", x, x), axes, keepdims_i=1)
+    scaled = g.op("Div", x, g.op("Sqrt", g.op("Add", mean, g.op("Constant", value_t=torch.tensor(eps)))))
+    return scaled if symbolic_helper._is_none(weight) else g.op("Mul", scaled, weight)
+
+
 class _Outputs(nn.Module):
     def __init__(self, encoder):
         super().__init__()
@@ -43,6 +57,7 @@ def export_onnx(encoder, out_dir: str | Path, preprocess=None, opset: int = 18,
     module = _Outputs(copy.deepcopy(encoder)).eval().float()  # the caller's encoder keeps its mode and dtype
     height, width = encoder.patch_embed.img_size
     example = torch.randn(2, encoder.config.in_chans, height, width)
+    torch.onnx.register_custom_op_symbolic("aten::rms_norm", _rms_norm, opset)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the tracer's warnings about Python-side shape checks
         torch.onnx.export(module, (example,), str(path), input_names=["pixel_values"],

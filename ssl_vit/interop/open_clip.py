@@ -78,6 +78,10 @@ def _refusals(config: ViTConfig) -> list[str]:
     mlp_dim = config.mlp_hidden
     if int(width * (mlp_dim / width)) != mlp_dim:
         problems.append(f"mlp_dim={mlp_dim} (not width x a ratio open_clip can reproduce)")
+    beyond = config.beyond_classic()
+    if beyond:
+        problems.append(f"{', '.join(beyond)} (open_clip's own ViT tower has the classic block and pooling; "
+                        "--to timm / hf hold these families)")
     return problems
 
 

@@ -83,7 +83,7 @@ def sam_model_args(config: ViTConfig) -> dict:
         ("norm_bias", config.norm_bias),
         # a final norm before a neck (token pooling and a neck) has no place in timm's SAM
         ("neck_channels", not (config.neck_channels and config.global_pool == "token")),
-    ) if not ok]
+    ) if not ok] + config.beyond_classic()
     if problems:
         raise ValueError(f"timm's SAM ViT cannot hold {', '.join(problems)}; --to onnx / safetensors take them")
     width, size = config.embed_dim, config.img_size

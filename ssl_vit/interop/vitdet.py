@@ -34,7 +34,7 @@ def vitdet_args(encoder: VisionTransformer, img_size: int) -> dict:
         ("layer_scale", config.layer_scale is None), ("qk_norm", not config.qk_norm),
         ("act_layer", config.act_layer == "gelu"), ("pre_norm", not config.pre_norm),
         ("neck_channels", not config.neck_channels), ("norm_eps", config.norm_eps == 1e-6),
-    ) if not ok]
+    ) if not ok] + config.beyond_classic()
     if problems:
         raise ValueError(f"detectron2's ViT cannot hold {', '.join(problems)}")
     depth, patch = len(encoder.blocks), encoder.patch_embed.patch_size

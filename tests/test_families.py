@@ -1,0 +1,161 @@
+"""The 2024-26 encoder families (SwiGLU, RMSNorm, MAP heads) against timm and transformers themselves: each family
+preset is timm's architecture, and tiny random models (weights moved off init) move both ways with equal outputs
+in fp32; what a library cannot hold is refused in one line."""
+
+import pytest
+import timm
+import torch
+import transformers
+
+from ssl_vit.backbone import PRESETS, build_vit, count_parameters
+from ssl_vit.backbone.mlp import dinov2_swiglu_hidden
+from ssl_vit.interop.hf import export_hf, from_hf
+from ssl_vit.interop.sources import load_pretrained
+from ssl_vit.interop.timm import _timm_rope_state, export_timm, from_timm
+from ssl_vit.naflex import batch_grids, pack
+from tests.helpers.builders import randomise
+
+TINY = dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2)
+# family preset -> the timm model that defines it (presets.py says which)
+TIMM_OF_PRESET = {"vit_g14_dinov2": "vit_giant_patch14_dinov2", "vit_hplus16_dinov3": "vit_huge_plus_patch16_dinov3",
+                  "vit_7b16_dinov3": "vit_7b_patch16_dinov3", "vit_so400m14_siglip": "vit_so400m_patch14_siglip_224",
+                  "vit_so400m16_siglip2": "vit_so400m_patch16_siglip_256", "vit_l14_aimv2": "aimv2_large_patch14_224",
+                  "vit_h14_aimv2": "aimv2_huge_patch14_224"}
+# timm entry point, its size overrides at test scale
+TIMM_FAMILIES = {"dinov2_g": ("vit_giant_patch14_dinov2", dict(mlp_ratio=8.0, init_values=1e-5)),
+                 "siglip_so400m": ("vit_so400m_patch14_siglip_224", dict(mlp_ratio=3.0)),
+                 "siglip2_so400m": ("vit_so400m_patch16_siglip_256", dict(mlp_ratio=3.0)),
+                 "aimv2": ("aimv2_large_patch14_224", dict(mlp_ratio=2.75)),
+                 "dinov3_hplus": ("vit_huge_plus_patch16_dinov3", dict(mlp_ratio=3.0, global_pool="token")),
+                 "dinov3_7b": ("vit_7b_patch16_dinov3", dict(mlp_ratio=2.0, global_pool="token"))}
+
+
+def _images(n=2, size=16):
+    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("preset", sorted(TIMM_OF_PRESET))
+def test_each_family_preset_is_timms_architecture(preset):
+    """Same parameter names (timm's, through the RoPE renaming for DINOv3) and shapes, built on the meta device."""
+    with torch.device("meta"):
+        ours = build_vit(preset)
+        theirs = timm.create_model(TIMM_OF_PRESET[preset], pretrained=False, num_classes=0)
+    state = {k: v.shape for k, v in ours.state_dict().items()}
+    if ours.config.pos_embed == "rope":
+        state = {k: v.shape for k, v in _timm_rope_state(ours.state_dict(), "dinov3").items()}
+    expected = {k: v.shape for k, v in theirs.state_dict().items() if not k.endswith("k_bias")}
+    assert state == expected
+    assert count_parameters(ours) == sum(v.numel() for v in expected.values())
+
+
+@pytest.mark.parametrize("family", sorted(TIMM_FAMILIES))
+def test_timm_families_import_and_export_with_equal_outputs(tmp_path, family):
+    """timm -> ours (from_timm) -> a timm model directory (--to timm) -> timm.create_model('local-dir:...'), forward
+    equal within 1e-5, random weights."""
+    name, sizes = TIMM_FAMILIES[family]
+    torch.manual_seed(0)
+    theirs = timm.create_model(name, pretrained=False, num_classes=0, **TINY, **sizes).eval()
+    randomise(theirs)
+    ours = from_timm(theirs).eval()
+    export_timm(ours, tmp_path)
+    back = timm.create_model(f"local-dir:{tmp_path}", pretrained=True).eval()
+    images = _images()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(images), theirs(images), atol=1e-5, rtol=0)
+        torch.testing.assert_close(ours.forward_features(images), theirs.forward_features(images), atol=1e-5, rtol=0)
+        torch.testing.assert_close(back(images), ours(images), atol=1e-5, rtol=0)
+
+
+def _hf_model(kind: str):
+    """A transformers model of each family built by transformers itself at test size (its own init)."""
+    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=4)
+    if kind == "dinov2_swiglu":
+        return transformers.Dinov2Model(transformers.Dinov2Config(**common, mlp_ratio=4, use_swiglu_ffn=True,
+                                                                  layerscale_value=0.5))
+    if kind == "dinov3_gated":
+        return transformers.DINOv3ViTModel(transformers.DINOv3ViTConfig(
+            **common, intermediate_size=48, use_gated_mlp=True, hidden_act="silu", num_register_tokens=2,
+            query_bias=False, value_bias=False, layer_norm_eps=1e-5))
+    if kind == "siglip_map":
+        return transformers.SiglipVisionModel(transformers.SiglipVisionConfig(
+            **common, intermediate_size=64, vision_use_head=True))
+    if kind == "aimv2":
+        return transformers.Aimv2VisionModel(transformers.Aimv2VisionConfig(
+            **common, intermediate_size=88, use_head=False))
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["dinov2_swiglu", "dinov3_gated", "siglip_map", "aimv2"])
+def test_transformers_families_import_and_export_with_equal_outputs(tmp_path, kind):
+    """A transformers directory (its own save_pretrained) -> ours (hf:) -> --to hf -> transformers again: tokens
+    and pooled outputs equal within 1e-5."""
+    torch.manual_seed(0)
+    theirs = _hf_model(kind).eval()
+    randomise(theirs)
+    theirs.save_pretrained(tmp_path / "theirs")
+    ours = load_pretrained(f"hf:{tmp_path / 'theirs'}").encoder.eval()
+    arch = {"dinov2_swiglu": "dinov2", "dinov3_gated": "dinov3", "siglip_map": "siglip", "aimv2": "aimv2"}[kind]
+    export_hf(ours, tmp_path / "back", arch=arch)
+    back = type(theirs).from_pretrained(tmp_path / "back").eval()
+    images = _images()
+    with torch.no_grad():
+        out, again = theirs(pixel_values=images), back(pixel_values=images)
+        torch.testing.assert_close(ours.forward_features(images), out.last_hidden_state, atol=1e-5, rtol=0)
+        torch.testing.assert_close(again.last_hidden_state, out.last_hidden_state, atol=1e-5, rtol=0)
+        if out.pooler_output is not None:  # SigLIP's MAP head; DINOv2 / v3's class token
+            torch.testing.assert_close(ours(images), out.pooler_output, atol=1e-5, rtol=0)
+            torch.testing.assert_close(again.pooler_output, out.pooler_output, atol=1e-5, rtol=0)
+        else:  # AIMv2 pools nothing itself: ours is the mean of its last hidden state
+            torch.testing.assert_close(ours(images), out.last_hidden_state.mean(1), atol=1e-5, rtol=0)
+
+
+def test_siglip2_with_its_map_head_moves_to_transformers_and_back_on_naflex_batches(tmp_path):
+    ours = build_vit("vit_test_siglip", pos_embed_interp="bilinear").eval()
+    randomise(ours)
+    export_hf(ours, tmp_path, arch="siglip2")
+    theirs = transformers.Siglip2VisionModel.from_pretrained(tmp_path).eval()
+    images = [torch.randn(3, 16, 24), torch.randn(3, 24, 12), torch.randn(3, 8, 8)]
+    batch = pack(images, 4, seq_len=32)
+    with torch.no_grad():
+        out = theirs(pixel_values=batch["patches"], pixel_attention_mask=batch["patch_valid"].long(),
+                     spatial_shapes=torch.tensor(batch_grids(batch)))
+        torch.testing.assert_close(ours(batch), out.pooler_output, atol=1e-5, rtol=0)
+        valid = batch["patch_valid"]
+        torch.testing.assert_close(ours.forward_features(batch)[valid], out.last_hidden_state[valid], atol=1e-5,
+                                   rtol=0)
+        back = from_hf(tmp_path)
+        torch.testing.assert_close(back(batch), ours(batch), atol=1e-5, rtol=0)
+
+
+def test_dinov2_swiglu_width_is_dinov2s_rule():
+    """DINOv2's SwiGLUFFNFused: (int(width x ratio x 2/3) + 7) // 8 x 8 (ViT-g/14: 4096), as the preset has it."""
+    assert dinov2_swiglu_hidden(1536, 4) == 4096 == PRESETS["vit_g14_dinov2"]["mlp_dim"]
+    assert dinov2_swiglu_hidden(32, 4) == 88 == PRESETS["vit_test_dinov2"]["mlp_dim"]
+
+
+@pytest.mark.parametrize(("preset", "to", "arch", "message"), [
+    ("vit_test_aimv2", "hf", "vit", "mlp_kind='swiglu' (vit has a plain MLP"),
+    ("vit_test_aimv2", "hf", "siglip", "norm_layer='rmsnorm' (siglip has LayerNorms"),
+    ("vit_test_siglip", "hf", "dinov2", "only --hf-arch siglip / siglip2 have a MAP head"),
+    ("vit_test_siglip", "hf", "aimv2", "mlp_kind='mlp' (Aimv2VisionModel has a SwiGLU MLP)"),
+    ("vit_test_dinov2", "open_clip", None, "mlp_kind='swiglu_packed'"),
+])
+def test_a_family_exported_where_the_library_lacks_it_is_one_line(preset, to, arch, message):
+    encoder = build_vit(preset)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+        if to == "hf":
+            export_hf(encoder, "/nonexistent/never-written", arch=arch)
+        else:
+            from ssl_vit.interop.open_clip import vision_config
+
+            vision_config(encoder.config)
+    assert "\n" not in str(err.value)
+
+
+def test_an_unknown_family_from_timm_is_one_line():
+    """Perception Encoder's RoPE (timm's Eva with an offset, reference-shaped grid) is not built: refused naming it."""
+    theirs = timm.create_model("vit_pe_core_base_patch16_224", pretrained=False, num_classes=0, img_size=32,
+                               patch_size=4, embed_dim=32, depth=1, num_heads=2, ref_feat_shape=(8, 8))
+    with pytest.raises(ValueError, match="RotaryEmbeddingCat") as err:
+        from_timm(theirs)
+    assert "\n" not in str(err.value)
