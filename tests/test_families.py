@@ -6,6 +6,8 @@ import pytest
 import timm
 import torch
 import transformers
+from helpers.builders import randomise
+from helpers.inprocess import pretrain, run_script
 
 from ssl_vit.backbone import PRESETS, build_vit, count_parameters
 from ssl_vit.backbone.mlp import dinov2_swiglu_hidden
@@ -13,7 +15,6 @@ from ssl_vit.interop.hf import export_hf, from_hf
 from ssl_vit.interop.sources import load_pretrained
 from ssl_vit.interop.timm import _timm_rope_state, export_timm, from_timm
 from ssl_vit.naflex import batch_grids, pack
-from tests.helpers.builders import randomise
 
 TINY = dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2)
 # family preset -> the timm model that defines it (presets.py says which)
@@ -159,3 +160,34 @@ def test_an_unknown_family_from_timm_is_one_line():
     with pytest.raises(ValueError, match="RotaryEmbeddingCat") as err:
         from_timm(theirs)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("preset", "objective"), [("vit_test_aimv2", "mae"), ("vit_test_siglip", "supervised")])
+def test_a_family_model_pretrains_evaluates_exports_and_serves_a_vlm(tmp_path, preset, objective):
+    """SwiGLU + RMSNorm (AIMv2's block) and the MAP head (SigLIP's) through the real commands: pretrain, evaluate
+    (its pooled embedding: no class token), export to timm and transformers (each read back by the library), and
+    VisionEncoder's tokens for a VLM."""
+    from ssl_vit import load_encoder
+
+    run = tmp_path / "run"
+    proc = pretrain(f"model={preset}", f"objective={objective}", "data.num_samples=32", "data.batch_size=16",
+                    "trainer.max_steps=2", "optim.warmup_steps=1", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script("scripts/evaluate.py", run, "data=synthetic", "data.num_samples=64", "eval=knn")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "pooled embedding" in proc.stderr + proc.stdout
+    ours = load_pretrained(str(run)).encoder.eval()
+    images = _images()
+    for to in ("timm", "hf"):
+        proc = run_script("scripts/export.py", run, "--to", to, "--out", tmp_path / to)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = timm.create_model(f"local-dir:{tmp_path / 'timm'}", pretrained=True).eval()
+    hf = transformers.AutoModel.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(images), ours(images), atol=1e-5, rtol=0)
+        torch.testing.assert_close(hf(pixel_values=images).last_hidden_state, ours.forward_features(images),
+                                   atol=1e-5, rtol=0)
+    vlm = load_encoder(run)  # the VLM settings: the second-to-last block, no prefix tokens
+    tokens = vlm(images)
+    assert tokens.shape == (2, ours.patch_embed.num_patches, ours.embed_dim)

@@ -59,11 +59,12 @@ def test_activations_follow_the_stated_formula_and_checkpointing_keeps_block_inp
 
 
 @pytest.mark.parametrize("checkpointing", [False, "full", "selective"])
-@pytest.mark.parametrize("name", ["vit_test", "vit_test_22b"])
+@pytest.mark.parametrize("name", ["vit_test", "vit_test_22b", "vit_test_aimv2", "vit_test_dinov2", "vit_test_siglip"])
 def test_kept_activations_are_what_the_forward_leaves_alive_for_backward(name, checkpointing):
     """The planner's kept activations against the storages a real fp32 forward leaves alive for its backward
     (autograd's saved tensors, a checkpoint's block inputs, a selective checkpoint's cached matmul and attention
-    outputs), for the plain and the parallel block: within 10%, and selective between none and full."""
+    outputs), for the plain and the parallel block and the families' SwiGLU / RMSNorm / MAP: within 5%, and
+    selective between none and full."""
     size = dict(img_size=32, embed_dim=64, depth=3, num_heads=4)  # 65 tokens (64 for the 22B-style: no class token)
     model = build_vit(name, **size)
     model.set_grad_checkpointing(checkpointing)

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 from conftest import ACCELERATE_LAUNCH, ROOT, check_ok, read_metrics
-from helpers.pool import EVAL, OBJECTIVES, REAL_LAUNCHES, RUNS, SHARDED, STEPS, strategy_run
+from helpers.pool import DISTILL_TEACHER, EVAL, OBJECTIVES, REAL_LAUNCHES, RUNS, SHARDED, STEPS, strategy_run
 from helpers.ranks import launch_ranks
 from safetensors.torch import load_file
 
@@ -104,7 +104,7 @@ def test_distill_teachers_stay_outside_the_model_and_the_sharded_one_is_split(po
     log = pool.log(("distill", "zero3_cpu2"))
     shares = [line for line in log.splitlines() if "teacher ours: sharded across 2 processes" in line]
     assert len(shares) == 2, log[-3000:]  # one line per rank
-    whole = build_vit("vit_test", img_size=21, patch_size=3)
+    whole = build_vit(DISTILL_TEACHER[0], **DISTILL_TEACHER[1])
     total = sum(p.numel() for p in whole.parameters())
     local = [int(line.split("(FSDP2), ")[1].split(" of ")[0]) for line in shares]
     assert all(f"of its {total} parameters" in line for line in shares) and all(n < total for n in local)

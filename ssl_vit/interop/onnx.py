@@ -23,7 +23,7 @@ MODEL_FILE = "model.onnx"
 def _rms_norm(g, x, normalized_shape, weight, eps):
     """aten::rms_norm (RMSNorm: AIMv2) as ONNX primitives, for the TorchScript exporter, which has no symbolic for
     it below opset 23: x / sqrt(mean(x^2) + eps) * weight over the normalised dimensions."""
-    from torch.onnx import symbolic_helper
+    from torch.onnx import symbolic_helper  # the exporter's internals: loaded when a graph is exported
 
     dims = symbolic_helper._get_const(normalized_shape, "is", "normalized_shape")
     eps = symbolic_helper._maybe_get_const(eps, "f")

@@ -32,8 +32,12 @@ s x s matrix:
     + 3h * s * b * c           with QK-norm (q and k copied contiguous and normalised per head)
     + m * s * b * c            the parallel block's separate MLP bias (no QKV bias): the biased hidden is a new tensor
     + a * s * b * 4            the attention kernel's log-sum-exp
+    + 2m * s * b * c           a SwiGLU MLP (mlp_kind swiglu / swiglu_packed): gate, value, act(gate), product (4m)
+    + 2h * s * b * c           with layer scale (each scale keeps its input, the projection's output)
+    + 2h * s * b * c           with RMSNorm (torch's composite rms_norm, the CPU's: each keeps its normalised input;
+                               a fused kernel keeps less, so this is an upper bound there)
 (ViT-22B, both: 9h + 3m; the planner had 6h + 2m for it before these terms were measured), and once per model the
-final norm's input (h * s * b * c).
+final norm's input (h * s * b * c) and a patch norm's (AIMv2's; 2h with RMSNorm each).
 With gradient checkpointing (model.checkpoint_policy=full) each block keeps only its input (h * s * b * c) and one
 block is recomputed at a time. The selective policy keeps, per block, its input and the outputs of its matmuls and
 attention: (7h + m) * s * b * c + a * s * b * 4 (input h, q k v 3h, attention output h, its projection h, MLP fc1 m
@@ -64,6 +68,7 @@ import torch
 from timm.layers import GroupNormAct
 
 from ssl_vit.backbone import ParallelBlock, build_vit
+from ssl_vit.backbone.mlp import mlp_hidden_width
 from ssl_vit.config import STRATEGIES
 from ssl_vit.extras import require
 from ssl_vit.schema import ConfigError, not_one_of
@@ -90,6 +95,10 @@ class ModelShape:
     parallel_block: bool
     qk_norm: bool = False  # q and k normalised per head (ViT-22B)
     mlp_bias: bool = False  # the parallel block's separate fc1 bias (no QKV bias: ViT-22B)
+    gated: bool = False  # a SwiGLU MLP (mlp_kind swiglu / swiglu_packed): gate and value, m each
+    layer_scale: bool = False  # per-channel residual scales: each keeps its input (the projection's output)
+    rms_norm: bool = False  # RMSNorm (composite on the CPU): each also keeps its normalised input
+    patch_norm: bool = False  # a norm of the patch embeddings (AIMv2): its input, kept with or without checkpoints
     final_norm: bool = True  # a norm after the last block (token pooling), whose input is kept
     stem_elements: int = 0  # per image, kept by a hybrid's ResNet for backward
     stem_checkpointed: int = 0  # the same with per-stage gradient checkpointing
@@ -113,7 +122,9 @@ class ModelShape:
             largest_layer=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
             largest_block=max(sum(p.numel() for p in b.parameters()) for b in model.blocks),
             depth=len(model.blocks), width=model.embed_dim,
-            mlp_width=block.in_split[0] if parallel else block.mlp.fc1.out_features,
+            mlp_width=block.in_split[0] if parallel else mlp_hidden_width(block.mlp),
+            gated=model.config.mlp_kind != "mlp", layer_scale=model.config.layer_scale is not None,
+            rms_norm=model.config.norm_layer == "rmsnorm", patch_norm=model.config.patch_norm,
             heads=block.num_heads if parallel else block.attn.num_heads,
             tokens=model.patch_embed.num_patches + model.num_prefix_tokens, parallel_block=parallel,
             qk_norm=not isinstance(block.q_norm if parallel else block.attn.q_norm, torch.nn.Identity),
@@ -219,12 +230,16 @@ def activation_terms(shape: ModelShape, batch: int, precision: str, grad_checkpo
     c = 2 if precision == "bf16" else 4
     tokens = shape.tokens * batch
     h, m = shape.width, shape.mlp_width
-    per_element = (6 * h if shape.parallel_block else 8 * h) + 2 * m + 3 * h * shape.qk_norm + m * shape.mlp_bias
+    mlp = 4 * m if shape.gated else 2 * m  # GELU: its input and output; SwiGLU: gate, value, act(gate), product
+    norms = 1 if shape.parallel_block else 2
+    per_element = ((6 * h if shape.parallel_block else 8 * h) + mlp + 3 * h * shape.qk_norm + m * shape.mlp_bias
+                   + 2 * h * shape.layer_scale + norms * h * shape.rms_norm)
     attention_stats = shape.heads * tokens * 4
     block = per_element * tokens * c + attention_stats
-    final_norm = h * tokens * c * shape.final_norm
+    one_norm = h * tokens * c * (1 + shape.rms_norm)
+    final_norm = one_norm * shape.final_norm + one_norm * shape.patch_norm  # (the patch norm's, before the blocks)
     if grad_checkpointing == "selective":
-        kept = (7 * h + m) * tokens * c + attention_stats
+        kept = (7 * h + (2 * m if shape.gated else m)) * tokens * c + attention_stats  # SwiGLU: both input matmuls
         stem = (shape.stem_checkpointed * batch + shape.stem_weights) * c
         terms = shape.depth * kept + final_norm + stem, block - kept
     elif grad_checkpointing:

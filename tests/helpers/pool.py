@@ -27,11 +27,12 @@ OBJECTIVES = {
     # DINOv3: every DINOv2 part on (Sinkhorn-Knopp, KoLeo, iBOT), the heads' last layers held for 3 steps (their
     # gradients dropped, Adam started at step 4: the checkpoint at step 3 is of a held optimizer state), RoPE and
     # registers, and Gram anchoring from step 1 (a third sharded backbone, refreshed from the EMA teacher before
-    # step 3: the resumed step), on 32 px Gram crops resized to the student's grid
+    # step 3: the resumed step), on 32 px Gram crops resized to the student's grid; the backbone with DINOv3 H+ /
+    # 7B's SwiGLU MLP (the Gram teacher too)
     "dinov3": ["objective=dinov3_tiny", "objective.out_dim=64", "objective.ibot_out_dim=64",
                "objective.hidden_dim=32", "objective.bottleneck_dim=16", "objective.local_crops=2",
                "objective.freeze_last_layer_steps=3", "objective.gram_start=1", "objective.gram_warmup_steps=2",
-               "objective.gram_update_every=2"],
+               "objective.gram_update_every=2", "model.mlp_kind=swiglu", "model.act_layer=silu"],
     # the hybrid stem (its ResNet initialised on gathered weights under zero.Init) with DeiT's frozen timm teacher,
     # built whole outside the sharded model ({teacher}: a weights file the pool writes), with the recipe's data side
     # (RandAugment, Mixup / CutMix, repeated augmentation dealt across the ranks)
@@ -50,7 +51,8 @@ OBJECTIVES = {
     # a predictor ViT with its own blocks (FSDP2 units), no class token (periodic evaluation on the patch average).
     "ijepa": ["objective=ijepa_tiny", "data.img_size=32", "objective.predictor_dim=32", "objective.predictor_depth=1"],
     # Multi-teacher distillation: two frozen teachers built whole outside the sharded model ({distill_teacher}: our
-    # encoder file at another patch grid, 7 x 7 against the student's 8 x 8; {vit_teacher}: timm's ViT-Ti/16 at
+    # encoder file at another patch grid, 7 x 7 against the student's 8 x 8, of AIMv2's family (SwiGLU, RMSNorm, a
+    # patch norm, no class token: DISTILL_TEACHER); {vit_teacher}: timm's ViT-Ti/16 at
     # 32 px, a 2 x 2 grid), their running feature statistics all-reduced over the ranks; under ZeRO-3 the first
     # teacher is itself sharded across the ranks for inference (FSDP2 inside a DeepSpeed run).
     "distill": ["objective=distill_tiny", "objective.adaptor_hidden_dim=32",
@@ -63,13 +65,17 @@ OBJECTIVES = {
                  "model.window_size=5", "model.global_attn_indexes=[1]", "model.rel_pos=true"],
     # NaFlex batches (images at 3 aspect ratios, 4 sequence-length buckets, a batch size per bucket the same on
     # both ranks) with RoPE and a register (per-image tables, the key mask over the prefix); SigLIP's loss then
-    # exchanges the ranks' text features (equal batch sizes on every rank at every step)
+    # exchanges the ranks' text features (equal batch sizes on every rank at every step); SigLIP's image tower
+    # with its MAP head, attending to each image's own patches
     "naflex_supervised": ["objective=supervised", "data.resolution=naflex", "data.aspect_ratios=[0.5,1,2]",
                           "model.pos_embed=rope", "model.num_registers=1"],
-    "naflex_siglip": ["objective=siglip_tiny", "objective.embed_dim=16", "objective.text_width=16",
-                      "objective.text_heads=2", "objective.text_layers=1", "objective.context_length=16",
+    "naflex_siglip": ["objective=siglip_tiny", "model=vit_test_siglip", "objective.embed_dim=16",
+                      "objective.text_width=16", "objective.text_heads=2", "objective.text_layers=1",
+                      "objective.context_length=16",
                       "data.resolution=naflex", "data.aspect_ratios=[0.5,1,2]", "data.naflex.loss_scale=sqrt"],
 }
+# The distillation runs' first teacher (its preset and sizes), also built by the tests that check it
+DISTILL_TEACHER = ("vit_test_aimv2", dict(img_size=21, patch_size=3))
 # CLIP (a second tower, a loss gathered across ranks, accumulation) under all five strategies; masked_patch under
 # DDP (the reference of the ZeRO-2 non-finite, ZeRO-3 offload and bf16 tests; MAE and masked_patch ran under all
 # five when the strategies landed, DINOv2 when it landed: DINOv3's runs cover its code now).
@@ -143,7 +149,7 @@ class RunPool:
             save_encoder(build_vit("vit_test"), files["windowed_source"],
                          Preprocess(16, mean=[0.5] * 3, std=[0.25] * 3))
             save_file(timm.create_model("resnet10t", num_classes=8).state_dict(), str(files["teacher"]))
-            save_encoder(build_vit("vit_test", img_size=21, patch_size=3), files["distill_teacher"],
+            save_encoder(build_vit(DISTILL_TEACHER[0], **DISTILL_TEACHER[1]), files["distill_teacher"],
                          Preprocess(21, mean=[0.5] * 3, std=[0.25] * 3))
             save_file(timm.create_model("vit_tiny_patch16_224", num_classes=0).state_dict(), str(files["vit_teacher"]))
             self._files = files
