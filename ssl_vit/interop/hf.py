@@ -310,29 +310,29 @@ def hf_state(state: dict, config: ViTConfig, arch: str, projection: torch.Tensor
     return tensors
 
 
+# Our MAP head's names -> SigLIP's `head` (its q and kv are the thirds of nn.MultiheadAttention's in_proj)
+_SIGLIP_HEAD = (("latent", "probe"), ("proj.weight", "attention.out_proj.weight"),
+                ("proj.bias", "attention.out_proj.bias"),
+                *((f"{ours}.{kind}", f"{theirs}.{kind}") for ours, theirs in
+                  (("norm", "layernorm"), ("mlp.fc1", "mlp.fc1"), ("mlp.fc2", "mlp.fc2"))
+                  for kind in ("weight", "bias")))
+
+
 def _siglip_head(state: dict, width: int) -> dict:
-    """Our MAP head -> SigLIP's `head` (nn.MultiheadAttention holds q, k, v in one in_proj)."""
-    head = {"head.probe": state["attn_pool.latent"],
-            "head.attention.in_proj_weight": torch.cat([state["attn_pool.q.weight"], state["attn_pool.kv.weight"]]),
-            "head.attention.in_proj_bias": torch.cat([state["attn_pool.q.bias"], state["attn_pool.kv.bias"]]),
-            "head.attention.out_proj.weight": state["attn_pool.proj.weight"],
-            "head.attention.out_proj.bias": state["attn_pool.proj.bias"]}
-    for ours, theirs in (("norm", "layernorm"), ("mlp.fc1", "mlp.fc1"), ("mlp.fc2", "mlp.fc2")):
-        for kind in ("weight", "bias"):
-            head[f"head.{theirs}.{kind}"] = state[f"attn_pool.{ours}.{kind}"]
+    """Our MAP head -> SigLIP's `head`."""
+    head = {f"head.{theirs}": state[f"attn_pool.{ours}"] for ours, theirs in _SIGLIP_HEAD}
+    for kind in ("weight", "bias"):
+        head[f"head.attention.in_proj_{kind}"] = torch.cat([state[f"attn_pool.q.{kind}"],
+                                                            state[f"attn_pool.kv.{kind}"]])
     return head
 
 
 def _our_map_head(state: dict, width: int) -> dict:
     """SigLIP's `head` -> our MAP head."""
-    in_w, in_b = state["head.attention.in_proj_weight"], state["head.attention.in_proj_bias"]
-    ours = {"attn_pool.latent": state["head.probe"], "attn_pool.q.weight": in_w[:width],
-            "attn_pool.kv.weight": in_w[width:], "attn_pool.q.bias": in_b[:width], "attn_pool.kv.bias": in_b[width:],
-            "attn_pool.proj.weight": state["head.attention.out_proj.weight"],
-            "attn_pool.proj.bias": state["head.attention.out_proj.bias"]}
-    for mine, theirs in (("norm", "layernorm"), ("mlp.fc1", "mlp.fc1"), ("mlp.fc2", "mlp.fc2")):
-        for kind in ("weight", "bias"):
-            ours[f"attn_pool.{mine}.{kind}"] = state[f"head.{theirs}.{kind}"]
+    ours = {f"attn_pool.{mine}": state[f"head.{theirs}"] for mine, theirs in _SIGLIP_HEAD}
+    for kind in ("weight", "bias"):
+        packed = state[f"head.attention.in_proj_{kind}"]
+        ours[f"attn_pool.q.{kind}"], ours[f"attn_pool.kv.{kind}"] = packed[:width], packed[width:]
     return ours
 
 
