@@ -34,18 +34,24 @@ def documented_commands() -> list[tuple[str, str]]:
     """(page:line, command) of every line in a ```bash block that starts one of ours (one command per `&&`)."""
     found = []
     for page in PAGES:
-        in_bash = False
+        in_bash, pending, start = False, "", 0
         for number, line in enumerate(page.read_text().splitlines(), 1):
             if line.startswith("```"):
                 in_bash = line.strip() in ("```bash", "```sh", "```shell")
                 continue
             if not in_bash:
                 continue
+            if not pending:
+                start = number
+            if line.rstrip().endswith("\\"):  # a continued command: the shell reads it as one line
+                pending += line.rstrip()[:-1] + " "
+                continue
+            line, pending = pending + line, ""
             for words in _shell_commands(PLACEHOLDER.sub(RUN, line.strip())):
                 while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):  # VAR=value prefixes
                     words = words[1:]
                 if words and _ours(words):
-                    found.append((f"{page.relative_to(ROOT)}:{number}", shlex.join(words)))
+                    found.append((f"{page.relative_to(ROOT)}:{start}", shlex.join(words)))
     return found
 
 

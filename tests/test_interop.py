@@ -530,6 +530,11 @@ def test_init_from_under_whole_and_sharded_parameters_resamples_to_the_run_size_
                                                  "output_dir=x", *overrides])
         with pytest.raises(ConfigError, match=re.escape(message)):
             build_components(cfg)
+    # restating the source's own value (a shared recipe naming it) shapes nothing and is not refused
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("pretrain", overrides=["model=vit_test", f"model.init_from=hf:{tmp_path / 'hf'}", "output_dir=x",
+                                             f"model.depth={expected.config.depth}"])
+    assert build_components(cfg)[0].backbone.config.depth == expected.config.depth
 
 
 @pytest.mark.slow

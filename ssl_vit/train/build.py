@@ -7,14 +7,14 @@ dataset, its registered `DatasetKind`.
 from __future__ import annotations
 
 import logging
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from ssl_vit.backbone import PRESETS, WINDOW_SETTINGS, VisionTransformer, build_vit, preset_config, resample_pos_embed
+from ssl_vit.backbone import PRESETS, WINDOW_SETTINGS, VisionTransformer, build_vit, preset_config
 from ssl_vit.backbone.init import without_transformers_zero3, writable
 from ssl_vit.backbone.windows import resample_rel_pos
 from ssl_vit.config import model_kwargs, peak_lr, warmup_steps
@@ -121,12 +121,15 @@ def _backbone_from(source: Pretrained, cfg, img_size: int) -> VisionTransformer:
     """A backbone with the source's architecture at `img_size` (position embeddings resampled as the source library
     does), its weights, and the run's regularisation settings."""
     overrides = model_kwargs(cfg.model)
-    conflicts = {k: v for k, v in overrides.items() if k not in INIT_FROM_ADJUSTABLE}
+    encoder = source.encoder
+    source_values = encoder.config.to_dict()
+    # an override that restates the source's own value shapes nothing (a shared recipe may name it)
+    conflicts = {k: v for k, v in overrides.items() if k not in INIT_FROM_ADJUSTABLE
+                 and _plain(v) != source_values.get(k)}
     if conflicts and not source.architecture_given:  # else they shaped it already
         raise ConfigError(f"model.init_from={cfg.model.init_from}: the architecture is the source's; remove "
                           f"{', '.join(f'model.{k}={v}' for k, v in conflicts.items())} (adjustable: "
                           f"{list(INIT_FROM_ADJUSTABLE)})")
-    encoder = source.encoder
     # The run's init scheme (the preset's unless model.weight_init says otherwise): the objective's heads follow it,
     # so the same weights from any source start the same run.
     overrides.setdefault("weight_init", PRESETS[cfg.model.name].get("weight_init", "timm"))
@@ -149,6 +152,11 @@ def _backbone_from(source: Pretrained, cfg, img_size: int) -> VisionTransformer:
                  "none)", len(fresh))
     load_module_by_module(backbone, state, may_lack=fresh)
     return backbone
+
+
+def _plain(value):
+    """A config value as ViTConfig.to_dict writes it (tuples as lists)."""
+    return list(value) if isinstance(value, (tuple, list)) else value
 
 
 def load_module_by_module(module: torch.nn.Module, state: dict, may_lack: set[str] = frozenset()) -> None:
@@ -179,17 +187,16 @@ def load_entries(module: torch.nn.Module, state: dict) -> None:
                     buffer.copy_(state[key(name)])
 
 
-def _resample_backbone_pos_embed(objective: Objective, state: dict) -> None:
-    """The source's encoder was resampled to data.img_size (`_backbone_from`); a backbone among its heads (DINO's
-    student) is resampled the same way (a square grid)."""
-    backbone, key = objective.backbone, "backbone.pos_embed"  # the contract's attribute (Objective.__init__)
-    if key not in state or getattr(backbone, "pos_embed", None) is None:
+def _resample_backbone_pos_embed(objective: Objective, state: dict, source_grid: Sequence[int]) -> None:
+    """The run's backbone was built at data.img_size (`_backbone_from`); the backbones among the source's heads (DINO's
+    student and teacher) come at the source's grid and are resampled to the run's the way the run resamples."""
+    backbone = objective.backbone  # the contract's attribute (Objective.__init__)
+    if getattr(backbone, "pos_embed", None) is None or tuple(source_grid) == tuple(backbone.grid_size):
         return
-    value, shape = state[key], tuple(getattr(backbone.pos_embed, "ds_shape", backbone.pos_embed.shape))
-    side = math.isqrt(value.shape[1] - backbone.num_pos_prefix)
-    if tuple(value.shape) != shape and side * side == value.shape[1] - backbone.num_pos_prefix:
-        state[key] = resample_pos_embed(value, backbone.grid_size, (side, side), backbone.num_pos_prefix,
-                                        mode=backbone.pos_embed_interp, antialias=backbone.pos_embed_antialias)
+    shape = tuple(getattr(backbone.pos_embed, "ds_shape", backbone.pos_embed.shape))  # ZeRO-3: its full shape
+    for key, value in state.items():
+        if key.split(".")[-2:] == ["backbone", "pos_embed"] and tuple(value.shape) != shape:
+            state[key] = backbone.resample_from(value, source_grid)
 
 
 def load_source_heads(objective: Objective, source: Pretrained | None, spec: str | None) -> None:
@@ -205,7 +212,7 @@ def load_source_heads(objective: Objective, source: Pretrained | None, spec: str
                           f"forms: {list(SOURCES)})")
     heads, trained_by = source.heads
     state = objective.state_from_artifacts(source.encoder.state_dict(), heads)
-    _resample_backbone_pos_embed(objective, state)
+    _resample_backbone_pos_embed(objective, state, source.encoder.grid_size)
     shapes = {name: tuple(getattr(t, "ds_shape", t.shape))  # ZeRO-3 partitions: their full shape
               for name, t in (*objective.named_parameters(), *objective.named_buffers())}
     problems = [f"{k} is not in objective={objective.cfg.name}" for k in state if k not in shapes]
