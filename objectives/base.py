@@ -182,6 +182,11 @@ class Objective(nn.Module, ABC):
         group: unlike dropping gradients, this also works under DeepSpeed)."""
         return {}
 
+    def lr_scales(self) -> dict[str, float]:
+        """Parameter-name prefixes -> learning-rate multipliers: each prefix's parameters get optimizer groups of
+        their own (distill's extra students)."""
+        return {}
+
     # ----- the step -----
     def check_start(self, total_steps: int, from_trained: bool) -> None:
         """Refuse (ValueError naming the value) a run this objective would train wrongly: `total_steps` long, its
@@ -212,6 +217,12 @@ class Objective(nn.Module, ABC):
                          heads={k: v for k, v in state.items() if k.startswith(self.saved_heads)},
                          metadata={"objective": self.cfg.name, "objective_config": json.dumps(to_container(self.cfg)),
                                    "data_info": json.dumps(asdict(self.data))})
+
+    def member_artifacts(self, state: dict[str, torch.Tensor]) -> dict[str, tuple[ViTConfig, Artifacts]]:
+        """Further encoders the run saves, each as a run directory of its own under the run's
+        (`<run>/<key>/encoder.safetensors` and heads.safetensors): key -> (its encoder config, its artifacts) from
+        the full state dict. Distill's extra students are saved so."""
+        return {}
 
     def state_from_artifacts(self, encoder: dict[str, torch.Tensor], heads: dict[str, torch.Tensor]) -> dict:
         """The inverse of `artifacts`: state-dict entries (all the artifacts hold) for `load_state_dict`."""

@@ -21,6 +21,14 @@ training starts, whereas per-channel statistics are estimated online, in the sam
 precompute: that is why they are used here. The adaptors' outputs are de-standardised (x std + mean) wherever
 they stand in for a teacher: zero-shot through a CLIP teacher's adaptor, k-NN on a DINO teacher's.
 
+One teacher, many students (DINOv3's multi-distillation, facebookresearch/dinov3 multidist_meta_arch.py):
+`objective.students=[{name: small, model: vit_s16}, ...]` trains further students beside the `model=` one, each a
+whole distill student of its own preset (backbone, adaptors, statistics) in `students.<name>`. Every teacher runs
+once per batch; its standardised features are shared by all students, whose losses add up (no parameter is shared,
+so each student's gradient is its own loss's). Each has optimizer groups of its own (`lr_scale`) and is saved as a
+run directory of its own, `<run>/students/<name>/` (encoder.safetensors, heads.safetensors): evaluate, export and
+`model.init_from` take it as any distill run. The checkpoint holds them all, so a resume is exact.
+
 Teachers are loaded whole outside zero.Init and outside the module tree (no optimizer, checkpoint or export sees
 them), run in eval mode without gradients, in bf16 where the device has it (`teacher_precision`), and a teacher too
 large to replicate is sharded across the ranks for inference (`shard: true`: FSDP2, each block gathered for its
@@ -35,12 +43,14 @@ import copy
 import logging
 from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from omegaconf import MISSING, OmegaConf
 from torch import nn
 
+from ssl_vit.backbone import PRESETS, build_vit
 from ssl_vit.backbone.init import whole_modules
 from ssl_vit.collectives import all_reduce
 from ssl_vit.naflex import NaFlexLayout, is_naflex, patch_valid
@@ -78,6 +88,16 @@ class TeacherConfig:
 
 
 @dataclass
+class StudentConfig:
+    """A further student of one teacher forward (DINOv3's multi-distillation)."""
+
+    name: str = checked(MISSING, example="objective.students=[{name: small, model: vit_s16}]")
+    model: str = checked(MISSING, example="objective.students=[{name: small, model: vit_s16}]")  # a model= preset
+    options: dict[str, Any] = field(default_factory=dict)  # model.* options of that preset ({drop_path: 0.1})
+    lr_scale: float = checked(1.0, ge=0)  # its learning rate = the run's x lr_scale (its own optimizer groups)
+
+
+@dataclass
 class DistillConfig(ObjectiveConfig):
     name: str = "distill"
     teachers: list[TeacherConfig] = field(default_factory=list)
@@ -89,6 +109,7 @@ class DistillConfig(ObjectiveConfig):
     teacher_precision: str = checked("auto", choices=TEACHER_PRECISIONS)  # auto: bf16 on a GPU that has it
     text_teacher: str | None = None  # the image-text teacher zero-shot goes through; default the first one
     load_teachers: bool = True  # false: the student and its adaptors only (evaluation, reloading)
+    students: list[StudentConfig] = field(default_factory=list)  # further students of the same teacher forwards
 
 
 class Adaptor(nn.Module):
@@ -204,6 +225,35 @@ class Distill(Objective):
                                           for t in cfg.teachers})
         self._teachers_device: torch.device | None = None
         object.__setattr__(self, "_text_side", None)
+        self.teacher_forwards = 0  # batches the teachers have run on (the benchmark's count)
+        if cfg.students:
+            self.students = nn.ModuleDict(self._build_students(cfg, data))
+
+    @staticmethod
+    def _build_students(cfg: DistillConfig, data: DataInfo) -> dict[str, Distill]:
+        """Each further student: a distill student of its preset at the run's image size, with the teachers'
+        recorded dimensions (no teacher of its own)."""
+        names = [student.name for student in cfg.students]
+        if len(set(names)) != len(names) or not all(name.isidentifier() for name in names):
+            raise ValueError(f"objective.students: names must be distinct identifiers (letters, digits, _), got "
+                             f"{names}")
+        own = replace(cfg, students=[], load_teachers=False)
+        students = {}
+        for student in cfg.students:
+            where = f"objective.students[{student.name}]"
+            if student.model not in PRESETS:
+                raise ValueError(f"{where}: unknown model {student.model!r}; valid choices: {sorted(PRESETS)}")
+            try:
+                backbone = build_vit(student.model, img_size=data.img_size, **dict(student.options))
+            except ValueError as err:  # a patch grid that does not tile the run's images, a bad option
+                raise ValueError(f"{where}: model={student.model} at data.img_size={data.img_size}: {err} (every "
+                                 "student sees the run's images; the teachers' patch maps are resized to each "
+                                 "student's grid)") from err
+            students[student.name] = Distill(backbone, copy.deepcopy(own), data)
+        return students
+
+    def lr_scales(self) -> dict[str, float]:
+        return {f"students.{student.name}.": student.lr_scale for student in self.cfg.students}
 
     @staticmethod
     def _load_teachers(cfg: DistillConfig) -> list[FeatureTeacher]:
@@ -232,7 +282,7 @@ class Distill(Objective):
     @classmethod
     def rebuild_config(cls, cfg):
         """The student and its adaptors from the recorded dimensions; the teachers stay where they are."""
-        return OmegaConf.merge(OmegaConf.structured(cls.config_class), cfg, {"load_teachers": False})
+        return OmegaConf.merge(OmegaConf.structured(cls.config_class), cfg, {"load_teachers": False, "students": []})
 
     def teacher_inputs(self) -> list:
         return [teacher.preprocess for teacher in self.teachers]
@@ -264,11 +314,43 @@ class Distill(Objective):
         """(summary (B, Ds), patch features (B, h x w, Dp), grid (h, w)) of each teacher on its view, fp32, outside
         any autocast (a teacher runs in its own precision)."""
         self._place_teachers(teacher_images[0].device)
+        self.teacher_forwards += 1
         with torch.autocast(teacher_images[0].device.type, enabled=False):
             return [teacher(images) for teacher, images in zip(self.teachers, teacher_images, strict=True)]
 
+    def standardized_targets(self, features: list) -> list[tuple[torch.Tensor, torch.Tensor, tuple]]:
+        """Each teacher's (summary, patch features, grid) standardised by this student's running statistics,
+        updated first when training."""
+        targets = []
+        for teacher_cfg, (summary, patches, grid) in zip(self.cfg.teachers, features, strict=True):
+            summary_stats, patch_stats = self.summary_stats[teacher_cfg.name], self.patch_stats[teacher_cfg.name]
+            if self.training:
+                summary_stats.update(summary)
+                patch_stats.update(patches.flatten(0, 1))
+            targets.append((summary_stats.standardize(summary), patch_stats.standardize(patches), grid))
+        return targets
+
     def forward(self, batch: dict) -> dict[str, torch.Tensor]:
         images = batch["image"]
+        targets = self.standardized_targets(self.teacher_features(batch["teacher_images"]))
+        out = self.student_losses(images, targets)
+        if not self.cfg.students:
+            return out
+        total, metrics = out["loss"], {"student_loss": out["loss"].detach()}
+        for name, student in self.students.items():
+            with torch.no_grad():  # the same statistics: each student's artifacts restore its adaptors' outputs
+                for own, shared in ((student.summary_stats, self.summary_stats), (student.patch_stats,
+                                                                                  self.patch_stats)):
+                    for teacher in own:
+                        for buffer, value in zip(own[teacher].buffers(), shared[teacher].buffers(), strict=True):
+                            buffer.copy_(value)
+            losses = student.student_losses(images, targets)
+            total = total + losses["loss"]
+            metrics.update({f"{name}_{key}": value.detach() for key, value in losses.items()})
+        return {**out, **metrics, "loss": total}
+
+    def student_losses(self, images, targets: list) -> dict[str, torch.Tensor]:
+        """This student's loss on `images` against the teachers' standardised `targets`."""
         tokens = self.backbone.forward_features(images)
         summary = self.backbone.pool(tokens, patch_valid(images))
         patches = tokens[:, self.backbone.num_prefix_tokens:]
@@ -280,16 +362,10 @@ class Distill(Objective):
             grid = self.backbone.patch_embed.grid_for(images.shape[-2], images.shape[-1])
             resize = partial(resize_patch_features, to=grid, mode="bilinear")
         cfg, loss, metrics = self.cfg, 0.0, {}
-        for teacher_cfg, (target_summary, target_patches, teacher_grid) in zip(
-                cfg.teachers, self.teacher_features(batch["teacher_images"]), strict=True):
+        for teacher_cfg, (target_summary, target_patches, teacher_grid) in zip(cfg.teachers, targets, strict=True):
             name = teacher_cfg.name
-            summary_stats, patch_stats = self.summary_stats[name], self.patch_stats[name]
-            if self.training:
-                summary_stats.update(target_summary)
-                patch_stats.update(target_patches.flatten(0, 1))
-            target_summary = summary_stats.standardize(target_summary)
-            # standardising first is the same (a per-channel affine map commutes with bilinear weights summing to 1)
-            target_patches = resize(patch_stats.standardize(target_patches), teacher_grid)
+            # standardised first: the same (a per-channel affine map commutes with bilinear weights summing to 1)
+            target_patches = resize(target_patches, teacher_grid)
             predicted_summary = self.summary_adaptors[name](summary).float()
             predicted_patches = self.patch_adaptors[name](patches).float()
             summary_loss = cosine_loss(predicted_summary, target_summary)
@@ -300,6 +376,19 @@ class Distill(Objective):
             metrics.update({f"{name}_summary_loss": summary_loss.detach(), f"{name}_patch_loss": patch_loss.detach(),
                             f"{name}_patch_cosine": 1 - patch_cosine.detach()})
         return {"loss": loss, **metrics}
+
+    # ----- the further students: saved as runs of their own -----
+    def member_artifacts(self, state: dict[str, torch.Tensor]) -> dict:
+        members = {}
+        for name, student in getattr(self, "students", {}).items():
+            prefix = f"students.{name}."
+            own = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+            members[f"students/{name}"] = (student.backbone.config, student.artifacts(own))
+        return members
+
+    def evaluation_copy(self, state: dict[str, torch.Tensor]) -> Distill:
+        """The `model=` student with its adaptors (the further students are evaluated from their own files)."""
+        return super().evaluation_copy({key: value for key, value in state.items() if not key.startswith("students.")})
 
     # ----- the adaptors as the teachers' stand-ins -----
     @property
@@ -361,4 +450,5 @@ class Distill(Objective):
         return text.encode_text(tokens, normalize=normalize)
 
 
-__all__ = ["Adaptor", "Distill", "DistillConfig", "RunningStandardizer", "TeacherConfig", "cosine_loss"]
+__all__ = ["Adaptor", "Distill", "DistillConfig", "RunningStandardizer", "StudentConfig", "TeacherConfig",
+           "cosine_loss"]

@@ -21,19 +21,21 @@ def _layer_id(name: str, num_layers: int) -> int:
 def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None = None,
                  num_layers: int | None = None, decay_all: bool = False,
                  patch_embed_lr_scale: float = 1.0) -> list[dict]:
-    """Groups keyed by (decay or not, layer, frozen steps). Each group carries `lr_scale`, `wd_scale` and
-    `frozen_until` (lr 0 before that step: the model's `frozen_parameters()`, e.g. DINO's
-    last layer) for the schedules.
+    """Groups keyed by (decay or not, layer, frozen steps, patch embedding, owner prefix). Each group carries
+    `lr_scale`, `wd_scale` and `frozen_until` (lr 0 before that step: the model's `frozen_parameters()`, e.g.
+    DINO's last layer) for the schedules.
 
     With `layer_decay`, block i gets lr_scale = layer_decay ** (num_layers + 1 - layer_id) (BEiT / MAE fine-tuning).
     `decay_all`: every parameter decays (MoCo v3 hands `model.parameters()` to AdamW as one group).
     `patch_embed_lr_scale`: the patch embedding's lr multiplier (DINOv2 / DINOv3: `patch_embed_lr_mult` 0.2).
+    The model's `lr_scales()` (name prefix -> multiplier) give each prefix's parameters groups of their own.
     """
     # Biases and norm scales (all 1-D parameters), and what modules list in no_weight_decay() (position
     # embeddings, learned tokens) get no weight decay.
     skip = set().union(*(m.no_weight_decay() for m in model.modules() if hasattr(m, "no_weight_decay")))
     frozen = model.frozen_parameters() if hasattr(model, "frozen_parameters") else {}
-    groups: dict[tuple[bool, int, int, bool], dict] = {}
+    scaled = model.lr_scales() if hasattr(model, "lr_scales") else {}
+    groups: dict[tuple, dict] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -44,7 +46,9 @@ def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | Non
         patch = "patch_embed" in name and patch_embed_lr_scale != 1.0
         lr_scale *= patch_embed_lr_scale if patch else 1.0
         frozen_until = max((steps for prefix, steps in frozen.items() if name.startswith(prefix)), default=0)
-        group = groups.setdefault((decay, layer, frozen_until, patch), {
+        owner = next((prefix for prefix in scaled if name.startswith(prefix)), None)
+        lr_scale *= scaled[owner] if owner is not None else 1.0
+        group = groups.setdefault((decay, layer, frozen_until, patch, owner), {
             "params": [], "names": [], "weight_decay": weight_decay if decay else 0.0,
             "wd_scale": 1.0 if decay else 0.0, "lr_scale": lr_scale, "frozen_until": frozen_until,
         })

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import timm
 import torch
-from conftest import ROOT, check_ok, export_script, pretrain_in_process, read_metrics
+from conftest import ROOT, TINY, check_ok, export_script, launch, pretrain_in_process, read_metrics
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -26,7 +26,7 @@ from ssl_vit.data.views import PairedCrops, ViewBuilder
 from ssl_vit.eval.run import evaluate, zeroshot_eval
 from ssl_vit.objectives import DataInfo, load_trained
 from ssl_vit.objectives.clip import CLIP
-from ssl_vit.objectives.distill import Distill, DistillConfig, RunningStandardizer, TeacherConfig
+from ssl_vit.objectives.distill import Distill, DistillConfig, RunningStandardizer, StudentConfig, TeacherConfig
 from ssl_vit.objectives.feature_teacher import load_feature_teacher
 from ssl_vit.objectives.patches import resize_patch_features
 from ssl_vit.preprocess import Preprocess
@@ -393,3 +393,135 @@ def test_bad_teacher_settings_are_one_line_each(teachers, tmp_path):
     with pytest.raises(ConfigError, match=r"^objective.teacher_precision=fp8 is not one of auto, bf16, fp32$"):
         build_components(_compose("pretrain", *base, f"objective.teachers=[{{source: '{teachers['dino']}'}}]",
                                   "objective.teacher_precision=fp8"))
+
+
+# ----- one teacher, many students (DINOv3's multi-distillation) -----
+STUDENTS = [{"name": "small", "model": "vit_test", "options": {"patch_size": 8, "depth": 1}, "lr_scale": 2.0},
+            {"name": "glu", "model": "vit_test_aimv2", "options": {"patch_size": 16}}]
+
+
+def _batch(generator, size=3):
+    return {"image": torch.randn(size, 3, 64, 64, generator=generator),
+            "teacher_images": [torch.randn(size, 3, 48, 48, generator=generator),
+                               torch.randn(size, 3, 70, 70, generator=generator)]}
+
+
+def test_students_share_one_teacher_forward_and_each_learns_as_if_alone(teachers):
+    """Three students (the model= one, an 8 px-patch ViT, an AIMv2-family one) against one forward of each teacher
+    per batch: each student's loss and gradients over two training steps equal those of a distill run of that
+    student alone (its own teachers, its own statistics), and the running statistics each student saves are the
+    ones it would have alone."""
+    torch.manual_seed(0)
+    multi = _student(teachers, students=[StudentConfig(**s) for s in STUDENTS]).train()
+    alone = {"student": _student(teachers).train()}
+    for student in STUDENTS:
+        cfg = OmegaConf.structured(DistillConfig(adaptor_hidden_dim=24, teachers=[
+            TeacherConfig(source=str(teachers["clip"]), name="clip"),
+            TeacherConfig(source=str(teachers["dino"]), name="dino", patch_weight=0.5)]))
+        alone[student["name"]] = Distill(build_vit(student["model"], img_size=64, **student["options"]), cfg,
+                                         DataInfo(0, 64)).train()
+    alone["student"].load_state_dict({k: v for k, v in multi.state_dict().items() if not k.startswith("students.")})
+    for name, student in multi.students.items():
+        alone[name].load_state_dict(student.state_dict())
+    generator = torch.Generator().manual_seed(0)
+    for step in range(2):
+        batch = _batch(generator)
+        out = multi(batch)
+        out["loss"].backward()
+        assert multi.teacher_forwards == step + 1  # once per batch, not once per student
+        for name, model in alone.items():
+            expected = model(batch)
+            expected["loss"].backward()
+            torch.testing.assert_close(out[f"{name}_loss"], expected["loss"].detach(), atol=1e-6, rtol=1e-6)
+            prefix = "" if name == "student" else f"{name}_"  # the model= student's metrics keep their names
+            torch.testing.assert_close(out[f"{prefix}dino_patch_loss"], expected["dino_patch_loss"])
+            ours = multi if name == "student" else multi.students[name]
+            theirs = dict(model.named_parameters())
+            for param_name, param in ours.named_parameters():
+                if param_name.startswith("students."):
+                    continue
+                torch.testing.assert_close(param.grad, theirs[param_name].grad, atol=1e-6, rtol=1e-5,
+                                           msg=f"{name}: {param_name}")
+            for buffer_name, value in model.named_buffers():
+                torch.testing.assert_close(dict(ours.named_buffers())[buffer_name], value, msg=buffer_name)
+        torch.testing.assert_close(out["loss"], sum(out[f"{name}_loss"] for name in alone))
+        for module in (multi, *alone.values()):
+            module.zero_grad()
+    # each further student is saved as a distill run of its own; the run's own files hold the model= student only
+    state = multi.state_dict()
+    members = multi.member_artifacts(state)
+    assert set(members) == {"students/small", "students/glu"}
+    config, files = members["students/glu"]
+    assert config.mlp_kind == "swiglu" and config.norm_layer == "rmsnorm"
+    assert set(files.encoder) == set(multi.students["glu"].backbone.state_dict())
+    assert json.loads(files.metadata["objective_config"])["students"] == []
+    assert not any(k.startswith("students.") for k in multi.artifacts(state).heads)
+
+
+def test_each_student_has_optimizer_groups_of_its_own_at_its_lr_scale(teachers):
+    from ssl_vit.optim import param_groups
+
+    multi = _student(teachers, students=[StudentConfig(**s) for s in STUDENTS])
+    groups = param_groups(multi, weight_decay=0.05)
+    owners = {}
+    for group in groups:
+        prefixes = {name.split(".")[1] if name.startswith("students.") else "student" for name in group["names"]}
+        assert len(prefixes) == 1, prefixes  # a group holds one student's parameters
+        owners.setdefault(prefixes.pop(), set()).add(group["lr_scale"])
+    assert owners == {"student": {1.0}, "small": {2.0}, "glu": {1.0}}
+    assert sum(len(g["params"]) for g in groups) == sum(1 for p in multi.parameters() if p.requires_grad)
+
+
+def test_bad_students_are_one_line_each(teachers):
+    register_configs()
+    base = ["objective=distill_tiny", "objective.adaptor_hidden_dim=16", "model=vit_test", "data.img_size=32",
+            "output_dir=x", f"objective.teachers=[{{source: {teachers['dino']}, name: dino}}]"]
+    cases = {
+        "[{name: a, model: vit_nope}]": "objective.students[a]: unknown model 'vit_nope'; valid choices: [",
+        "[{name: a, model: vit_test, options: {patch_size: 5}}]":
+            "objective.students[a]: model=vit_test at data.img_size=32: image size 32x32 is not divisible by the "
+            "patch size 5x5",
+        "[{name: a, model: vit_test}, {name: a, model: vit_test}]":
+            "objective.students: names must be distinct identifiers (letters, digits, _), got ['a', 'a']",
+        "[{model: vit_test}]": "objective.students",
+    }
+    for students, message in cases.items():
+        with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+            cfg = compose("pretrain", overrides=[*base, f"objective.students={students}"])
+        with pytest.raises(ConfigError) as caught:
+            build_components(cfg)
+        assert message in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
+
+
+@pytest.mark.slow
+def test_a_killed_multi_student_run_resumes_loss_exact_and_saves_each_student_as_a_run(teachers, tmp_path):
+    """The real CLI, SIGKILLed after step 5 (checkpoint at 4) and resumed: every student's losses equal the
+    uninterrupted run's and so do the students' saved encoders; a student's directory evaluates and exports as a
+    distill run."""
+    args = [*TINY, "objective=distill_tiny", "objective.adaptor_hidden_dim=16", "data.img_size=32",
+            "data.batch_size=8", "trainer.max_steps=6", "trainer.checkpoint_every=2",
+            f"objective.teachers=[{{source: {teachers['dino']}, name: dino, img_size: 28}}]",
+            "objective.students=[{name: small, model: vit_test, options: {patch_size: 8, depth: 1}, lr_scale: 2}]"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    check_ok(launch(*args, f"hydra.run.dir={whole}"))
+    assert launch(*args, f"hydra.run.dir={parts}", env={"SSL_VIT_FAULT": "step_done@5"}).returncode != 0
+    check_ok(launch(*args, f"hydra.run.dir={parts}", "trainer.resume=auto"))
+
+    def losses(run):
+        return {row["step"]: (row["student_loss"], row["small_loss"]) for row in read_metrics(run) if "loss" in row}
+
+    assert losses(parts) == losses(whole) and len(losses(whole)) == 6
+    for member in ("", "students/small"):
+        saved = load_file(parts / member / "encoder.safetensors")
+        for name, value in load_file(whole / member / "encoder.safetensors").items():
+            assert torch.equal(saved[name], value), (member, name)
+    small = load_trained(whole / "students" / "small")
+    assert isinstance(small, Distill) and small.backbone.patch_embed.patch_size == (8, 8)
+    assert small.summary_stats["dino"].count.item() == 6  # the statistics it trained with
+    assert export_script().main([str(whole / "students" / "small"), "--to", "timm", "--out",
+                                 str(tmp_path / "timm")]) == 0
+    exported = timm.create_model("local-dir:" + str(tmp_path / "timm"), pretrained=True).eval()
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(exported.forward_features(images), small.backbone.forward_features(images),
+                                   atol=1e-5, rtol=1e-5)

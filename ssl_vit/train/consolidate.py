@@ -105,7 +105,13 @@ def write_consolidated(objective, state: dict, optimizer: dict | None, checkpoin
     step = train_state.get("step")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    written = {
+    written = {}
+    for member, (config, files) in objective.member_artifacts(state).items():  # distill's further students
+        (out / member).mkdir(parents=True, exist_ok=True)
+        written[f"{member}/encoder"] = save_encoder_state(files.encoder, config, out / member / ENCODER_FILE,
+                                                          preprocess, step=step, **files.metadata)
+        written[f"{member}/heads"] = save_heads(files.heads, out / member / HEADS_FILE, step=step, **files.metadata)
+    written |= {
         "encoder": save_encoder_state(artifacts.encoder, objective.encoder.config, out / ENCODER_FILE, preprocess,
                                       step=step, **artifacts.metadata),
         "heads": save_heads(artifacts.heads, out / HEADS_FILE, step=step, **artifacts.metadata),

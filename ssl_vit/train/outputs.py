@@ -4,7 +4,8 @@
   the rows logged after the step it resumes from, so steps never go backwards; TensorBoard does the same through
   `purge_step`.
 - `encoder.safetensors`: always the encoder of the newest checkpoint; a run resumed at its last step rewrites it
-  when a kill came between the checkpoint and the encoder.
+  when a kill came between the checkpoint and the encoder. A run's further encoders (distill's extra students,
+  `<run>/students/<name>/`) are written before it, so its step vouches for theirs.
 - `summary.json`: written at the end of every invocation, also when training stops on divergence or bad data.
 
 Write failures (disk full, read-only, permissions) become `OutputError`, naming the path and the cause.
@@ -203,17 +204,21 @@ class RunOutputs:
     def encoder_path(self) -> Path:
         return self.out_dir / ENCODER_FILE
 
-    def save_encoder(self, encoder_state: dict | None, config: dict, step: int, preprocess=None, **metadata) -> None:
+    def save_encoder(self, encoder_state: dict | None, config: dict, step: int, preprocess=None, member: str = "",
+                     **metadata) -> None:
         """encoder.safetensors from the encoder's state dict (the main process holds it; consolidated first when
-        the model is sharded), rebuilt by `load_encoder` with `config`."""
+        the model is sharded), rebuilt by `load_encoder` with `config`; `member`: the run's further encoder of that
+        key, in its directory under the run's (`Objective.member_artifacts`)."""
         if self.active:
-            with writing(self.encoder_path, "the encoder"):
-                save_encoder_state(encoder_state, config, self.encoder_path, preprocess, step=step, **metadata)
+            path = self.out_dir / member / ENCODER_FILE
+            with writing(path, "the encoder"):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                save_encoder_state(encoder_state, config, path, preprocess, step=step, **metadata)
 
-    def save_heads(self, heads: dict | None, step: int, **metadata) -> None:
+    def save_heads(self, heads: dict | None, step: int, member: str = "", **metadata) -> None:
         """heads.safetensors: the objective's heads by their state-dict names (`Objective.artifacts`)."""
         if self.active:
-            path = self.out_dir / HEADS_FILE
+            path = self.out_dir / member / HEADS_FILE
             with writing(path, "the heads"):
                 save_heads(heads, path, step=step, **metadata)
 

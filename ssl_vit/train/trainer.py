@@ -533,6 +533,10 @@ class Trainer:
         on_main_process(self.accelerator, self._write_artifacts, state, step)
 
     def _write_artifacts(self, state: dict, step: int) -> None:
+        for member, (config, files) in self.objective.member_artifacts(state).items():  # first: see outputs.py
+            self.outputs.save_encoder(files.encoder, config, step, self.run.preprocess, member=member,
+                                      **files.metadata)
+            self.outputs.save_heads(files.heads, step, member=member, **files.metadata)
         artifacts = self.objective.artifacts(state)
         self.outputs.save_encoder(artifacts.encoder, self.objective.encoder.config, step, self.run.preprocess,
                                   **artifacts.metadata)
