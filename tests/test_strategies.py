@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ACCELERATE_LAUNCH, ROOT, check_ok, read_metrics
+from conftest import ACCELERATE_LAUNCH, ROOT, assert_weights_close, check_ok, read_metrics
 from helpers.pool import DISTILL_TEACHER, EVAL, OBJECTIVES, REAL_LAUNCHES, RUNS, SHARDED, STEPS, strategy_run
 from helpers.ranks import launch_ranks
 from safetensors.torch import load_file
@@ -115,7 +115,27 @@ def test_distill_teachers_stay_outside_the_model_and_the_sharded_one_is_split(po
                                                     "patch_stats"}
     checkpoint = load_file(pool["distill", "ddp_cpu2"] / "checkpoints" / "step_00000005" / "model.safetensors")
     assert {k.split(".")[0] for k in checkpoint} == {"backbone", "summary_adaptors", "patch_adaptors",
-                                                     "summary_stats", "patch_stats"}
+                                                     "summary_stats", "patch_stats", "students"}
+
+
+@distributed
+def test_a_second_student_of_the_same_teacher_forwards_trains_alike_under_every_strategy(pool):
+    """The distill runs' second student (objective.students: 8 px patches, one block, lr x 2): its losses and its
+    own saved run (students/small/: encoder, adaptors, statistics) under ZeRO-3 and FSDP2 equal DDP's within
+    1e-4."""
+    def run_of(config):
+        run = pool["distill", config] / "students" / "small"
+        return ([m["small_loss"] for m in read_metrics(pool["distill", config]) if "small_loss" in m],
+                {**load_encoder(run / "encoder.safetensors").state_dict(), **load_file(run / "heads.safetensors")})
+
+    reference_losses, reference = run_of("ddp_cpu2")
+    assert len(reference_losses) == 5 and reference["patch_embed.proj.weight"].shape[-1] == 8
+    assert load_encoder(pool["distill", "ddp_cpu2"] / "students" / "small" / "encoder.safetensors").config.depth == 1
+    for config in ("zero3_cpu2", "fsdp2_cpu2"):
+        losses, weights = run_of(config)
+        assert losses == pytest.approx(reference_losses, rel=1e-4), (config, losses, reference_losses)
+        # the key third of each qkv bias has an exact gradient of zero: bounded, as in the test above
+        assert_weights_close(weights, reference, atol=1e-4, rtol=1e-4, key_bias_atol=1e-2)
 
 
 @distributed

@@ -54,10 +54,14 @@ OBJECTIVES = {
     # encoder file at another patch grid, 7 x 7 against the student's 8 x 8, of AIMv2's family (SwiGLU, RMSNorm, a
     # patch norm, no class token: DISTILL_TEACHER); {vit_teacher}: timm's ViT-Ti/16 at
     # 32 px, a 2 x 2 grid), their running feature statistics all-reduced over the ranks; under ZeRO-3 the first
-    # teacher is itself sharded across the ranks for inference (FSDP2 inside a DeepSpeed run).
+    # teacher is itself sharded across the ranks for inference (FSDP2 inside a DeepSpeed run). A second student
+    # (8 px patches, one block, twice the lr) learns from the same teacher forwards (DINOv3's multi-distillation),
+    # sharded with the first, saved as students/small/.
     "distill": ["objective=distill_tiny", "objective.adaptor_hidden_dim=32",
                 "objective.teachers=[{source: '{distill_teacher}', name: ours, img_size: 21}, "
-                "{source: 'timm:vit_tiny_patch16_224:{vit_teacher}', name: vit, img_size: 32}]"],
+                "{source: 'timm:vit_tiny_patch16_224:{vit_teacher}', name: vit, img_size: 32}]",
+                "objective.students=[{name: small, model: vit_test, options: {patch_size: 8, depth: 1}, "
+                "lr_scale: 2}]"],
     "supervised": ["objective=supervised"],
     # ViTDet's fine-tuning: a globally pre-trained 16 px encoder ({windowed_source}) continued at 48 px (a 12 x 12
     # grid) with windows of 5 (padded to 15), block 1 global and zero-initialised relative positions
