@@ -39,6 +39,7 @@ from ssl_vit.objectives.base import DataInfo, Requirements
 from ssl_vit.objectives.dino import DINO, DINOv2Config
 from ssl_vit.objectives.losses.gram import gram_loss
 from ssl_vit.objectives.patches import resize_patch_features
+from ssl_vit.partition import full_shape
 from ssl_vit.schema import checked
 
 STAGES = ("pretrain", "hires")
@@ -248,8 +249,7 @@ class DINOv3(DINO):
             state = load_pretrained(spec).encoder.state_dict()
         params = dict(self.gram_teacher.named_parameters())
         wrong = {name: tuple(state[name].shape) if name in state else None for name, param in params.items()
-                 if name not in state or tuple(state[name].shape) != tuple(param.ds_shape if hasattr(param, "ds_shape")
-                                                                        else param.shape)}
+                 if name not in state or tuple(state[name].shape) != full_shape(param)}
         if wrong:
             name, shape = next(iter(wrong.items()))
             raise ValueError(f"objective.gram_teacher={spec}: its architecture is not the backbone's ({len(wrong)} "

@@ -6,13 +6,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ssl_vit.naflex import patchify as naflex_patchify
+
 
 def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
-    """(B, C, H, W) -> (B, N, P, P, C) patches in raster order (MAE's 'nchpwq->nhwpqc' layout)."""
-    B, C, H, W = images.shape
-    P = patch_size
-    patches = images.reshape(B, C, H // P, P, W // P, P).permute(0, 2, 4, 3, 5, 1)
-    return patches.reshape(B, (H // P) * (W // P), P, P, C)
+    """(B, C, H, W) -> (B, N, P, P, C) patches in raster order (MAE's 'nchpwq->nhwpqc' layout): the NaFlex
+    packer's patchify (one layout for both), unflattened."""
+    flat, _ = naflex_patchify(images, patch_size)
+    return flat.unflatten(-1, (patch_size, patch_size, images.shape[1]))
 
 
 def unpatchify(patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ssl_vit.partition import full_shape
+
 
 def _layer_id(name: str, num_layers: int) -> int:
     """0 for embeddings, i + 1 for block i, num_layers + 1 for everything after the blocks (norm, heads)."""
@@ -39,8 +41,7 @@ def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | Non
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        # a ZeRO-3 parameter partitioned under zero.Init holds an empty 1-D tensor: its shape is ds_shape
-        decay = decay_all or (len(getattr(param, "ds_shape", param.shape)) > 1 and name.rsplit(".", 1)[-1] not in skip)
+        decay = decay_all or (len(full_shape(param)) > 1 and name.rsplit(".", 1)[-1] not in skip)
         layer = _layer_id(name, num_layers) if layer_decay is not None else 0
         lr_scale = layer_decay ** (num_layers + 1 - layer) if layer_decay is not None else 1.0
         patch = "patch_embed" in name and patch_embed_lr_scale != 1.0

@@ -1,5 +1,7 @@
 """This rank's part of a parameter under each strategy: a ZeRO-3 partition (`ds_tensor`), an FSDP2 DTensor's local
-shard, or the whole tensor (one process, DDP, ZeRO-1/2). Shared by the EMA update and the strategy's norms."""
+shard, or the whole tensor (one process, DDP, ZeRO-1/2). Shared by the EMA update and the strategy's norms. And a
+parameter's full shape and size whatever the strategy (a ZeRO-3 partitioned parameter holds an empty 1-D tensor
+whose own shape says nothing; an FSDP2 DTensor's shape is already the full one)."""
 
 from __future__ import annotations
 
@@ -22,3 +24,13 @@ def local_shard(param: torch.Tensor, padded: bool = False) -> torch.Tensor:
     if hasattr(param, "to_local"):
         return param.to_local()
     return param.data
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The whole parameter's shape (ZeRO-3: `ds_shape`)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+def full_numel(param: torch.Tensor) -> int:
+    """The whole parameter's element count (ZeRO-3: `ds_numel`)."""
+    return int(getattr(param, "ds_numel", param.numel()))

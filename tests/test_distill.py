@@ -525,3 +525,20 @@ def test_a_killed_multi_student_run_resumes_loss_exact_and_saves_each_student_as
     with torch.no_grad():
         torch.testing.assert_close(exported.forward_features(images), small.backbone.forward_features(images),
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_multi_student_benchmark_counts_one_teacher_forward_per_step_against_one_per_student(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("multidistill", ROOT / "benchmarks" / "multidistill.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "multidistill.json"
+    report = module.main(["--teacher-steps", "2", "--steps", "2", "--knn-train", "64", "--knn-test", "32",
+                          "--work-dir", str(tmp_path / "work"), "--out", str(out)])
+    assert json.loads(out.read_text())["teacher_forwards_per_step"] == {"together": 1.0, "separate": 3.0}
+    assert set(report["students"]) == {"tiny", "narrow", "coarse"}
+    assert all(0 <= row["together_knn"] <= 1 and 0 <= row["alone_knn"] <= 1 for row in report["students"].values())
+    assert (tmp_path / "work" / "together" / "students" / "coarse" / "encoder.safetensors").is_file()
+    assert "teacher forwards / step" in capsys.readouterr().out

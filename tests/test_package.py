@@ -88,8 +88,11 @@ def test_import_ssl_vit_loads_neither_torch_nor_the_data_stack():
 
 @pytest.mark.slow
 def test_the_api_trains_twice_in_one_process_then_evaluates_the_first_run(tmp_path, monkeypatch):
+    import timm
+    import torch
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
+    from safetensors.torch import load_file
 
     from ssl_vit.schema import ConfigError
 
@@ -110,6 +113,13 @@ def test_the_api_trains_twice_in_one_process_then_evaluates_the_first_run(tmp_pa
     assert not (tmp_path / "refused").exists()
     encoder = ssl_vit.load_encoder(first)
     assert encoder.hidden_size == ssl_vit.create_model("vit_test").embed_dim
+    # the export of `ssl-vit export`: timm loads it with the run's weights
+    assert "timm.create_model('local-dir:" in ssl_vit.export(first, "timm", tmp_path / "timm")
+    exported = timm.create_model(f"local-dir:{tmp_path / 'timm'}", pretrained=True)
+    torch.testing.assert_close(exported.state_dict()["patch_embed.proj.weight"],
+                               load_file(first / "encoder.safetensors")["patch_embed.proj.weight"])
+    with pytest.raises(ValueError, match=r"^to='tflite' is not a target; valid choices: \['hf', 'timm'"):
+        ssl_vit.export(first, "tflite", tmp_path / "no")
 
 
 @pytest.mark.slow

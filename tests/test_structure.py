@@ -4,6 +4,7 @@ no dataset."""
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -284,3 +285,26 @@ def test_the_backbone_forward_asks_no_input_kind_and_its_config_is_frozen():
         vit.config.embed_dim = 64
     vit.set_img_size(32)
     assert before.img_size == 16 and vit.config.img_size == (32, 32) and vit.config is not before
+
+
+def test_a_parameters_full_shape_and_size_are_read_through_the_partition_module():
+    """`full_shape` / `full_numel` (ssl_vit/partition.py) are the one place that knows a ZeRO-3 parameter's real shape
+    lives in `ds_shape`; nothing else reads it by name, except the strategy's ZeRO-3 gather (which rebuilds it)."""
+    readers = {f"{path.relative_to(ROOT)}:{number}" for package in PACKAGES
+               for path in sorted((ROOT / package).rglob("*.py"))
+               for number, line in enumerate(path.read_text().splitlines(), 1)
+               if ("ds_shape" in line or "ds_numel" in line) and path.name != "partition.py"}
+    assert {where.split(":")[0] for where in readers} <= {"ssl_vit/train/strategy.py"}, readers
+
+
+def test_no_view_type_is_asked_outside_the_data_package():
+    """The view builders (ssl_vit/data: ViewBuilder, NaFlexViews, NaFlexEvalViews) answer for their own batches:
+    their sampler, the shape schedule, the images and tokens of a batch, the loss factor, what a feature cache must
+    key on. Nothing outside ssl_vit/data asks which builder it holds (isinstance, or an attribute probed by name)."""
+    view_classes = ("ViewBuilder", "NaFlexViews", "NaFlexEvalViews", "MultiCropViews")
+    asking = re.compile(r"isinstance\([^)]*(" + "|".join(view_classes) + r")|getattr\([^,]*views\b")
+    found = [f"{path.relative_to(ROOT)}:{number}" for package in PACKAGES
+             for path in sorted((ROOT / package).rglob("*.py")) if "data" not in path.relative_to(ROOT).parts
+             for number, line in enumerate(path.read_text().splitlines(), 1) if asking.search(line)]
+    assert not found, found
+    assert asking.search("if isinstance(views, NaFlexViews):") and asking.search('getattr(self.run.views, "x")')

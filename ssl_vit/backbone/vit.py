@@ -42,6 +42,7 @@ from ssl_vit.backbone.rope import build_rope
 from ssl_vit.backbone.stem import HybridPatchEmbed, check_stem
 from ssl_vit.geometry import pair
 from ssl_vit.naflex import patch_valid
+from ssl_vit.partition import full_numel
 
 
 class VisionTransformer(TokenEmbedding, nn.Module):
@@ -314,6 +315,6 @@ def preset_config(name: str, **overrides) -> ViTConfig:
 
 
 def count_parameters(module: nn.Module) -> int:
-    """Parameter count; a DeepSpeed ZeRO-3 partitioned parameter counts at its full size (ds_numel)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+    """Parameter count; a DeepSpeed ZeRO-3 partitioned parameter counts at its full size."""
+    return sum(full_numel(p) for p in module.parameters())
 

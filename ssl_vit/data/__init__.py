@@ -9,7 +9,7 @@ from ssl_vit.data.captions import CaptionFolder, TuxPaintStamps
 from ssl_vit.data.decode import decode_rgb
 from ssl_vit.data.errors import BadSampleError, DataError, NoUsableSamplesError, NoUsableShardsError
 from ssl_vit.data.folder import FolderDataset
-from ssl_vit.data.loader import StepBatchSampler, build_loader, make_loader
+from ssl_vit.data.loader import build_loader, make_loader
 from ssl_vit.data.real import Digits, FashionMNIST
 from ssl_vit.data.registry import (
     DATASETS,
@@ -20,6 +20,7 @@ from ssl_vit.data.registry import (
     loader_workers,
 )
 from ssl_vit.data.shard_stream import ShardStream
+from ssl_vit.data.step_sampler import StepBatchSampler
 from ssl_vit.data.synthetic import SyntheticShapes
 from ssl_vit.data.views import VIEW_KINDS, ViewBuilder
 

@@ -1,7 +1,7 @@
 """The data-efficient supervised recipe of DeiT (Touvron et al. 2021) and AugReg (Steiner et al. 2022), from timm's
 data tools rather than re-written: `timm.data.create_transform` (random resized crop, flip, RandAugment, random
 erasing) per sample, `timm.data.Mixup` (Mixup / CutMix with label smoothing) per batch, and repeated augmentation in
-the sampler (`ssl_vit.data.loader.StepBatchSampler(repeats=...)`). Stochastic depth is the model's `drop_path`.
+the sampler (`ssl_vit.data.step_sampler.StepBatchSampler(repeats=...)`). Stochastic depth is the model's `drop_path`.
 
 Determinism: timm's transforms draw from Python's `random` and NumPy; both are seeded here from the sample's (or the
 batch's) own seed and restored afterwards, so a batch stays a pure function of (seed, step, rank) and resumes exactly.

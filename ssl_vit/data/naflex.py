@@ -235,6 +235,28 @@ class NaFlexViews:
         out.update(label_and_text(self.views, sample, self.tokenizer))
         return out
 
+    # ----- the view builder's interface to the loaders and the Trainer (ViewBuilder's) -----
+    def batch_sampler(self, size: int, batch_size: int, rank: int, world_size: int, seed: int, start: int,
+                      repeats: int = 1) -> NaFlexBatchSampler:
+        """This rank's batches from micro-step `start`, each step's sequence length and batch size from the
+        schedule (batch_size and repeats are the settings')."""
+        return NaFlexBatchSampler(size, self.schedule(seed, world_size), rank, seed, start)
+
+    def schedule(self, seed: int, world_size: int) -> NaFlexSchedule:
+        return NaFlexSchedule(self.settings, seed, world_size)
+
+    def batch_counts(self, batch: dict) -> tuple[int, int]:
+        """(images, valid patches) of this rank's batch (on the host still)."""
+        return len(batch["image"]["patches"]), int(batch["image"]["patch_valid"].sum())
+
+    def loss_factor(self, batches: list[dict]) -> float:
+        """data.naflex.loss_scale: one factor for the optimizer step, from the images of all its micro-batches
+        (CLIP's accumulation scores each micro-step against all of them)."""
+        if self.settings.loss_scale == "none":
+            return 1.0
+        images = sum(len(batch["image"]["patches"]) for batch in batches)
+        return self.settings.loss_factor(images / len(batches))
+
     def image_for_seq(self, crop: torch.Tensor, seq_len: int) -> torch.Tensor:
         return resize_for_seq(crop, self.settings.patch_size, seq_len, self.mode, self.mean, self.std)
 
@@ -274,6 +296,10 @@ class NaFlexEvalViews:
         self.mode = InterpolationMode(interpolation)
         self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+
+    def cache_fields(self) -> dict:
+        """What of this transform a feature cache's key must hold (ViewBuilder's interface): the patch budget."""
+        return {"naflex_seq_len": self.seq_len}
 
     @classmethod
     def for_encoder(cls, preprocess, patch_size: int, seq_len: int | None = None, views=("image", "label")):

@@ -25,6 +25,7 @@ from ssl_vit.data.augreg import AugRegTransform, BatchMixer, mixes
 from ssl_vit.data.config import AUGMENTS, AugRegConfig
 from ssl_vit.data.multicrop import MultiCropViews
 from ssl_vit.data.photometric import finish_crops
+from ssl_vit.data.step_sampler import StepBatchSampler
 from ssl_vit.data.targets import label_and_text
 from ssl_vit.data.token_masks import GlobalCropMasks
 
@@ -54,6 +55,30 @@ class ViewBuilder:
     one input recipe per teacher (objects with img_size, mean, std, interpolation: ssl_vit.preprocess.Preprocess).
     `tokenizer`: str -> (context_length,) tensor for `text`. `collate` batches samples (and mixes them under augreg,
     draws the token masks)."""
+
+    # ----- what the loaders and the Trainer ask of any view builder (NaFlexViews answers them for its batches) -----
+    def batch_sampler(self, size: int, batch_size: int, rank: int, world_size: int, seed: int, start: int,
+                      repeats: int = 1) -> StepBatchSampler:
+        """This rank's batches of a map-style dataset of `size` samples from micro-step `start`: `batch_size`
+        images each (`repeats`: repeated augmentation)."""
+        return StepBatchSampler(size, batch_size, rank, world_size, seed, start, repeats=repeats)
+
+    def schedule(self, seed: int, world_size: int) -> None:
+        """The shape of each step's batch for a shard stream: None, every batch has batch_size images."""
+        return None
+
+    def batch_counts(self, batch: dict) -> tuple[int, int] | None:
+        """(images, valid tokens) of this rank's batch where they vary from step to step; None: every batch has the
+        configured size (the Trainer counts images per step from it)."""
+        return None
+
+    def loss_factor(self, batches: list[dict]) -> float:
+        """The factor of an optimizer step's losses, from its micro-batches: 1 (batches of one size)."""
+        return 1.0
+
+    def cache_fields(self) -> dict:
+        """What of this transform, beyond the encoder's preprocessing, a feature cache's key must hold: nothing."""
+        return {}
 
     def __init__(self, views, img_size: int, mean, std, augment: bool | str = False, crop_scale=(0.35, 1.0),
                  interpolation: str = "bilinear", crop_pct: float = 1.0, multicrop: dict | None = None,

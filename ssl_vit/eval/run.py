@@ -313,7 +313,7 @@ def frozen_features(module, splits: dict, ecfg, views, cache_dir, identity, prog
     """{split: (features, labels)} of each data set through `views` (`eval_views`), extracted once (cached when
     `cache_dir` and `identity` are given); each split's seconds go into `timings`."""
     features = {}
-    shape = {"naflex_seq_len": views.seq_len} if isinstance(views, NaFlexEvalViews) else {}
+    shape = views.cache_fields()
     for split, dataset in splits.items():
         key = cache_key(**(identity or {}), split=split, kind=ecfg.features, last_k=ecfg.last_k, **shape)
         start = time.perf_counter()

@@ -25,6 +25,7 @@ from ssl_vit.data.subset import limit_samples
 from ssl_vit.interop.sources import SOURCES, Pretrained, load_pretrained
 from ssl_vit.objectives import OBJECTIVES, DataInfo, Objective, Requirements, build_objective, objective_class
 from ssl_vit.optim import build_optimizer, schedule, weight_decay_schedule
+from ssl_vit.partition import full_shape
 from ssl_vit.preprocess import Preprocess, resolve_preprocess
 from ssl_vit.schema import ConfigError, validate_config
 from ssl_vit.untrusted import UntrustedFile
@@ -143,7 +144,7 @@ def _backbone_from(source: Pretrained, cfg, img_size: int) -> VisionTransformer:
     expected = set(backbone.state_dict())
     # relative-position tables: made for another window, resampled to this one's length (as they are when used at
     # another size); dropped where the run has none; new ones stay at zero (ViTDet's, added to the source)
-    tables = {name: getattr(p, "ds_shape", p.shape)[0] for name, p in backbone.named_parameters() if "rel_pos" in name}
+    tables = {name: full_shape(p)[0] for name, p in backbone.named_parameters() if "rel_pos" in name}
     state = {name: resample_rel_pos(value, tables[name]) if name in tables else value
              for name, value in source_state.items() if name in expected or "rel_pos" not in name}
     fresh = {name for name in expected - set(state) if "rel_pos" in name}
@@ -193,7 +194,7 @@ def _resample_backbone_pos_embed(objective: Objective, state: dict, source_grid:
     backbone = objective.backbone  # the contract's attribute (Objective.__init__)
     if getattr(backbone, "pos_embed", None) is None or tuple(source_grid) == tuple(backbone.grid_size):
         return
-    shape = tuple(getattr(backbone.pos_embed, "ds_shape", backbone.pos_embed.shape))  # ZeRO-3: its full shape
+    shape = full_shape(backbone.pos_embed)
     for key, value in state.items():
         if key.split(".")[-2:] == ["backbone", "pos_embed"] and tuple(value.shape) != shape:
             state[key] = backbone.resample_from(value, source_grid)
@@ -213,8 +214,7 @@ def load_source_heads(objective: Objective, source: Pretrained | None, spec: str
     heads, trained_by = source.heads
     state = objective.state_from_artifacts(source.encoder.state_dict(), heads)
     _resample_backbone_pos_embed(objective, state, source.encoder.grid_size)
-    shapes = {name: tuple(getattr(t, "ds_shape", t.shape))  # ZeRO-3 partitions: their full shape
-              for name, t in (*objective.named_parameters(), *objective.named_buffers())}
+    shapes = {name: full_shape(t) for name, t in (*objective.named_parameters(), *objective.named_buffers())}
     problems = [f"{k} is not in objective={objective.cfg.name}" for k in state if k not in shapes]
     problems += [f"{k} is {tuple(v.shape)} there, {shapes[k]} here" for k, v in state.items()
                  if k in shapes and tuple(v.shape) != shapes[k]]

@@ -272,7 +272,7 @@ class Trainer:
         self.run_start = self.interval_start = time.perf_counter()  # train() starts the clocks again
         self.interval_step = self.state.step
         # NaFlex batches vary in size: images and valid patches counted (all ranks', every step the same shape)
-        self.naflex = getattr(self.run.views, "settings", None)
+        self.varying = False  # whether the batches vary in images and tokens (the view builder's batch_counts)
         self.interval_images = self.interval_tokens = self.run_images = 0
 
     @property
@@ -373,7 +373,7 @@ class Trainer:
         self.objective.begin_step(state.step, settings.max_steps)
         batches = self._micro_batches()
         micro = MicroSteps(self.accelerator, self.model, self.optimizer, self.run.grad_clip, state.step + 1,
-                           self.meter, self.skips_on_device, self._loss_factor(batches))
+                           self.meter, self.skips_on_device, self.run.views.loss_factor(batches))
         self.objective.micro_steps(batches, micro)
         state.step += 1
         if self.compiled_blocks and state.step == self.start_step + 1 and self.is_main:
@@ -401,14 +401,6 @@ class Trainer:
             self.save(state.step)
         return logged
 
-    def _loss_factor(self, batches: list[dict]) -> float:
-        """data.naflex.loss_scale: one factor for the optimizer step, from the images of all its micro-batches
-        (CLIP's accumulation scores each micro-step against all of them); 1 otherwise."""
-        if not self.naflex or self.naflex.loss_scale == "none":
-            return 1.0
-        images = sum(len(batch["image"]["patches"]) for batch in batches)
-        return self.naflex.loss_factor(images / len(batches))
-
     def _micro_batches(self) -> list[dict]:
         batches, keys = [], []
         for _ in range(self.settings.grad_accum_steps):
@@ -416,11 +408,13 @@ class Trainer:
             self._count_skipped(batch)
             key = batch.pop("key", [])
             keys.extend(key.tolist() if isinstance(key, torch.Tensor) else key)
-            if self.naflex:  # still on the host
+            counts = self.run.views.batch_counts(batch)  # still on the host
+            if counts is not None:
+                self.varying, (images, tokens) = True, counts
                 world = self.accelerator.num_processes
-                self.interval_images += len(batch["image"]["patches"]) * world
-                self.run_images += len(batch["image"]["patches"]) * world
-                self.interval_tokens += int(batch["image"]["patch_valid"].sum())  # this rank's: summed at log time
+                self.interval_images += images * world
+                self.run_images += images * world
+                self.interval_tokens += tokens  # this rank's: summed at log time
             batches.append(self.run.views.on_device(_to_device(batch, self.accelerator.device)))
         if self.sample_keys is not None:
             self.sample_keys.write(self.state.step + 1, keys)
@@ -499,10 +493,10 @@ class Trainer:
         state.last_record = {
             "step": state.step, **self.meter.summary(self.accelerator),
             "lr": float(run.learning_rates[state.step - 1]), "wd": float(run.weight_decays[state.step - 1]),
-            "images_per_s": (self.interval_images if self.naflex else run.global_batch * (
+            "images_per_s": (self.interval_images if self.varying else run.global_batch * (
                 state.step - self.interval_step)) / max(now - self.interval_start, 1e-9),
             "nonfinite_steps": state.nonfinite_steps, "skipped_samples": state.skipped_samples}
-        if self.naflex:  # valid patches of every rank (their batches share a shape, not their padding)
+        if self.varying:  # valid patches of every rank (their batches share a shape, not their padding)
             tokens = torch.tensor(float(self.interval_tokens), device=self.accelerator.device)
             if self.accelerator.num_processes > 1:
                 tokens = self.accelerator.reduce(tokens, reduction="sum")
@@ -587,7 +581,7 @@ class Trainer:
             "step": state.step, "max_steps": settings.max_steps, "finished": state.step >= settings.max_steps,
             "error": error, "world_size": accelerator.num_processes, "threads_per_process": self.threads,
             "global_batch": self.run.global_batch, "steps_this_run": steps, "wall_s": elapsed,
-            "images_per_s": (self.run_images if self.naflex else self.run.global_batch * steps) / elapsed
+            "images_per_s": (self.run_images if self.varying else self.run.global_batch * steps) / elapsed
             if steps > 0 else None,
             "nonfinite_steps": state.nonfinite_steps, "skipped_samples": skipped,  # every rank's
             "strategy": strategy_name(accelerator), "last": state.last_record, "param_digests": digests,
