@@ -27,7 +27,8 @@ whole distill student of its own preset (backbone, adaptors, statistics) in `stu
 once per batch; its standardised features are shared by all students, whose losses add up (no parameter is shared,
 so each student's gradient is its own loss's). Each has optimizer groups of its own (`lr_scale`) and is saved as a
 run directory of its own, `<run>/students/<name>/` (encoder.safetensors, heads.safetensors): evaluate, export and
-`model.init_from` take it as any distill run. The checkpoint holds them all, so a resume is exact.
+`model.init_from` take it as any distill run. The run's own heads.safetensors and checkpoint hold them all, so the run
+rebuilds whole and a resume is exact.
 
 Teachers are loaded whole outside zero.Init and outside the module tree (no optimizer, checkpoint or export sees
 them), run in eval mode without gradients, in bf16 where the device has it (`teacher_precision`), and a teacher too
@@ -228,6 +229,9 @@ class Distill(Objective):
         self.teacher_forwards = 0  # batches the teachers have run on (the benchmark's count)
         if cfg.students:
             self.students = nn.ModuleDict(self._build_students(cfg, data))
+            # the run's heads hold the further students too: the run rebuilds whole (load_trained, consolidation,
+            # model.init_heads), and each student is also a run of its own (member_artifacts)
+            self.saved_heads = (*type(self).saved_heads, "students.")
 
     @staticmethod
     def _build_students(cfg: DistillConfig, data: DataInfo) -> dict[str, Distill]:
@@ -282,7 +286,7 @@ class Distill(Objective):
     @classmethod
     def rebuild_config(cls, cfg):
         """The student and its adaptors from the recorded dimensions; the teachers stay where they are."""
-        return OmegaConf.merge(OmegaConf.structured(cls.config_class), cfg, {"load_teachers": False, "students": []})
+        return OmegaConf.merge(OmegaConf.structured(cls.config_class), cfg, {"load_teachers": False})
 
     def teacher_inputs(self) -> list:
         return [teacher.preprocess for teacher in self.teachers]
@@ -385,10 +389,6 @@ class Distill(Objective):
             own = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
             members[f"students/{name}"] = (student.backbone.config, student.artifacts(own))
         return members
-
-    def evaluation_copy(self, state: dict[str, torch.Tensor]) -> Distill:
-        """The `model=` student with its adaptors (the further students are evaluated from their own files)."""
-        return super().evaluation_copy({key: value for key, value in state.items() if not key.startswith("students.")})
 
     # ----- the adaptors as the teachers' stand-ins -----
     @property

@@ -455,7 +455,9 @@ def test_students_share_one_teacher_forward_and_each_learns_as_if_alone(teachers
     assert config.mlp_kind == "swiglu" and config.norm_layer == "rmsnorm"
     assert set(files.encoder) == set(multi.students["glu"].backbone.state_dict())
     assert json.loads(files.metadata["objective_config"])["students"] == []
-    assert not any(k.startswith("students.") for k in multi.artifacts(state).heads)
+    # the run's own heads hold every further student too: it rebuilds whole
+    heads = multi.artifacts(state).heads
+    assert {k for k in heads if k.startswith("students.")} == {k for k in state if k.startswith("students.")}
 
 
 def test_each_student_has_optimizer_groups_of_its_own_at_its_lr_scale(teachers):
@@ -515,6 +517,9 @@ def test_a_killed_multi_student_run_resumes_loss_exact_and_saves_each_student_as
         saved = load_file(parts / member / "encoder.safetensors")
         for name, value in load_file(whole / member / "encoder.safetensors").items():
             assert torch.equal(saved[name], value), (member, name)
+    rebuilt = load_trained(whole)  # the whole run: both students, as trained
+    for name, value in rebuilt.students["small"].backbone.state_dict().items():
+        assert torch.equal(value, load_file(whole / "students" / "small" / "encoder.safetensors")[name]), name
     small = load_trained(whole / "students" / "small")
     assert isinstance(small, Distill) and small.backbone.patch_embed.patch_size == (8, 8)
     assert small.summary_stats["dino"].count.item() == 6  # the statistics it trained with
