@@ -226,9 +226,8 @@ class Distill(Objective):
                                           for t in cfg.teachers})
         self._teachers_device: torch.device | None = None
         object.__setattr__(self, "_text_side", None)
-        self.teacher_forwards = 0  # batches the teachers have run on (the benchmark's count)
+        self.students = nn.ModuleDict(self._build_students(cfg, data) if cfg.students else {})
         if cfg.students:
-            self.students = nn.ModuleDict(self._build_students(cfg, data))
             # the run's heads hold the further students too: the run rebuilds whole (load_trained, consolidation,
             # model.init_heads), and each student is also a run of its own (member_artifacts)
             self.saved_heads = (*type(self).saved_heads, "students.")
@@ -318,7 +317,6 @@ class Distill(Objective):
         """(summary (B, Ds), patch features (B, h x w, Dp), grid (h, w)) of each teacher on its view, fp32, outside
         any autocast (a teacher runs in its own precision)."""
         self._place_teachers(teacher_images[0].device)
-        self.teacher_forwards += 1
         with torch.autocast(teacher_images[0].device.type, enabled=False):
             return [teacher(images) for teacher, images in zip(self.teachers, teacher_images, strict=True)]
 
@@ -342,12 +340,9 @@ class Distill(Objective):
             return out
         total, metrics = out["loss"], {"student_loss": out["loss"].detach()}
         for name, student in self.students.items():
-            with torch.no_grad():  # the same statistics: each student's artifacts restore its adaptors' outputs
-                for own, shared in ((student.summary_stats, self.summary_stats), (student.patch_stats,
-                                                                                  self.patch_stats)):
-                    for teacher in own:
-                        for buffer, value in zip(own[teacher].buffers(), shared[teacher].buffers(), strict=True):
-                            buffer.copy_(value)
+            # the same statistics, so that each student's own artifacts restore its adaptors' outputs
+            student.summary_stats.load_state_dict(self.summary_stats.state_dict())
+            student.patch_stats.load_state_dict(self.patch_stats.state_dict())
             losses = student.student_losses(images, targets)
             total = total + losses["loss"]
             metrics.update({f"{name}_{key}": value.detach() for key, value in losses.items()})
@@ -384,7 +379,7 @@ class Distill(Objective):
     # ----- the further students: saved as runs of their own -----
     def member_artifacts(self, state: dict[str, torch.Tensor]) -> dict:
         members = {}
-        for name, student in getattr(self, "students", {}).items():
+        for name, student in self.students.items():
             prefix = f"students.{name}."
             own = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
             members[f"students/{name}"] = (student.backbone.config, student.artifacts(own))

@@ -120,14 +120,20 @@ def reference_run(tmp_path_factory):
     return out
 
 
-def export_script():
-    """scripts/export.py as a module (its `main(argv)` in-process: each CLI process costs ~6 s of imports)."""
+def script_module(path: str):
+    """A script of the repository (scripts/..., benchmarks/...) as a module, to call its functions in-process:
+    each CLI process costs ~6 s of imports."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("export_script", ROOT / "scripts" / "export.py")
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def export_script():
+    """scripts/export.py as a module (its `main(argv)` in-process)."""
+    return script_module("scripts/export.py")
 
 
 def assert_weights_close(ours: dict, reference: dict, atol: float, rtol: float, key_bias_atol: float) -> None:

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ACCELERATE_LAUNCH, ROOT, assert_weights_close, check_ok, read_metrics
+from conftest import ACCELERATE_LAUNCH, ROOT, assert_weights_close, check_ok, read_metrics, script_module
 from helpers.pool import DISTILL_TEACHER, EVAL, OBJECTIVES, REAL_LAUNCHES, RUNS, SHARDED, STEPS, strategy_run
 from helpers.ranks import launch_ranks
 from safetensors.torch import load_file
@@ -137,11 +137,9 @@ def test_a_second_student_of_the_same_teacher_forwards_trains_alike_under_every_
         # the key third of each qkv bias has an exact gradient of zero: bounded, as in the test above
         assert_weights_close(weights, reference, atol=1e-4, rtol=1e-4, key_bias_atol=1e-2)
     # consolidating the ZeRO-3 run's last checkpoint writes the second student's run too, equal to the saved one
-    from test_checkpoint import _consolidate_script
-
     run = pool["distill", "zero3_cpu2"]
     checkpoint = sorted((run / "checkpoints").glob("step_*"))[-1]
-    assert _consolidate_script().main([str(checkpoint), "--out", str(tmp_path)]) == 0
+    assert script_module("scripts/consolidate.py").main([str(checkpoint), "--out", str(tmp_path)]) == 0
     for name in ("encoder.safetensors", "heads.safetensors"):
         saved, consolidated = load_file(run / "students" / "small" / name), load_file(tmp_path / "students" / "small"
                                                                                       / name)

@@ -22,6 +22,7 @@ from ssl_vit.data import DATASETS, DataError, ViewBuilder, build_dataset, datase
 from ssl_vit.data.augreg import mixes
 from ssl_vit.data.naflex import NaFlexSettings, NaFlexViews
 from ssl_vit.data.subset import limit_samples
+from ssl_vit.geometry import pair
 from ssl_vit.interop.sources import SOURCES, Pretrained, load_pretrained
 from ssl_vit.objectives import OBJECTIVES, DataInfo, Objective, Requirements, build_objective, objective_class
 from ssl_vit.optim import build_optimizer, schedule, weight_decay_schedule
@@ -188,16 +189,23 @@ def load_entries(module: torch.nn.Module, state: dict) -> None:
                     buffer.copy_(state[key(name)])
 
 
-def _resample_backbone_pos_embed(objective: Objective, state: dict, source_grid: Sequence[int]) -> None:
-    """The run's backbone was built at data.img_size (`_backbone_from`); the backbones among the source's heads (DINO's
-    student and teacher) come at the source's grid and are resampled to the run's the way the run resamples."""
-    backbone = objective.backbone  # the contract's attribute (Objective.__init__)
-    if getattr(backbone, "pos_embed", None) is None or tuple(source_grid) == tuple(backbone.grid_size):
-        return
-    shape = full_shape(backbone.pos_embed)
+def _resample_backbone_pos_embed(objective: Objective, state: dict, source_size: Sequence[int]) -> None:
+    """The run's backbones were built at data.img_size (`_backbone_from`); the position tables among the source's heads
+    (DINO's student and teacher, distill's further students) were made at the source's image size `source_size`:
+    each is resampled to the grid of the backbone it belongs to, the way that backbone resamples."""
     for key, value in state.items():
-        if key.split(".")[-2:] == ["backbone", "pos_embed"] and tuple(value.shape) != shape:
-            state[key] = backbone.resample_from(value, source_grid)
+        owner_name, _, leaf = key.rpartition(".")
+        try:
+            owner = objective.get_submodule(owner_name) if owner_name else objective
+        except AttributeError:  # not a name of this objective: refused by name in load_source_heads
+            continue
+        if leaf != "pos_embed" or not isinstance(owner, VisionTransformer) or owner.pos_embed is None:
+            continue
+        if tuple(value.shape) != full_shape(owner.pos_embed):
+            try:
+                state[key] = owner.resample_from(value, owner.patch_embed.grid_for(*source_size))
+            except ValueError:  # the source's size does not tile into this backbone's patches: refused by shape
+                continue
 
 
 def load_source_heads(objective: Objective, source: Pretrained | None, spec: str | None) -> None:
@@ -213,7 +221,7 @@ def load_source_heads(objective: Objective, source: Pretrained | None, spec: str
                           f"forms: {list(SOURCES)})")
     heads, trained_by = source.heads
     state = objective.state_from_artifacts(source.encoder.state_dict(), heads)
-    _resample_backbone_pos_embed(objective, state, source.encoder.grid_size)
+    _resample_backbone_pos_embed(objective, state, pair(source.encoder.config.img_size))
     shapes = {name: full_shape(t) for name, t in (*objective.named_parameters(), *objective.named_buffers())}
     problems = [f"{k} is not in objective={objective.cfg.name}" for k in state if k not in shapes]
     problems += [f"{k} is {tuple(v.shape)} there, {shapes[k]} here" for k, v in state.items()
