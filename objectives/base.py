@@ -156,10 +156,6 @@ class Objective(nn.Module, ABC):
         """The record for this config (ValueError naming a bad value); `needs` unless an option changes it."""
         return cls.needs
 
-    @property
-    def views(self) -> tuple[str, ...]:
-        return type(self).requirements(self.cfg).views
-
     # ----- data and optimizer hooks -----
     def text_tokenizer(self):
         """For objectives that read `text`: str -> token ids, run in the data workers."""

@@ -53,7 +53,8 @@ class Schedule(str, Enum):
 # None unless set (None: the preset's value), with the same checks; not overridable: the image size (data.img_size),
 # the channels (the data's) and the classes (the objective's).
 NOT_OVERRIDABLE = ("img_size", "in_chans", "num_classes")
-_LISTS = {tuple[int, ...]: list[int], tuple[int, ...] | None: list[int]}  # OmegaConf holds lists, not tuples
+_LISTS = {tuple[int, ...]: list[int], tuple[int, ...] | None: list[int],
+          tuple[int, int] | None: list[int]}  # OmegaConf holds lists, not tuples
 
 
 def _override_type(hint):

@@ -185,3 +185,31 @@ def test_the_mean_is_over_the_tasks_every_encoder_has_and_the_best_score_is_bold
     table = markdown_table(report)
     assert "| d1 linear | 10.0 | **90.0** | 50.0 |" in table and "| d2 linear | 20.0 | 70.0 | - |" in table
     assert "| mean (1 task every encoder has) | 10.0 | 90.0 | 50.0 |" in table
+
+
+def test_evaluate_and_benchmark_give_one_result_per_protocol_from_the_shared_table(tmp_path):
+    """On the same features, `ssl-vit evaluate`'s evaluators (run_evaluators) and a benchmark cell
+    (frozen_protocol) give the same linear, k-NN and few-shot results: both run ssl_vit.eval.protocols' table."""
+    from helpers.builders import pretrain_config
+    from omegaconf import OmegaConf
+
+    from ssl_vit.backbone import build_vit
+    from ssl_vit.config import EvalConfig
+    from ssl_vit.data import eval_datasets
+    from ssl_vit.eval.features import extract_features
+    from ssl_vit.eval.run import run_evaluators
+    from ssl_vit.preprocess import Preprocess
+
+    encoder = build_vit("vit_test").eval()
+    train, test = eval_datasets(pretrain_config(tmp_path, "data.num_samples=48").data, 16)
+    ecfg = OmegaConf.merge(OmegaConf.structured(EvalConfig), {"evaluators": ["linear", "knn", "fewshot"],
+                                                             "fewshot_shots": [1, 2], "fewshot_draws": 2})
+    preprocess = Preprocess(16)
+    results, _, _ = run_evaluators(encoder, train, test, ecfg, preprocess, seed=3, progress=False)
+    views = preprocess.view_builder()
+    features = [extract_features(encoder, d, views, ecfg.features, ecfg.last_k, ecfg.batch_size, progress=False)
+                for d in (train, test)]
+    cfg = OmegaConf.create({"eval": OmegaConf.to_container(ecfg), "seed": 3})
+    for name in ("linear", "knn", "fewshot"):
+        cell = frozen_protocol(name, *features[0], *features[1], cfg)
+        assert cell["details"] == results[name], name

@@ -21,14 +21,19 @@ TINY = dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2)
 TIMM_OF_PRESET = {"vit_g14_dinov2": "vit_giant_patch14_dinov2", "vit_hplus16_dinov3": "vit_huge_plus_patch16_dinov3",
                   "vit_7b16_dinov3": "vit_7b_patch16_dinov3", "vit_so400m14_siglip": "vit_so400m_patch14_siglip_224",
                   "vit_so400m16_siglip2": "vit_so400m_patch16_siglip_256", "vit_l14_aimv2": "aimv2_large_patch14_224",
-                  "vit_h14_aimv2": "aimv2_huge_patch14_224"}
+                  "vit_h14_aimv2": "aimv2_huge_patch14_224", "vit_b16_pe": "vit_pe_core_base_patch16_224",
+                  "vit_l14_pe": "vit_pe_core_large_patch14_336", "vit_g14_pe": "vit_pe_core_gigantic_patch14_448"}
 # timm entry point, its size overrides at test scale
 TIMM_FAMILIES = {"dinov2_g": ("vit_giant_patch14_dinov2", dict(mlp_ratio=8.0, init_values=1e-5)),
                  "siglip_so400m": ("vit_so400m_patch14_siglip_224", dict(mlp_ratio=3.0)),
                  "siglip2_so400m": ("vit_so400m_patch16_siglip_256", dict(mlp_ratio=3.0)),
                  "aimv2": ("aimv2_large_patch14_224", dict(mlp_ratio=2.75)),
                  "dinov3_hplus": ("vit_huge_plus_patch16_dinov3", dict(mlp_ratio=3.0, global_pool="token")),
-                 "dinov3_7b": ("vit_7b_patch16_dinov3", dict(mlp_ratio=2.0, global_pool="token"))}
+                 "dinov3_7b": ("vit_7b_patch16_dinov3", dict(mlp_ratio=2.0, global_pool="token")),
+                 # Perception Encoder: a learned table with RoPE placed on a 2x2 reference grid (the 4x4 grid here
+                 # rescaled onto it), offset 1 (core B / L) or 0 and no class token (core G, its own MLP ratio)
+                 "pe_core_b": ("vit_pe_core_base_patch16_224", dict(ref_feat_shape=(2, 2))),
+                 "pe_core_g": ("vit_pe_core_gigantic_patch14_448", dict(ref_feat_shape=(2, 2), mlp_ratio=2.5))}
 
 
 def _images(n=2, size=16):
@@ -42,8 +47,8 @@ def test_each_family_preset_is_timms_architecture(preset):
         ours = build_vit(preset)
         theirs = timm.create_model(TIMM_OF_PRESET[preset], pretrained=False, num_classes=0)
     state = {k: v.shape for k, v in ours.state_dict().items()}
-    if ours.config.pos_embed == "rope":
-        state = {k: v.shape for k, v in _timm_rope_state(ours.state_dict(), "dinov3").items()}
+    if ours.config.has_rope:
+        state = {k: v.shape for k, v in _timm_rope_state(ours.state_dict(), ours.config.rope_kind).items()}
     expected = {k: v.shape for k, v in theirs.state_dict().items() if not k.endswith("k_bias")}
     assert state == expected
     assert count_parameters(ours) == sum(v.numel() for v in expected.values())
@@ -140,6 +145,9 @@ def test_dinov2_swiglu_width_is_dinov2s_rule():
     ("vit_test_siglip", "hf", "dinov2", "only --hf-arch siglip / siglip2 have a MAP head"),
     ("vit_test_siglip", "hf", "aimv2", "mlp_kind='mlp' (Aimv2VisionModel has a SwiGLU MLP)"),
     ("vit_test_dinov2", "open_clip", None, "mlp_kind='swiglu_packed'"),
+    ("vit_test_pe", "hf", None, "pos_embed='learned_rope' (Perception Encoder: transformers has no vision model"),
+    ("vit_test_pe", "hf", "dinov3", "pos_embed='learned_rope' (DINOv3ViTModel has rotary position embeddings only"),
+    ("vit_test_pe", "open_clip", None, "pos_embed='learned_rope' (open_clip's ViT adds an absolute"),
 ])
 def test_a_family_exported_where_the_library_lacks_it_is_one_line(preset, to, arch, message):
     encoder = build_vit(preset)
@@ -153,21 +161,28 @@ def test_a_family_exported_where_the_library_lacks_it_is_one_line(preset, to, ar
     assert "\n" not in str(err.value)
 
 
-def test_an_unknown_family_from_timm_is_one_line():
-    """Perception Encoder's RoPE (timm's Eva with an offset, reference-shaped grid) is not built: refused naming it."""
-    theirs = timm.create_model("vit_pe_core_base_patch16_224", pretrained=False, num_classes=0, img_size=32,
-                               patch_size=4, embed_dim=32, depth=1, num_heads=2, ref_feat_shape=(8, 8))
-    with pytest.raises(ValueError, match="RotaryEmbeddingCat") as err:
+@pytest.mark.parametrize(("name", "message"), [
+    ("eva02_tiny_patch14_224", r"this one has RotaryEmbeddingCat \(grid_indexing='ij'"),  # EVA-02's RoPE
+    ("vit_pe_spatial_base_patch16_512", r"no final norm \(vit_pe_lang_\*, vit_pe_spatial_\*\)"),
+])
+def test_an_unknown_family_from_timm_is_one_line(name, message):
+    """A timm Eva family whose RoPE grid or layout ssl-vit does not build (EVA-02's 'ij' grid) or whose ViT has no
+    final norm (PE lang / spatial) is refused naming what differs."""
+    theirs = timm.create_model(name, pretrained=False, num_classes=0, img_size=32, patch_size=4, embed_dim=32,
+                               depth=1, num_heads=2)
+    with pytest.raises(ValueError, match=message) as err:
         from_timm(theirs)
     assert "\n" not in str(err.value)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("preset", "objective"), [("vit_test_aimv2", "mae"), ("vit_test_siglip", "supervised")])
-def test_a_family_model_pretrains_evaluates_exports_and_serves_a_vlm(tmp_path, preset, objective):
-    """SwiGLU + RMSNorm (AIMv2's block) and the MAP head (SigLIP's) through the real commands: pretrain, evaluate
-    (its pooled embedding: no class token), export to timm and transformers (each read back by the library), and
-    VisionEncoder's tokens for a VLM."""
+@pytest.mark.parametrize(("preset", "objective", "targets"), [
+    ("vit_test_aimv2", "mae", ("timm", "hf")), ("vit_test_siglip", "supervised", ("timm", "hf")),
+    ("vit_test_pe", "dinov2", ("timm",))])  # transformers has no Perception Encoder
+def test_a_family_model_pretrains_evaluates_exports_and_serves_a_vlm(tmp_path, preset, objective, targets):
+    """SwiGLU + RMSNorm (AIMv2's block), the MAP head (SigLIP's) and Perception Encoder's learned table with RoPE
+    and its pool over the class token through the real commands: pretrain, evaluate (its pooled embedding),
+    export to timm and transformers (each read back by the library), and VisionEncoder's tokens for a VLM."""
     from ssl_vit import load_encoder
 
     run = tmp_path / "run"
@@ -179,15 +194,16 @@ def test_a_family_model_pretrains_evaluates_exports_and_serves_a_vlm(tmp_path, p
     assert "pooled embedding" in proc.stderr + proc.stdout
     ours = load_pretrained(str(run)).encoder.eval()
     images = _images()
-    for to in ("timm", "hf"):
+    for to in targets:
         proc = run_script("scripts/export.py", run, "--to", to, "--out", tmp_path / to)
         assert proc.returncode == 0, proc.stderr[-3000:]
     theirs = timm.create_model(f"local-dir:{tmp_path / 'timm'}", pretrained=True).eval()
-    hf = transformers.AutoModel.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         torch.testing.assert_close(theirs(images), ours(images), atol=1e-5, rtol=0)
-        torch.testing.assert_close(hf(pixel_values=images).last_hidden_state, ours.forward_features(images),
-                                   atol=1e-5, rtol=0)
+        if "hf" in targets:
+            hf = transformers.AutoModel.from_pretrained(tmp_path / "hf").eval()
+            torch.testing.assert_close(hf(pixel_values=images).last_hidden_state, ours.forward_features(images),
+                                       atol=1e-5, rtol=0)
     vlm = load_encoder(run)  # the VLM settings: the second-to-last block, no prefix tokens
     tokens = vlm(images)
     assert tokens.shape == (2, ours.patch_embed.num_patches, ours.embed_dim)

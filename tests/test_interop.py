@@ -279,7 +279,9 @@ def test_timm_checkpoint_files_import_through_timms_own_loader(tmp_path):
 # ----- ONNX -----
 @pytest.mark.parametrize("options", [{}, {"qk_norm": True, "parallel_block": True, "qkv_bias": False,
                                           "layer_scale": 0.1, "class_token": False, "global_pool": "avg",
-                                          "num_registers": 2}])
+                                          "num_registers": 2},
+                                     {"name": "vit_test_pe"},  # PE: a learned table, axial RoPE, the pool over all
+                                     {"pos_embed": "rope", "rope_kind": "mixed"}])
 def test_onnx_export_matches_in_onnxruntime_with_a_dynamic_batch(tmp_path, options):
     import onnxruntime
 

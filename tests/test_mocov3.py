@@ -139,13 +139,14 @@ def test_objective_mocov3_builds_vit_s_with_the_references_12_heads_and_says_so(
     """vits.py's vit_small has 12 heads of 32 (DeiT's and timm's: 6 of 64); model.num_heads still wins."""
     from helpers.builders import pretrain_config
 
-    from ssl_vit.train.build import build_backbone, requirements
+    from ssl_vit.train.build import build_backbone, check_config
     from ssl_vit.train.trainer import describe_run
 
     def heads(*overrides):
         cfg = pretrain_config(tmp_path, *overrides, "model=vit_s16", "data.img_size=32")
-        backbone, _, _ = build_backbone(cfg, requirements(cfg.objective)[1], None)
-        return backbone.blocks[0].attn.num_heads, describe_run(cfg, 64)
+        needs = check_config(cfg).needs
+        backbone, _, _ = build_backbone(cfg, needs, None)
+        return backbone.blocks[0].attn.num_heads, describe_run(cfg, 64, needs)
 
     count, line = heads("objective=mocov3")
     assert count == 12 and "model=vit_s16 (objective=mocov3's reference: num_heads=12)" in line

@@ -12,7 +12,7 @@ from ssl_vit.objectives.base import DataInfo
 from ssl_vit.objectives.supervised import Supervised, SupervisedConfig
 from ssl_vit.optim import apply_schedule, param_groups, schedule, weight_decay_schedule
 from ssl_vit.schema import ConfigError
-from ssl_vit.train.build import build_components, build_run
+from ssl_vit.train.build import build_components, build_run, check_config
 from ssl_vit.train.trainer import describe_run
 
 
@@ -171,8 +171,10 @@ def test_the_peak_lr_follows_the_global_batch_as_each_reference_scales_it(object
 
 def test_the_start_up_line_says_the_lr_as_given_and_as_scaled_and_a_rule_needs_its_base(tmp_path):
     cfg = pretrain_config(tmp_path, "objective=dinov2_tiny", "data.batch_size=16")
-    assert "lr 0.002 per 1024 images (sqrt) -> 0.0003536 at global batch 32" in describe_run(cfg, 32)
-    assert "(lr 0.001, weight decay" in describe_run(pretrain_config(tmp_path, "objective=ijepa_tiny"), 32)
+    assert "lr 0.002 per 1024 images (sqrt) -> 0.0003536 at global batch 32" in describe_run(
+        cfg, 32, check_config(cfg).needs)
+    ijepa = pretrain_config(tmp_path, "objective=ijepa_tiny")
+    assert "(lr 0.001, weight decay" in describe_run(ijepa, 32, check_config(ijepa).needs)
     with pytest.raises(ConfigError, match=r"optim.lr_scaling=linear needs optim.lr_base_batch"):
         peak_lr(OmegaConf.structured(OptimConfig(lr_scaling="linear")), 64)
     assert peak_lr(OmegaConf.structured(OptimConfig(lr=1e-3, lr_base_batch=256)), 64) == 1e-3  # none: as given

@@ -59,7 +59,8 @@ def test_activations_follow_the_stated_formula_and_checkpointing_keeps_block_inp
 
 
 @pytest.mark.parametrize("checkpointing", [False, "full", "selective"])
-@pytest.mark.parametrize("name", ["vit_test", "vit_test_22b", "vit_test_aimv2", "vit_test_dinov2", "vit_test_siglip"])
+@pytest.mark.parametrize("name", ["vit_test", "vit_test_22b", "vit_test_aimv2", "vit_test_dinov2", "vit_test_siglip",
+                                  "vit_test_pe"])
 def test_kept_activations_are_what_the_forward_leaves_alive_for_backward(name, checkpointing):
     """The planner's kept activations against the storages a real fp32 forward leaves alive for its backward
     (autograd's saved tensors, a checkpoint's block inputs, a selective checkpoint's cached matmul and attention

@@ -138,3 +138,33 @@ def test_a_bad_value_is_one_line_first_then_accelerates_own_report(tmp_path):
     assert direct.returncode == 2 and direct.stderr.strip().splitlines() == [
         "ssl-vit: error: data.root is not set (data=folder); give it on the command line, e.g. "
         "data.root=/path/to/images (any layout; class subfolders for labels)"]
+
+
+def test_a_run_validates_its_config_and_reads_its_objectives_needs_once(tmp_path, monkeypatch):
+    """scripts/pretrain.py checks the config (every group's ranges, the preset) and asks the objective what it
+    needs exactly once (ssl_vit.train.build.check_config); the strategy, the builders, the periodic evaluation and
+    the start-up line all read that one result."""
+    import sys
+
+    from ssl_vit import schema
+    from ssl_vit.objectives.masked_patch import MaskedPatch
+
+    calls = {"validate": 0, "requirements": 0}
+    validate, requirements = schema.validate_config, MaskedPatch.requirements.__func__
+
+    def counted_validate(cfg, prefix=""):
+        calls["validate"] += prefix == ""  # the whole config (an objective's own schema check is prefixed)
+        return validate(cfg, prefix)
+
+    def counted_requirements(cls, cfg):
+        calls["requirements"] += 1
+        return requirements(cls, cfg)
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("ssl_vit")]:  # every importer's name
+        if getattr(module, "validate_config", None) is validate:
+            monkeypatch.setattr(module, "validate_config", counted_validate)
+    monkeypatch.setattr(MaskedPatch, "requirements", classmethod(counted_requirements))
+    _ok(pretrain_in_process("model=vit_test", "objective=masked_patch", "data.num_samples=16", "data.batch_size=8",
+                            "trainer.max_steps=1", "trainer.eval_every=1", "trainer.eval_evaluators=[knn]",
+                            f"hydra.run.dir={tmp_path}"))
+    assert calls == {"validate": 1, "requirements": 1}

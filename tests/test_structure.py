@@ -308,3 +308,14 @@ def test_no_view_type_is_asked_outside_the_data_package():
              for number, line in enumerate(path.read_text().splitlines(), 1) if asking.search(line)]
     assert not found, found
     assert asking.search("if isinstance(views, NaFlexViews):") and asking.search('getattr(self.run.views, "x")')
+
+
+def test_evaluate_and_benchmark_read_one_protocol_table():
+    """`ssl-vit evaluate` and `ssl-vit benchmark` run the frozen-feature protocols and key their settings through
+    ssl_vit/eval/protocols.py alone: neither calls an evaluator function of those protocols itself."""
+    runners = re.compile(r"\b(linear_probe|knn_eval|fewshot_eval)\(")
+    found = [f"{name}:{number}" for name in ("run.py", "benchmark.py")
+             for number, line in enumerate((ROOT / "ssl_vit" / "eval" / name).read_text().splitlines(), 1)
+             if runners.search(line)]
+    assert not found, found
+    assert runners.search("details = knn_eval(train_x, ...)")

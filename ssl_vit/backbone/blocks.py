@@ -175,9 +175,10 @@ def block_windows(depth: int, window_size: int, global_attn_indexes: Sequence[in
     if window_size > max(grid):
         raise ValueError(f"window_size={window_size} is larger than the {grid[0]}x{grid[1]} patch grid; one window "
                          f"would cover it (window_size=0 is global attention; windows fit a larger img_size)")
-    if (window_size or rel_pos) and pos_embed == "rope":
-        raise ValueError(f"{'rel_pos' if rel_pos else 'window_size'} with pos_embed=rope: rotary embeddings place the "
-                         "tokens already (rel_pos) / windowed RoPE is not built here; use pos_embed=learned or sincos")
+    if (window_size or rel_pos) and pos_embed in ("rope", "learned_rope"):
+        raise ValueError(f"{'rel_pos' if rel_pos else 'window_size'} with pos_embed={pos_embed}: rotary embeddings "
+                         "place the tokens already (rel_pos) / windowed RoPE is not built here; use pos_embed=learned "
+                         "or sincos")
     if (window_size or rel_pos) and parallel_block:
         raise ValueError("window_size / rel_pos with parallel_block=true (ViT-22B's block) is not built here")
     return [0 if i in indexes else window_size for i in range(depth)]

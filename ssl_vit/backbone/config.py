@@ -24,8 +24,9 @@ GLOBAL_POOLS = ("token", "avg", "map")
 # transformers resample bicubic without it; FlexiViT / RADIO bilinear without it.
 POS_EMBED_INTERP_MODES = ("bicubic", "bilinear")
 # learned: added, trained (the paper); sincos: MAE's fixed 2-D sin-cos, added, not trained; rope: DINOv3's rotary
-# embeddings inside attention (ssl_vit.backbone.rope), nothing added; none: no position information
-POS_EMBEDS = ("learned", "sincos", "rope", "none")
+# embeddings inside attention (ssl_vit.backbone.rope), nothing added; learned_rope: both, a learned table added and
+# rotary embeddings inside attention (Perception Encoder); none: no position information
+POS_EMBEDS = ("learned", "sincos", "rope", "learned_rope", "none")
 # MLP activations: exact GELU (the paper, timm, DINOv2, HF "gelu"), tanh-approximated GELU (SigLIP, HF
 # "gelu_pytorch_tanh"), QuickGELU x * sigmoid(1.702 x) (OpenAI's CLIP weights, HF "quick_gelu"), SiLU (the gate of
 # SwiGLU MLPs: DINOv2-g, DINOv3 H+ / 7B, AIMv2).
@@ -57,13 +58,18 @@ class ViTConfig:
     fc_norm: bool | None = None
     pool_heads: int | None = checked(None, ge=1)  # global_pool=map: its attention heads (None: num_heads; PE: 8)
     pool_mlp_dim: int | None = checked(None, ge=1)  # global_pool=map: its MLP width (None: the blocks' MLP width)
+    # global_pool=map: the pool attends over the prefix tokens too (timm's pool_include_prefix; Perception Encoder:
+    # the class token and the patches), not the patches alone (SigLIP)
+    pool_include_prefix: bool = False
     dist_token: bool = False  # DeiT's distillation token (objective=deit turns it on)
     num_registers: int = checked(0, ge=0)
     # learned | sincos | rope | none (POS_EMBEDS). rope: DINOv3's 2-D rotary embeddings (ssl_vit.backbone.rope):
     # periods rope_theta ** (2i / (D/2)) (DINOv3: 100) or log-spaced in [rope_min_period, rope_max_period],
     # coordinates over each side (rope_normalize separate | min | max) and moved while training by rope_shift,
     # rope_jitter, rope_rescale (DINOv3's shift / jitter / rescale; None: off). rope_kind: dinov3 (that) | axial |
-    # mixed (RoPE-ViT's variants as timm has them: patch-index coordinates; mixed learns its frequencies)
+    # mixed (RoPE-ViT's variants as timm has them: patch-index coordinates; mixed learns its frequencies).
+    # axial only: rope_offset is added to every patch index and rope_ref_grid (rows, cols) rescales the indices of
+    # any grid onto it, index x ref / size (EVA's and Perception Encoder's scheme: timm's grid_offset, ref_feat_shape)
     pos_embed: str = checked("learned", choices=POS_EMBEDS)
     rope_theta: float | None = checked(None, gt=0)
     rope_min_period: float | None = checked(None, gt=0)
@@ -73,6 +79,8 @@ class ViTConfig:
     rope_jitter: float | None = checked(None, ge=1)
     rope_rescale: float | None = checked(None, ge=1)
     rope_kind: str = checked("dinov3", choices=ROPE_KINDS)
+    rope_offset: float = 0.0
+    rope_ref_grid: tuple[int, int] | None = checked(None, ge=1)
     no_embed_class: bool = False  # the prefix tokens get no position embedding (timm's no_embed_class)
     pos_embed_interp: str = checked("bicubic", choices=POS_EMBED_INTERP_MODES)  # resampling to another grid
     pos_embed_antialias: bool = True  # timm antialiases (default); DINOv2 / HF transformers do not
@@ -109,7 +117,7 @@ class ViTConfig:
     neck_channels: int = checked(0, ge=0)  # SAM's convolutional neck over the last patch map; 0: none
 
     def __post_init__(self):
-        for name in ("img_size", "patch_size", "stem_layers", "stem_channels", "global_attn_indexes"):
+        for name in ("img_size", "patch_size", "stem_layers", "stem_channels", "global_attn_indexes", "rope_ref_grid"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, int):  # a list, tuple or ListConfig
                 object.__setattr__(self, name, tuple(int(v) for v in value))
@@ -125,9 +133,16 @@ class ViTConfig:
         if self.parallel_block and self.mlp_kind != "mlp":
             raise ConfigError(f"mlp_kind={self.mlp_kind!r} with parallel_block=True: ViT-22B's parallel block fuses "
                               "the plain MLP's input projection with QKV; SwiGLU parallel blocks are not built")
-        if self.global_pool != "map" and (self.pool_heads is not None or self.pool_mlp_dim is not None):
-            raise ConfigError(f"pool_heads / pool_mlp_dim set the attention pool of global_pool='map', not "
-                              f"global_pool={self.global_pool!r}")
+        if self.global_pool != "map" and (self.pool_heads is not None or self.pool_mlp_dim is not None
+                                          or self.pool_include_prefix):
+            raise ConfigError(f"pool_heads / pool_mlp_dim / pool_include_prefix set the attention pool of "
+                              f"global_pool='map', not global_pool={self.global_pool!r}")
+        if (self.rope_offset or self.rope_ref_grid is not None) and not (self.has_rope and self.rope_kind == "axial"):
+            raise ConfigError(f"rope_offset={self.rope_offset} / rope_ref_grid={self.rope_ref_grid} place the patch "
+                              f"indices of rope_kind='axial' (with pos_embed rope or learned_rope), not pos_embed="
+                              f"{self.pos_embed!r}, rope_kind={self.rope_kind!r}")
+        if self.rope_ref_grid is not None and len(self.rope_ref_grid) != 2:
+            raise ConfigError(f"rope_ref_grid is (rows, cols), got {list(self.rope_ref_grid)}")
 
     @classmethod
     def from_dict(cls, values: dict, where: str = "the model config") -> ViTConfig:
@@ -160,6 +175,16 @@ class ViTConfig:
             ("mlp_kind", "mlp"), ("norm_layer", "layernorm"), ("proj_bias", True), ("patch_norm", False),
             ("has_fc_norm", self.global_pool == "avg")) if getattr(self, key) != classic] + (
             ["global_pool='map'"] if self.global_pool == "map" else [])
+
+    @property
+    def has_rope(self) -> bool:
+        """Rotary embeddings inside attention (pos_embed rope or learned_rope)."""
+        return self.pos_embed in ("rope", "learned_rope")
+
+    @property
+    def has_pos_table(self) -> bool:
+        """A position table added to the tokens (pos_embed learned, sincos or learned_rope)."""
+        return self.pos_embed in ("learned", "sincos", "learned_rope")
 
     @property
     def has_patch_bias(self) -> bool:

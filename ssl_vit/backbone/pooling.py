@@ -4,7 +4,8 @@
     avg    the mean of the patch tokens (padding left out in a NaFlex batch)
     map    multi-head attention pooling: a learned latent query attends over the patch tokens, then a residual MLP
            (Lee et al. 2019's PMA; SigLIP's "MAP" head, Perception Encoder's attention pool), timm's
-           `AttentionPoolLatent` names (latent, q, kv, proj, norm, mlp.fc1, mlp.fc2)
+           `AttentionPoolLatent` names (latent, q, kv, proj, norm, mlp.fc1, mlp.fc2); with pool_include_prefix
+           over the prefix tokens too (Perception Encoder's class token)
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def pool_tokens(vit, tokens: torch.Tensor, patch_valid: torch.Tensor | None = No
     """(B, n, D) output tokens of `vit` -> (B, D) by its `global_pool`."""
     patches = tokens[:, vit.num_prefix_tokens:]
     if vit.global_pool == "map":
+        if vit.config.pool_include_prefix:  # Perception Encoder: the class token is attended too
+            valid = None if patch_valid is None else F.pad(patch_valid, (vit.num_prefix_tokens, 0), value=True)
+            return vit.fc_norm(vit.attn_pool(tokens, valid))
         return vit.fc_norm(vit.attn_pool(patches, patch_valid))
     if vit.global_pool == "avg":
         return vit.fc_norm(masked_mean(patches, patch_valid))

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 # Presets are plain keyword arguments; anything not given takes the VisionTransformer default.
+# What Perception Encoder's models share (see vit_b16_pe below)
+_PE = dict(global_pool="map", pool_heads=8, pool_include_prefix=True, pos_embed="learned_rope", rope_kind="axial",
+           rope_theta=10000.0, pre_norm=True, norm_eps=1e-5)
 _SHAPES: dict[str, dict] = {
     # Tiny sizes for tests and CPU smoke runs (4x4 patches on small images).
     "vit_test": dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2),
@@ -60,6 +63,17 @@ _SHAPES: dict[str, dict] = {
     "vit_h14_aimv2": dict(patch_size=14, embed_dim=1536, depth=24, num_heads=12, mlp_dim=4096, mlp_kind="swiglu",
                           act_layer="silu", norm_layer="rmsnorm", norm_eps=1e-5, patch_norm=True, qkv_bias=False,
                           proj_bias=False, class_token=False, global_pool="avg", fc_norm=False),
+    # Perception Encoder core B/16, L/14, G/14 (vit_pe_core_base_patch16_224, vit_pe_core_large_patch14_336,
+    # vit_pe_core_gigantic_patch14_448; facebookresearch/perception_models): a learned position table and RoPE-ViT's
+    # axial RoPE together (theta 10000, indices offset by 1 except G's, rescaled onto the pre-training grid), a
+    # LayerNorm before the blocks (no patch bias), eps 1e-5, and an 8-head attention pool of MLP ratio 4 over the
+    # class token and the patches. transformers has no PE vision model (PerceptionLM loads it through timm).
+    "vit_b16_pe": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12, **_PE, rope_offset=1.0,
+                       rope_ref_grid=(14, 14)),
+    "vit_l14_pe": dict(patch_size=14, img_size=336, embed_dim=1024, depth=24, num_heads=16, **_PE, rope_offset=1.0,
+                       rope_ref_grid=(24, 24)),
+    "vit_g14_pe": dict(patch_size=14, img_size=448, embed_dim=1536, depth=50, num_heads=16, mlp_dim=8960,
+                       pool_mlp_dim=6144, class_token=False, **_PE, rope_ref_grid=(32, 32)),
     # The families at test size: AIMv2's block and pooling, SigLIP's MAP head, DINOv2-g's packed SwiGLU (88: DINOv2's
     # width rule at ratio 4, as transformers' Dinov2Config rebuilds it).
     "vit_test_aimv2": dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, mlp_dim=88,
@@ -67,6 +81,8 @@ _SHAPES: dict[str, dict] = {
                            qkv_bias=False, proj_bias=False, class_token=False, global_pool="avg", fc_norm=False),
     "vit_test_siglip": dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, mlp_dim=96,
                             class_token=False, global_pool="map", act_layer="gelu_tanh"),
+    "vit_test_pe": dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, **_PE, rope_offset=1.0,
+                        rope_ref_grid=(2, 2)),
     "vit_test_dinov2": dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, mlp_dim=88,
                             mlp_kind="swiglu_packed", act_layer="silu", layer_scale=1e-5),
 }

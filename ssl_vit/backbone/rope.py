@@ -12,7 +12,9 @@ registers) are not rotated.
 `kind` picks the variant (`model.rope_kind`): "dinov3" (above), or the two of the RoPE-ViT paper (Heo et al. 2024,
 naver-ai/rope-vit) that timm carries, on patch-index coordinates (column, row) with the pairs interleaved (x[2j],
 x[2j + 1]): "axial" (timm's RotaryEmbeddingCat: frequency theta ** (-j / (D / 4)) per axis, the first half of the
-pairs rotated by the column, the second by the row; theta 100 in timm's vit_*_rope models) and "mixed" (timm's
+pairs rotated by the column, the second by the row; theta 100 in timm's vit_*_rope models; Perception Encoder's:
+theta 10000, each index plus an offset of 1 and rescaled onto the pre-training grid, (index + offset) x ref / size,
+EVA's scheme, timm's grid_offset and ref_feat_shape) and "mixed" (timm's
 RotaryEmbeddingMixed: learned frequencies per block and head for both axes together, started at magnitudes
 theta ** (-4j / D) (theta 10) along a random direction per block and head, no weight decay). The coordinate
 augmentations apply to each variant's own coordinates.
@@ -117,25 +119,37 @@ class Rope2D(nn.Module):
         return sin, cos
 
 
-def index_coords(grid: Sequence[int], device=None) -> torch.Tensor:
-    """(H * W, 2) (column, row) patch indices in raster order (timm's 'xy' grid of the RoPE-ViT models)."""
+def index_coords(grid: Sequence[int], device=None, offset: float = 0.0,
+                 ref_grid: Sequence[int] | None = None) -> torch.Tensor:
+    """(H * W, 2) (column, row) patch indices in raster order (timm's 'xy' grid of the RoPE-ViT models), plus
+    `offset`, rescaled onto `ref_grid` (rows, cols) when given: (index + offset) x ref / size."""
     rows, cols = grid
-    row, col = torch.meshgrid(torch.arange(rows, device=device, dtype=torch.float32),
-                              torch.arange(cols, device=device, dtype=torch.float32), indexing="ij")
+    row, col = torch.meshgrid(torch.arange(rows, device=device, dtype=torch.float32) + offset,
+                              torch.arange(cols, device=device, dtype=torch.float32) + offset, indexing="ij")
+    if ref_grid is not None:
+        row, col = row / rows * ref_grid[0], col / cols * ref_grid[1]
     return torch.stack([col, row], dim=-1).flatten(0, 1)
 
 
-def point_index_coords(points: Sequence[torch.Tensor], device=None) -> torch.Tensor:
-    """(N, 2) (column, row) patch indices of patches given one by one (rows, cols, heights, widths)."""
-    rows, cols = points[0], points[1]
-    return torch.stack([cols, rows], dim=-1).to(device, torch.float32)
+def point_index_coords(points: Sequence[torch.Tensor], device=None, offset: float = 0.0,
+                       ref_grid: Sequence[int] | None = None) -> torch.Tensor:
+    """(N, 2) (column, row) patch indices of patches given one by one (rows, cols, heights, widths), as
+    `index_coords` places a whole grid's (each patch rescaled by its own image's grid)."""
+    rows, cols, heights, widths = (t.to(device, torch.float32) for t in points)
+    rows, cols = rows + offset, cols + offset
+    if ref_grid is not None:
+        rows, cols = rows / heights * ref_grid[0], cols / widths * ref_grid[1]
+    return torch.stack([cols, rows], dim=-1)
 
 
 class AxialRope(Rope2D):
-    """RoPE-ViT's axial variant (timm's RotaryEmbeddingCat): (sin, cos, "interleaved") tables."""
+    """RoPE-ViT's axial variant (timm's RotaryEmbeddingCat): (sin, cos, "interleaved") tables; `offset` and
+    `ref_grid` place the indices (see `index_coords`: Perception Encoder's 1 and its pre-training grid)."""
 
-    def __init__(self, head_dim: int, theta: float = 100.0, shift=None, jitter=None, rescale=None):
+    def __init__(self, head_dim: int, theta: float = 100.0, shift=None, jitter=None, rescale=None,
+                 offset: float = 0.0, ref_grid: Sequence[int] | None = None):
         super().__init__(head_dim, theta, shift=shift, jitter=jitter, rescale=rescale)
+        self.offset, self.ref_grid = float(offset), (tuple(ref_grid) if ref_grid is not None else None)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -144,10 +158,12 @@ class AxialRope(Rope2D):
             self.periods.device))  # 1 / frequency
 
     def forward(self, grid, keep=None, points=None):
-        coords = point_index_coords(points, self.periods.device) if points is not None else \
-            index_coords(grid, self.periods.device)
+        device = self.periods.device
+        coords = (point_index_coords(points, device, self.offset, self.ref_grid) if points is not None
+                  else index_coords(grid, device, self.offset, self.ref_grid))
         angles = (self.augmented(coords)[:, :, None] / self.periods).flatten(1)
-        angles = angles.repeat_interleave(2, dim=-1)  # (HW, head_dim): [column, row] frequencies, each pair twice
+        # (HW, head_dim): [column, row] frequencies, each twice (a stack, not repeat_interleave: ONNX exports it)
+        angles = torch.stack([angles, angles], dim=-1).flatten(-2)
         sin, cos = angles.sin(), angles.cos()
         if keep is not None:
             sin, cos = sin[keep], cos[keep]
@@ -187,7 +203,7 @@ class MixedRope(nn.Module):
             coords = augment_coords(coords, self.shift, self.jitter, self.rescale)
         freqs = self.freqs.float()
         angles = coords[:, 0, None] * freqs[0, :, :, None] + coords[:, 1, None] * freqs[1, :, :, None]
-        angles = angles.repeat_interleave(2, dim=-1)[:, None]  # (depth, 1, heads, HW, head_dim)
+        angles = torch.stack([angles, angles], dim=-1).flatten(-2)[:, None]  # (depth, 1, heads, HW, head_dim)
         sin, cos = angles.sin(), angles.cos()
         if keep is not None:  # (depth, B, heads, K, head_dim)
             index = keep[None, :, None, :, None].expand(self.depth, -1, self.num_heads, -1, self.head_dim)
@@ -197,8 +213,12 @@ class MixedRope(nn.Module):
 
 
 def build_rope(kind: str, head_dim: int, depth: int, num_heads: int, theta=None, min_period=None, max_period=None,
-               normalize="separate", shift=None, jitter=None, rescale=None) -> nn.Module:
-    """The `kind` variant; theta defaults to its reference's (DINOv3 100, axial 100, mixed 10)."""
+               normalize="separate", shift=None, jitter=None, rescale=None, offset: float = 0.0,
+               ref_grid: Sequence[int] | None = None) -> nn.Module:
+    """The `kind` variant; theta defaults to its reference's (DINOv3 100, axial 100, mixed 10); `offset`,
+    `ref_grid`: the axial variant's index placement."""
+    if (offset or ref_grid is not None) and kind != "axial":
+        raise ValueError(f"rope_offset / rope_ref_grid place rope_kind='axial' patch indices, not rope_kind={kind!r}")
     if kind not in ROPE_KINDS:
         raise ValueError(f"rope_kind {kind!r} is not one of {list(ROPE_KINDS)}")
     if kind != "dinov3":
@@ -206,7 +226,7 @@ def build_rope(kind: str, head_dim: int, depth: int, num_heads: int, theta=None,
             raise ValueError(f"rope_kind={kind!r} takes rope_theta (patch-index coordinates): rope_min_period, "
                              "rope_max_period and rope_normalize are the dinov3 variant's")
         if kind == "axial":
-            return AxialRope(head_dim, theta or ROPE_THETA[kind], shift, jitter, rescale)
+            return AxialRope(head_dim, theta or ROPE_THETA[kind], shift, jitter, rescale, offset, ref_grid)
         return MixedRope(head_dim, depth, num_heads, theta or ROPE_THETA[kind], shift, jitter, rescale)
     if theta is None and min_period is None:
         theta = ROPE_THETA[kind]

@@ -67,7 +67,7 @@ class VisionTransformer(TokenEmbedding, nn.Module):
         self.embed_dim = self.num_features = embed_dim
         self.global_pool = c.global_pool
         self.num_prefix_tokens = c.num_prefix_tokens
-        self.num_pos_prefix = 0 if c.no_embed_class or c.pos_embed in ("rope", "none") else self.num_prefix_tokens
+        self.num_pos_prefix = 0 if c.no_embed_class or not c.has_pos_table else self.num_prefix_tokens
         self.pos_embed_kind = c.pos_embed
 
         if c.stem == "resnet":
@@ -84,14 +84,15 @@ class VisionTransformer(TokenEmbedding, nn.Module):
         self.dist_token = nn.Parameter(torch.empty(1, 1, embed_dim)) if c.dist_token else None
         self.reg_token = nn.Parameter(torch.empty(1, c.num_registers, embed_dim)) if c.num_registers else None
         self.pos_embed = (nn.Parameter(torch.empty(1, self.num_pos_prefix + self.patch_embed.num_patches, embed_dim),
-                                       requires_grad=c.pos_embed == "learned")
-                          if c.pos_embed in ("learned", "sincos") else None)
+                                       requires_grad=c.pos_embed != "sincos")
+                          if c.has_pos_table else None)
         self.rope = (build_rope(c.rope_kind, embed_dim // num_heads, depth, num_heads, c.rope_theta,
                                 c.rope_min_period, c.rope_max_period, c.rope_normalize, c.rope_shift, c.rope_jitter,
-                                c.rope_rescale)
-                     if c.pos_embed == "rope" else None)
-        # DINOv3 holds the key bias at zero (with RoPE it would rotate with the key's position); RoPE-ViT keeps it
-        mask_k_bias = c.pos_embed == "rope" and c.rope_kind == "dinov3"
+                                c.rope_rescale, offset=c.rope_offset, ref_grid=c.rope_ref_grid)
+                     if c.has_rope else None)
+        # DINOv3 holds the key bias at zero (with RoPE it would rotate with the key's position); RoPE-ViT and
+        # Perception Encoder keep it
+        mask_k_bias = c.has_rope and c.rope_kind == "dinov3"
         self.norm_pre = norm_layer(embed_dim) if c.pre_norm else nn.Identity()
 
         drop_rates = [c.drop_path * i / max(depth - 1, 1) for i in range(depth)]  # stochastic depth grows linearly
@@ -147,7 +148,7 @@ class VisionTransformer(TokenEmbedding, nn.Module):
     def reset_parameters(self) -> None:
         """Initialise this module's own parameters (position embeddings, tokens) by `weight_init`; every layer
         initialises itself in its own constructor (see ssl_vit.backbone.init: this survives DeepSpeed's zero.Init)."""
-        learned = self.pos_embed if self.pos_embed_kind == "learned" else None
+        learned = self.pos_embed if self.pos_embed_kind in ("learned", "learned_rope") else None
         init_embeddings(learned, (self.cls_token, self.dist_token, self.reg_token), self.weight_init)
         if self.pos_embed_kind == "sincos":
             with torch.no_grad():
@@ -210,8 +211,8 @@ class VisionTransformer(TokenEmbedding, nn.Module):
         depth = len(self.blocks)
         if placement is None:
             if self.rope is not None:
-                raise ValueError("this backbone has rotary position embeddings (pos_embed='rope'): the blocks need the "
-                                 "patch grid, run_blocks(tokens, grid, keep)")
+                raise ValueError(f"this backbone has rotary position embeddings (pos_embed={self.pos_embed_kind!r}): "
+                                 "the blocks need the patch grid, run_blocks(tokens, grid, keep)")
             if self.windowed:
                 raise ValueError("windowed attention (window_size) and relative positions (rel_pos) need every patch "
                                  "token on its grid: run_blocks(tokens, grid)")

@@ -33,9 +33,7 @@ from ssl_vit.config import BENCHMARK_PROTOCOLS
 from ssl_vit.data import dataset_kind, eval_datasets
 from ssl_vit.data.subset import labels_of
 from ssl_vit.eval.features import FEATURE_KINDS, cache_key, cached, our_feature_kind
-from ssl_vit.eval.fewshot import fewshot_eval
-from ssl_vit.eval.knn import knn_eval
-from ssl_vit.eval.linear import linear_probe
+from ssl_vit.eval.protocols import FROZEN_PROTOCOLS, PROTOCOLS
 from ssl_vit.eval.run import (
     encoder_size,
     frozen_features,
@@ -281,7 +279,7 @@ def plan_cells(cfg, encoders: list[Encoder], datasets: list[DataSet]) -> list[Ce
 
 def feature_kind(encoder: Encoder, requested: str) -> str:
     """eval.features for this encoder: a library's model takes its own summary for the class-token kinds
-    (native_kind); ours without a class token take their pooled embedding for them."""
+    (native_kind); ours without a class token or with an attention pool take their pooled embedding for them."""
     if isinstance(encoder.module, NativeEncoder):
         try:
             return native_kind(encoder.module, requested)
@@ -293,21 +291,15 @@ def feature_kind(encoder: Encoder, requested: str) -> str:
 
 
 def protocol_settings(protocol: str, cfg) -> dict:
-    """What of the configuration decides a protocol's result (part of its cell's key)."""
-    e = cfg.eval
-    return {
-        "linear": {"l2": list(e.l2_values), "val": e.val_fraction},
-        "knn": {"k": e.knn_k, "temperature": e.knn_temperature},
-        "fewshot": {"shots": list(e.fewshot_shots), "draws": e.fewshot_draws, "l2": e.fewshot_l2},
-        "vtab": {"l2": list(e.l2_values), "train": cfg.vtab_train, "val": cfg.vtab_val},
-        "segmentation": {"l2": list(e.l2_values), "val": e.val_fraction, "blocks": e.segmentation_blocks},
-        "zeroshot": {"templates": list(e.zeroshot_templates)},
-        "retrieval": {"ks": list(e.retrieval_ks)},
-    }[protocol]
+    """What of the configuration decides a protocol's result (part of its cell's key): the shared table's
+    (ssl_vit.eval.protocols), and VTAB-1k's own splits."""
+    if protocol == "vtab":
+        return {"l2": list(cfg.eval.l2_values), "train": cfg.vtab_train, "val": cfg.vtab_val}
+    return PROTOCOLS[protocol].settings(cfg.eval)
 
 
 def cell_key(cell: Cell, cfg) -> str:
-    frozen = cell.protocol in ("linear", "knn", "fewshot", "vtab")
+    frozen = cell.protocol in (*FROZEN_PROTOCOLS, "vtab")
     return cache_key(format=CELL_FORMAT, encoder=cell.encoder.identity, data=OmegaConf.to_container(cell.data.cfg),
                      preprocess=cell.preprocess.to_json(), protocol=cell.protocol,
                      settings=protocol_settings(cell.protocol, cfg), seed=cfg.seed,
@@ -380,7 +372,7 @@ def compute_cell(cell: Cell, cfg, cache_dir: Path, progress: bool, held: dict | 
     train_set, test_set = cell.data.at(cell.img_size, seed)
     identity = {"encoder": encoder.identity, "data": OmegaConf.to_container(cell.data.cfg),
                 "preprocess": cell.preprocess.to_json()}
-    if cell.protocol in ("linear", "knn", "fewshot", "vtab"):
+    if cell.protocol in (*FROZEN_PROTOCOLS, "vtab"):
         held = {} if held is None else held
         key = (encoder.label, cell.data.label)
         if key not in held:
@@ -400,24 +392,15 @@ def majority_share(labels: torch.Tensor) -> float:
 
 
 def frozen_protocol(protocol: str, train_x, train_y, test_x, test_y, cfg) -> dict:
-    e, seed, chance = cfg.eval, cfg.seed, majority_share(test_y)
-    if protocol == "linear":
-        details = linear_probe(train_x, train_y, test_x, test_y, list(e.l2_values), e.val_fraction, seed)
-        return {"scores": {"linear": details["accuracy"]}, "chance": {"linear": chance}, "details": details}
-    if protocol == "knn":
-        details = knn_eval(train_x, train_y, test_x, test_y, e.knn_k, e.knn_temperature)
-        return {"scores": {"k-NN": details["accuracy"]}, "chance": {"k-NN": chance}, "details": details}
+    """A frozen-feature cell: the shared table's run and scores (ssl_vit.eval.protocols), or VTAB-1k's."""
+    chance = majority_share(test_y)
     if protocol == "vtab":
-        details = vtab_1k(train_x, train_y, test_x, test_y, list(e.l2_values), cfg.vtab_train, cfg.vtab_val, seed)
+        details = vtab_1k(train_x, train_y, test_x, test_y, list(cfg.eval.l2_values), cfg.vtab_train, cfg.vtab_val,
+                          cfg.seed)
         return {"scores": {"VTAB-1k": details["accuracy"]}, "chance": {"VTAB-1k": chance}, "details": details}
-    num_classes = int(max(train_y.max(), test_y.max())) + 1
-    smallest = int(torch.bincount(train_y, minlength=num_classes).min())
-    shots = [n for n in e.fewshot_shots if n <= smallest]
-    details = fewshot_eval(train_x, train_y, test_x, test_y, shots, e.fewshot_draws, e.fewshot_l2, seed) if shots \
-        else {"accuracy": {}}
-    scores = {f"{n}-shot": details["accuracy"].get(f"{n}_shot") for n in e.fewshot_shots}
-    details["left_out"] = {f"{n}-shot": f"the smallest class has {smallest} training images"
-                           for n in e.fewshot_shots if n > smallest}
+    entry = PROTOCOLS[protocol]
+    details = entry.run(train_x, train_y, test_x, test_y, cfg.eval, cfg.seed)
+    scores = entry.scores(details, cfg.eval)
     return {"scores": scores, "chance": dict.fromkeys(scores, chance), "details": details}
 
 

@@ -45,9 +45,10 @@ def collate_labelled(views, items: list[tuple]) -> tuple:
 
 def our_feature_kind(encoder, requested: str) -> str:
     """The feature kind `requested` (eval.features) means for one of our encoders: the class-token kinds become the
-    encoder's pooled embedding where it has no class token (SigLIP's MAP head, AIMv2's mean); evaluate and benchmark
-    both ask this."""
-    if requested in ("cls", "cls_avg") and encoder.cls_token is None:
+    encoder's pooled embedding where it has no class token (SigLIP's MAP head, AIMv2's mean) or pools by attention
+    (Perception Encoder: the class token is one input of its attention pool, which gives the image's embedding);
+    evaluate and benchmark both ask this."""
+    if requested in ("cls", "cls_avg") and (encoder.cls_token is None or encoder.global_pool == "map"):
         return "pooled"
     return requested
 

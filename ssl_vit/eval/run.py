@@ -22,16 +22,13 @@ from omegaconf import OmegaConf
 from ssl_vit.artifacts import run_directory
 from ssl_vit.backbone import with_windows
 from ssl_vit.backbone.pyramid import SimpleFeaturePyramid
-from ssl_vit.config import EVALUATORS
 from ssl_vit.data import eval_datasets
 from ssl_vit.data.naflex import NaFlexEvalViews
 from ssl_vit.data.subset import labels_of
 from ssl_vit.eval.attentive import attentive_eval
 from ssl_vit.eval.features import FEATURE_KINDS, cache_key, cached, extract_features, our_feature_kind
-from ssl_vit.eval.fewshot import fewshot_eval
 from ssl_vit.eval.finetune import finetune
-from ssl_vit.eval.knn import knn_eval
-from ssl_vit.eval.linear import linear_probe
+from ssl_vit.eval.protocols import FROZEN_PROTOCOLS, PROTOCOLS
 from ssl_vit.eval.segmentation import patch_tokens, segmentation_eval
 from ssl_vit.eval.zeroshot import (
     class_names,
@@ -49,7 +46,7 @@ from ssl_vit.run_dirs import resolve_run
 from ssl_vit.schema import ConfigError, validate_config
 
 log = logging.getLogger("ssl_vit")
-FEATURE_EVALUATORS = EVALUATORS[:3]
+FEATURE_EVALUATORS = FROZEN_PROTOCOLS  # linear, knn, fewshot: on extracted features
 TEXT_EVALUATORS = ("zeroshot", "retrieval")  # need an image-text model
 MASK_EVALUATORS = ("segmentation",)  # need a dataset with masks
 NAFLEX_EVALUATORS = (*FEATURE_EVALUATORS, *TEXT_EVALUATORS)  # those that take eval.resolution=naflex
@@ -89,8 +86,8 @@ def evaluate(cfg, progress: bool = True) -> dict:
             encoder = model.encoder
             embed, dense = adaptor_features(model, cfg.eval.features)
         if features in FEATURE_KINDS and our_feature_kind(encoder, features) != features:
-            log.info("eval.features=%s: this encoder has no class token; its pooled embedding (global_pool=%s) "
-                     "instead", features, encoder.global_pool)
+            log.info("eval.features=%s: this encoder %s; its pooled embedding (global_pool=%s) instead", features,
+                     "has no class token" if encoder.cls_token is None else "pools by attention", encoder.global_pool)
             features = our_feature_kind(encoder, features)
             ecfg = OmegaConf.merge(cfg.eval, {"features": features})
         check_evaluator_settings(ecfg, encoder)
@@ -270,12 +267,9 @@ def run_evaluators(encoder, train_set, test_set, ecfg, preprocess: Preprocess, c
                                    ecfg, views, cache_dir, identity, progress, embed, timings)
         (train_x, train_y), (test_x, test_y) = features["train"], features["test"]
         feature_dim = train_x.shape[1]
-    runners = {
-        "linear": lambda: linear_probe(train_x, train_y, test_x, test_y, list(ecfg.l2_values), ecfg.val_fraction,
-                                       seed),
-        "knn": lambda: knn_eval(train_x, train_y, test_x, test_y, ecfg.knn_k, ecfg.knn_temperature),
-        "fewshot": lambda: fewshot_eval(train_x, train_y, test_x, test_y, list(ecfg.fewshot_shots),
-                                        ecfg.fewshot_draws, ecfg.fewshot_l2, seed),
+    runners = {  # the frozen-feature protocols as the shared table runs them (ssl_vit.eval.protocols)
+        **{name: functools.partial(PROTOCOLS[name].run, train_x, train_y, test_x, test_y, ecfg, seed)
+           for name in FEATURE_EVALUATORS if name in ecfg.evaluators},
         "finetune": lambda: finetune(encoder, train_set, test_set, mean=preprocess.mean, std=preprocess.std,
                                      interpolation=preprocess.interpolation, crop_pct=preprocess.crop_pct,
                                      resize_mode=preprocess.resize_mode, img_size=ecfg.finetune_img_size,

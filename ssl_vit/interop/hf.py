@@ -104,6 +104,9 @@ def refusals(config: ViTConfig, arch: str) -> list[str]:
     if config.pos_embed in ("rope", "none"):
         problems.append(f"pos_embed={config.pos_embed!r} ({arch} adds learned position embeddings; a RoPE encoder "
                         "exports as --hf-arch dinov3)")
+    if config.pos_embed == "learned_rope":
+        problems.append("pos_embed='learned_rope' (Perception Encoder: transformers has no vision model with a "
+                        "learned table and RoPE together, PerceptionLM loads PE through timm; --to timm holds it)")
     if config.stem != "patch":
         problems.append(f"stem={config.stem!r} (transformers 5 has no hybrid ViT: 4.x moved ViTHybrid to "
                         "deprecated; --to timm takes timm's hybrids, onnx and safetensors any stem)")

@@ -70,7 +70,7 @@ def _refusals(config: ViTConfig) -> list[str]:
         problems.append(f"num_registers={config.num_registers} (open_clip's ViT has no registers)")
     if config.parallel_block:
         problems.append("parallel_block=true (open_clip's blocks are sequential)")
-    if config.pos_embed in ("rope", "none"):
+    if config.pos_embed in ("rope", "learned_rope", "none"):
         problems.append(f"pos_embed={config.pos_embed!r} (open_clip's ViT adds an absolute position embedding)")
     if config.no_embed_class:
         problems.append("no_embed_class=true (open_clip's position embedding has the class slot)")

@@ -83,7 +83,7 @@ def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embe
     bicubic with antialiasing) unless `pos_embed_interp` / `pos_embed_antialias` say otherwise.
     """
     if isinstance(model, Eva):
-        return _from_timm_dinov3(model, layer_scale)
+        return _from_timm_eva(model, layer_scale)
     if isinstance(model, VisionTransformerSAM):
         return from_timm_sam(model)
     if is_timm_naflex(model):
@@ -112,7 +112,8 @@ def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embe
         in_chans=model.patch_embed.proj.in_channels, num_classes=getattr(model, "num_classes", 0),
         embed_dim=model.embed_dim, depth=len(model.blocks), num_heads=attn.num_heads,
         class_token=model.cls_token is not None, global_pool=model.global_pool, num_registers=model.num_reg_tokens,
-        fc_norm=not isinstance(model.fc_norm, nn.Identity), **_attn_pool_settings(model),
+        fc_norm=not isinstance(model.fc_norm, nn.Identity),
+        **_attn_pool_settings(model.attn_pool, getattr(model, "pool_include_prefix", False)),
         no_embed_class=model.no_embed_class,
         pos_embed_interp=pos_embed_interp if pos_embed_interp is not None else family_interp,
         pos_embed_antialias=pos_embed_antialias if pos_embed_antialias is not None else family_antialias,
@@ -132,10 +133,10 @@ def from_timm(model: nn.Module, *, pos_embed_interp: str | None = None, pos_embe
     return ours
 
 
-def _attn_pool_settings(model: TimmViT) -> dict:
-    """pool_heads / pool_mlp_dim of a timm MAP head (`AttentionPoolLatent`), checked to be the one ssl-vit builds;
-    {} without one."""
-    pool = model.attn_pool
+def _attn_pool_settings(pool: nn.Module | None, include_prefix: bool = False) -> dict:
+    """pool_heads / pool_mlp_dim / pool_include_prefix of a timm MAP head (`AttentionPoolLatent`), checked to be the
+    one ssl-vit builds; {} without one. `include_prefix`: whether the model pools the prefix tokens too (timm's
+    VisionTransformer pool_include_prefix; Eva always does)."""
     if pool is None:
         return {}
     if not isinstance(pool, AttentionPoolLatent):
@@ -143,11 +144,12 @@ def _attn_pool_settings(model: TimmViT) -> dict:
     odd = [what for what, present in (
         ("several latents", pool.latent_len != 1), ("a position embedding", pool.pos_embed is not None),
         ("no query projection", isinstance(pool.q, nn.Identity)), ("QK-norm", not isinstance(pool.q_norm, nn.Identity)),
-        ("no output MLP", pool.mlp is None), ("prefix tokens in the pool", model.pool_include_prefix)) if present]
+        ("no output MLP", pool.mlp is None)) if present]
     if odd:
         raise ValueError(f"this timm model's attention pool has {', '.join(odd)}, which ssl-vit's MAP head does not "
                          "build")
-    return dict(pool_heads=pool.num_heads, pool_mlp_dim=pool.mlp.fc1.out_features)
+    return dict(pool_heads=pool.num_heads, pool_mlp_dim=pool.mlp.fc1.out_features,
+                pool_include_prefix=bool(include_prefix))
 
 
 # timm's DINOv3 port (Eva) -> ours: per-block layer-scale gammas, and separate q / v biases into the fused qkv bias
@@ -173,24 +175,25 @@ def _rope_kwargs(rope: nn.Module) -> dict:
         return dict(rope_kind="mixed", rope_theta=rope.temperature, **augment)
     if (isinstance(rope, RotaryEmbeddingCat) and rope.grid_indexing == "xy"
             and getattr(rope, "grid_type", "index") == "index"  # timm < 1.0.31: index grids, interleaved pairs only
-            and not rope.in_pixels and not getattr(rope, "rotate_half", False) and rope.grid_offset == 0
-            and rope.ref_feat_shape is None):
-        return dict(rope_kind="axial", rope_theta=rope.temperature, **augment)
-    settings = ", ".join(f"{key}={getattr(rope, key, None)!r}"
-                         for key in ("grid_indexing", "in_pixels", "rotate_half", "ref_feat_shape"))
-    raise ValueError(f"of timm's Eva models, those with DINOv3's RoPE (vit_*_dinov3) and RoPE-ViT's axial / mixed "
-                     f"ones (vit_*_rope[_mixed]_*: 'xy' patch-index grids, interleaved pairs) import; this one has "
-                     f"{type(rope).__name__} ({settings})")
+            and not rope.in_pixels and not getattr(rope, "rotate_half", False)):
+        ref = rope.ref_feat_shape
+        return dict(rope_kind="axial", rope_theta=rope.temperature, rope_offset=float(rope.grid_offset),
+                    rope_ref_grid=None if ref is None else tuple(int(v) for v in ref), **augment)
+    settings = ", ".join(f"{key}={getattr(rope, key, None)!r}" for key in ("grid_indexing", "in_pixels", "rotate_half"))
+    raise ValueError(f"of timm's Eva models, those with DINOv3's RoPE (vit_*_dinov3), RoPE-ViT's axial / mixed ones "
+                     f"(vit_*_rope[_mixed]_*) and Perception Encoder's (vit_pe_core_*: 'xy' patch-index grids, "
+                     f"interleaved pairs) import; this one has {type(rope).__name__} ({settings})")
 
 
-def _from_timm_dinov3(model: Eva, layer_scale: float | None = None) -> VisionTransformer:
-    """Rebuild timm's RoPE ViTs (Eva): `vit_*_patch16_dinov3[_qkvb]` (DINOv3's RoPE) and RoPE-ViT's
-    `vit_*_patch16_rope[_mixed]_224` (axial / mixed) as ours with pos_embed=rope. Pooled as upstream DINOv3 does
-    (the class token after the final norm), whatever timm's global_pool says."""
-    if model.pos_embed is not None or model.rope is None:
-        raise ValueError("of timm's Eva models only the RoPE ones without absolute position embeddings import "
-                         f"(vit_*_dinov3, vit_*_rope[_mixed]_*); this one has rope={type(model.rope).__name__}, "
-                         f"pos_embed={model.pos_embed is not None}")
+def _from_timm_eva(model: Eva, layer_scale: float | None = None) -> VisionTransformer:
+    """Rebuild timm's RoPE ViTs (Eva) as ours: `vit_*_patch16_dinov3[_qkvb]` (DINOv3's RoPE), RoPE-ViT's
+    `vit_*_patch16_rope[_mixed]_224` (axial / mixed) with pos_embed=rope, and Perception Encoder's `vit_pe_core_*`
+    (a learned table and axial RoPE: pos_embed=learned_rope, a pre-norm, the attention pool over every token).
+    Without an attention pool, pooled as upstream DINOv3 does (the class token after the final norm), whatever
+    timm's global_pool says."""
+    if model.rope is None:
+        raise ValueError("of timm's Eva models only the RoPE ones import (vit_*_dinov3, vit_*_rope[_mixed]_*, "
+                         "vit_pe_core_*); this one has no rotary position embeddings")
     rope = _rope_kwargs(model.rope)
     block = model.blocks[0]
     unsupported = [name for name, present in (
@@ -198,21 +201,27 @@ def _from_timm_dinov3(model: Eva, layer_scale: float | None = None) -> VisionTra
         ("attention gates or separate q / k / v projections", block.attn.qkv is None
          or getattr(block.attn, "gate", None) is not None),
         ("a norm inside the attention", not isinstance(getattr(block.attn, "norm", nn.Identity()), nn.Identity)),
-        ("a norm before the blocks", not isinstance(model.norm_pre, nn.Identity))) if present]
+        ("a norm after pooling", not isinstance(model.fc_norm, nn.Identity)),
+        ("no final norm (vit_pe_lang_*, vit_pe_spatial_*)", isinstance(model.norm, nn.Identity))) if present]
     if unsupported:
-        raise ValueError(f"this timm DINOv3 model has {', '.join(unsupported)}, which ssl-vit's ViT does not build")
+        raise ValueError(f"this timm Eva model has {', '.join(unsupported)}, which ssl-vit's ViT does not build")
     has_layer_scale = getattr(block, "gamma_1", None) is not None
+    pooled = model.attn_pool is not None
     kwargs = dict(
         img_size=model.patch_embed.img_size, patch_size=model.patch_embed.patch_size,
         in_chans=model.patch_embed.proj.in_channels, embed_dim=model.embed_dim, depth=len(model.blocks),
         num_heads=block.attn.num_heads, **mlp_settings(block.mlp), class_token=model.cls_token is not None,
-        global_pool="token" if model.cls_token is not None else "avg",
+        global_pool="map" if pooled else ("token" if model.cls_token is not None else "avg"),
+        **_attn_pool_settings(model.attn_pool, include_prefix=True),  # Eva pools every token
         num_registers=0 if model.reg_token is None else model.reg_token.shape[1],
-        pos_embed="rope", **rope,
+        pos_embed="rope" if model.pos_embed is None else "learned_rope", no_embed_class=model.no_embed_class, **rope,
+        pre_norm=not isinstance(model.norm_pre, nn.Identity), patch_bias=model.patch_embed.proj.bias is not None,
         qkv_bias=block.attn.q_bias is not None if hasattr(block.attn, "q_bias") else block.attn.qkv.bias is not None,
         qk_norm=not isinstance(block.attn.q_norm, nn.Identity),
         **norm_settings(block.norm1),
         layer_scale=(layer_scale or DINOV3_LAYER_SCALE) if has_layer_scale else None)
+    if model.pos_embed is not None:  # resampled as Eva's dynamic-size path does (timm's default)
+        kwargs.update(zip(("pos_embed_interp", "pos_embed_antialias"), TIMM_POS_EMBED_RESAMPLING, strict=True))
     ours = VisionTransformer(**kwargs)
     state = {}
     for name, value in model.state_dict().items():
@@ -333,6 +342,8 @@ def timm_model_args(config: ViTConfig) -> dict:
         args["fc_norm"] = config.has_fc_norm
     if not config.proj_bias:
         args["proj_bias"] = False
+    if config.pool_include_prefix:
+        args["pool_include_prefix"] = True
     if not family_norm and norm != ("layernorm", 1e-6):  # timm's by name (eps 1e-6)
         args["norm_layer"] = config.norm_layer
     entry_patch_norm = bool(family and family[2])
@@ -344,10 +355,10 @@ def timm_model_args(config: ViTConfig) -> dict:
 
 
 # What timm's RoPE models (Eva) require of an encoder config: key -> (value, the encoder's default where unset).
-# Every kind: class-token pooling after the final norm, pixel patches, LayerNorm with biases, GELU.
-_TIMM_ROPE_REQUIRED = {"class_token": (True, True), "global_pool": ("token", "token"), "stem": ("patch", "patch"),
-                       "dist_token": (False, False), "parallel_block": (False, False), "qk_norm": (False, False),
-                       "pre_norm": (False, False), "norm_bias": (True, True), "norm_layer": ("layernorm", None),
+# Every kind: pixel patches, LayerNorm with biases, no norm after pooling; the pooling (class token or attention
+# pool), a pre-norm and a learned table beside RoPE are written as Eva's arguments.
+_TIMM_ROPE_REQUIRED = {"stem": ("patch", "patch"), "dist_token": (False, False), "parallel_block": (False, False),
+                       "qk_norm": (False, False), "norm_bias": (True, True), "norm_layer": ("layernorm", None),
                        "proj_bias": (True, None), "patch_norm": (False, None), "has_fc_norm": (False, None)}
 # Per kind: the DINOv3 port (vit_*_dinov3: periods over each side, eps 1e-5, q / v biases) or RoPE-ViT's
 # (vit_*_rope[_mixed]_224: rope_theta on patch indices, eps 1e-6, a fused qkv bias with its key part).
@@ -357,27 +368,50 @@ _TIMM_ROPE_KINDS = {
     "axial": ({"norm_eps": (1e-6, 1e-6)}, dict(rope_type="cat", attn_type="rope", rope_grid_indexing="xy")),
     "mixed": ({"norm_eps": (1e-6, 1e-6)}, dict(rope_type="mixed", attn_type="rope", rope_grid_indexing="xy")),
 }
+# The entry point of each kind, by the norm eps it builds (a config file cannot name an eps): RoPE-ViT's 1e-6,
+# Perception Encoder's 1e-5 (same axial RoPE; model_args then set everything else).
+_TIMM_ROPE_ENTRIES = {("dinov3", 1e-5): "vit_small_patch16_dinov3", ("axial", 1e-6): "vit_small_patch16_rope_224",
+                      ("axial", 1e-5): "vit_pe_core_base_patch16_224",
+                      ("mixed", 1e-6): "vit_small_patch16_rope_mixed_224"}
 
 
 def timm_rope_args(config: ViTConfig) -> tuple[str, dict]:
-    """(architecture, Eva keyword arguments) that rebuild a RoPE encoder as timm's DINOv3 port (rope_kind dinov3)
-    or its RoPE-ViT models (axial, mixed); ValueError naming what they cannot express. RoPE's training-time shift /
-    jitter / rescale are not written (they change nothing at inference)."""
+    """(architecture, Eva keyword arguments) that rebuild a RoPE encoder as timm's DINOv3 port (rope_kind dinov3),
+    its RoPE-ViT models (axial, mixed) or Perception Encoder (axial with a learned table, eps 1e-5); ValueError
+    naming what they cannot express. RoPE's training-time shift / jitter / rescale are not written (they change
+    nothing at inference)."""
     kind = config.rope_kind
     if kind not in _TIMM_ROPE_KINDS:
         raise ValueError(f"rope_kind {kind!r} is not one of {list(ROPE_KINDS)}")
     required, rope_args = _TIMM_ROPE_KINDS[kind]
+    if kind == "axial" and config.norm_eps == 1e-5:  # Perception Encoder's entry point
+        required = {"norm_eps": (1e-5, 1e-6)}
     problems = [f"{key}={getattr(config, key)!r}" for key, (wanted, default)
                 in (_TIMM_ROPE_REQUIRED | required).items() if getattr(config, key) != wanted]
     if config.act_layer != ("gelu" if config.mlp_kind == "mlp" else "silu"):  # Eva's MLP: GELU; its SwiGLU: SiLU
         problems.append(f"act_layer={config.act_layer!r} with mlp_kind={config.mlp_kind!r}")
+    if config.global_pool == "avg":
+        problems.append("global_pool='avg' (Eva's average pool norms after pooling; here: token or map)")
+    width = config.embed_dim
+    pool_mlp = config.pool_mlp_dim or config.mlp_hidden
+    if config.global_pool == "map" and (config.act_layer != "gelu" or int(width * (pool_mlp / width)) != pool_mlp
+                                        or (config.num_prefix_tokens and not config.pool_include_prefix)):
+        problems.append(f"global_pool='map' with act_layer={config.act_layer!r}, pool_mlp_dim={pool_mlp}, "
+                        f"pool_include_prefix={config.pool_include_prefix} (Eva's attention pool: a GELU MLP of "
+                        "int(width x ratio), over every token)")
+    if config.has_patch_bias == config.pre_norm:
+        problems.append(f"patch_bias={config.has_patch_bias} with pre_norm={config.pre_norm} (Eva's patch "
+                        "embedding has a bias exactly when there is no pre-norm)")
+    if config.pos_embed == "learned_rope" and config.no_embed_class:
+        problems.append("no_embed_class=True with pos_embed='learned_rope'")
     if problems:
-        raise ValueError(f"timm's RoPE models of rope_kind={kind!r} (Eva: class token pooling, pixel patches, "
-                         f"LayerNorm eps {required['norm_eps'][0]} with biases, a GELU MLP or a SiLU SwiGLU"
+        eps = "1e-6 (RoPE-ViT) or 1e-5 (Perception Encoder)" if kind == "axial" else required["norm_eps"][0]
+        raise ValueError(f"timm's RoPE models of rope_kind={kind!r} (Eva: pixel patches, LayerNorm eps {eps} with "
+                         f"biases, a GELU MLP or a SiLU SwiGLU, class-token or "
+                         "attention pooling"
                          + (", rope_theta periods over each side" if kind == "dinov3" else "")
                          + ") cannot express: " + ", ".join(problems)
                          + ". --to hf --hf-arch dinov3 / onnx / safetensors take what transformers / ONNX can.")
-    width = config.embed_dim
     mlp_dim = config.mlp_hidden
     if int(width * (mlp_dim / width)) != mlp_dim:
         raise ValueError(f"mlp_dim={mlp_dim} is not int(width x a ratio) for width {width}: timm's Eva rebuilds its "
@@ -390,11 +424,17 @@ def timm_rope_args(config: ViTConfig) -> tuple[str, dict]:
                 in_chans=config.in_chans, embed_dim=width, depth=config.depth,
                 num_heads=config.num_heads, mlp_ratio=mlp_dim / width, qkv_bias=config.qkv_bias,
                 init_values=config.layer_scale, rope_temperature=config.rope_theta or ROPE_THETA[kind],
-                use_rot_pos_emb=True, use_abs_pos_emb=False, num_reg_tokens=config.num_registers,
-                use_fc_norm=False, global_pool="token", dynamic_img_size=True, num_classes=0, **rope_args, **mlp)
-    if kind == "dinov3":
-        return ("vit_small_patch16_dinov3_qkvb" if args["qkv_bias"] else "vit_small_patch16_dinov3"), args
-    return f"vit_small_patch16_rope{'_mixed' if kind == 'mixed' else ''}_224", args
+                use_rot_pos_emb=True, use_abs_pos_emb=config.pos_embed == "learned_rope",
+                class_token=config.class_token, num_reg_tokens=config.num_registers,
+                use_pre_transformer_norm=config.pre_norm, use_fc_norm=False, global_pool=config.global_pool,
+                dynamic_img_size=True, num_classes=0, **rope_args, **mlp)
+    if kind == "axial":
+        args.update(rope_grid_offset=config.rope_offset,
+                    ref_feat_shape=None if config.rope_ref_grid is None else list(config.rope_ref_grid))
+    if config.global_pool == "map":
+        args.update(attn_pool_num_heads=config.pool_heads or config.num_heads, attn_pool_mlp_ratio=pool_mlp / width)
+    entry = _TIMM_ROPE_ENTRIES[(kind, config.norm_eps)]
+    return (entry + "_qkvb" if kind == "dinov3" and args["qkv_bias"] else entry), args
 
 
 def _timm_rope_state(state: dict, kind: str) -> dict:
@@ -417,7 +457,7 @@ def export_timm(encoder, out_dir, preprocess=None):
     `timm.create_model("local-dir:DIR", pretrained=True)` or
     `timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file="DIR/model.safetensors"), **args)`."""
     config = encoder.config
-    rope = config.pos_embed == "rope"
+    rope = config.has_rope
     architecture, args = timm_rope_args(config) if rope else (timm_architecture(config), timm_model_args(config))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -118,8 +118,8 @@ def _export_refusals(config: ViTConfig) -> list[str]:
             problems.append(f"{key}={getattr(config, key)!r} ({why})")
     if config.stem != "patch":
         problems.append(f"stem={config.stem!r} (NaFlexVit embeds pixel patches)")
-    if config.pos_embed == "rope":
-        problems.append("pos_embed='rope' (--to timm writes timm's RoPE models)")
+    if config.has_rope:
+        problems.append(f"pos_embed={config.pos_embed!r} (--to timm writes timm's RoPE models)")
     if not config.norm_bias and config.norm_layer == "layernorm":
         problems.append("norm_bias=False")
     if config.mlp_kind != "mlp":

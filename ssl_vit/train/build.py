@@ -65,6 +65,25 @@ def requirements(objective_cfg) -> tuple[type[Objective], Requirements]:
         raise ConfigError(str(err)) from err
 
 
+@dataclass(frozen=True)
+class CheckedConfig:
+    """A run's config validated once, with its objective's class and what that objective declares for it: what
+    every later step of the run reads (`check_config` makes it; pretrain makes one per run)."""
+
+    cfg: object
+    objective_class: type[Objective]
+    needs: Requirements
+
+
+def check_config(cfg) -> CheckedConfig:
+    """Validate `cfg` (every group's ranges and choices, the model preset) and read its objective's needs, once;
+    ConfigError naming the first bad value."""
+    validate_config(cfg)
+    if cfg.model.name not in PRESETS:
+        raise ConfigError(f"unknown model {cfg.model.name!r}; valid choices: {sorted(PRESETS)}")
+    return CheckedConfig(cfg, *requirements(cfg.objective))
+
+
 def init_source(cfg) -> Pretrained | None:
     """The pre-trained encoder `model.init_from` names (ssl_vit.interop.sources), or None. Load it before building
     the model under zero.Init: a timm / transformers source built there would be partitioned."""
@@ -265,14 +284,14 @@ def build_data(cfg, needs: Requirements, img_size: int):
     return dataset
 
 
-def build_components(cfg, source: Pretrained | None = None, device_type: str = "cpu"):
+def build_components(cfg, source: Pretrained | None = None, device_type: str = "cpu",
+                     checked: CheckedConfig | None = None):
     """(objective with its backbone, dataset, view builder, preprocessing) of a config; ConfigError on a bad value.
     `source`: the `init_source(cfg)` already loaded (pretrain loads it outside zero.Init); `device_type`: where it
-    trains ("cuda", "cpu": what data.multicrop_photometric=auto chooses by)."""
-    validate_config(cfg)
-    if cfg.model.name not in PRESETS:
-        raise ConfigError(f"unknown model {cfg.model.name!r}; valid choices: {sorted(PRESETS)}")
-    _, needs = requirements(cfg.objective)
+    trains ("cuda", "cpu": what data.multicrop_photometric=auto chooses by); `checked`: `check_config(cfg)` where
+    the caller made it already (pretrain), else made here."""
+    checked = checked if checked is not None else check_config(cfg)
+    needs = checked.needs
     source = source if source is not None else init_source(cfg)
     backbone, img_size, recorded = build_backbone(cfg, needs, source)
     if needs.drops_patches and backbone.windowed:

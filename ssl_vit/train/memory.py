@@ -36,8 +36,11 @@ s x s matrix:
     + 2h * s * b * c           with layer scale (each scale keeps its input, the projection's output)
     + 2h * s * b * c           with RMSNorm (torch's composite rms_norm, the CPU's: each keeps its normalised input;
                                a fused kernel keeps less, so this is an upper bound there)
+    + 3h * s * b * c           with RoPE (pos_embed rope / learned_rope): the rotated q and k are new tensors the
+                               attention keeps, and so is its output, no longer a view beside q, k, v (measured)
 (ViT-22B, both: 9h + 3m; the planner had 6h + 2m for it before these terms were measured), and once per model the
-final norm's input (h * s * b * c) and a patch norm's (AIMv2's; 2h with RMSNorm each).
+final norm's input (h * s * b * c), a patch norm's (AIMv2's) and a norm's before the blocks (pre_norm: CLIP's, PE's;
+2h with RMSNorm each).
 With gradient checkpointing (model.checkpoint_policy=full) each block keeps only its input (h * s * b * c) and one
 block is recomputed at a time. The selective policy keeps, per block, its input and the outputs of its matmuls and
 attention: (7h + m) * s * b * c + a * s * b * 4 (input h, q k v 3h, attention output h, its projection h, MLP fc1 m
@@ -100,6 +103,8 @@ class ModelShape:
     rms_norm: bool = False  # RMSNorm (composite on the CPU): each also keeps its normalised input
     patch_norm: bool = False  # a norm of the patch embeddings (AIMv2): its input, kept with or without checkpoints
     final_norm: bool = True  # a norm after the last block (token pooling), whose input is kept
+    pre_norm: bool = False  # a norm before the blocks (CLIP, Perception Encoder): its input, as the patch norm's
+    rope: bool = False  # rotary embeddings in every block's attention
     stem_elements: int = 0  # per image, kept by a hybrid's ResNet for backward
     stem_checkpointed: int = 0  # the same with per-stage gradient checkpointing
     stem_weights: int = 0  # per step: the standardised copy of every kernel (weight standardisation) it keeps
@@ -129,7 +134,8 @@ class ModelShape:
             tokens=model.patch_embed.num_patches + model.num_prefix_tokens, parallel_block=parallel,
             qk_norm=not isinstance(block.q_norm if parallel else block.attn.q_norm, torch.nn.Identity),
             mlp_bias=parallel and block.mlp_bias is not None,
-            final_norm=not isinstance(model.norm, torch.nn.Identity),
+            final_norm=not isinstance(model.norm, torch.nn.Identity), pre_norm=model.config.pre_norm,
+            rope=model.config.has_rope,
             **dict(zip(("stem_elements", "stem_checkpointed"), stem_activation_elements(model), strict=True)),
             stem_weights=sum(p.numel() for p in getattr(model.patch_embed, "backbone", torch.nn.Module()).parameters()
                              if p.ndim == 4),
@@ -233,11 +239,11 @@ def activation_terms(shape: ModelShape, batch: int, precision: str, grad_checkpo
     mlp = 4 * m if shape.gated else 2 * m  # GELU: its input and output; SwiGLU: gate, value, act(gate), product
     norms = 1 if shape.parallel_block else 2
     per_element = ((6 * h if shape.parallel_block else 8 * h) + mlp + 3 * h * shape.qk_norm + m * shape.mlp_bias
-                   + 2 * h * shape.layer_scale + norms * h * shape.rms_norm)
+                   + 2 * h * shape.layer_scale + norms * h * shape.rms_norm + 3 * h * shape.rope)
     attention_stats = shape.heads * tokens * 4
     block = per_element * tokens * c + attention_stats
     one_norm = h * tokens * c * (1 + shape.rms_norm)
-    final_norm = one_norm * shape.final_norm + one_norm * shape.patch_norm  # (the patch norm's, before the blocks)
+    final_norm = one_norm * (shape.final_norm + shape.patch_norm + shape.pre_norm)  # (+ those before the blocks)
     if grad_checkpointing == "selective":
         kept = (7 * h + (2 * m if shape.gated else m)) * tokens * c + attention_stats  # SwiGLU: both input matmuls
         stem = (shape.stem_checkpointed * batch + shape.stem_weights) * c

@@ -32,11 +32,12 @@ from ssl_vit.backbone.init import rng_devices, without_transformers_zero3
 from ssl_vit.config import peak_lr
 from ssl_vit.data import describe_dataset, loader_workers, make_loader
 from ssl_vit.data.errors import SkipLog
+from ssl_vit.objectives import Requirements
 from ssl_vit.optim import apply_schedule
 from ssl_vit.progress import progress_bar
 from ssl_vit.run_dirs import link_latest
-from ssl_vit.schema import to_container, validate_config
-from ssl_vit.train.build import Run, build_components, build_run, init_source, requirements
+from ssl_vit.schema import to_container
+from ssl_vit.train.build import Run, build_components, build_run, check_config, init_source
 from ssl_vit.train.checkpoint import (
     claim_run_dir,
     list_checkpoints,
@@ -79,8 +80,8 @@ log = logging.getLogger("ssl_vit")
 
 def pretrain(cfg) -> dict:
     """Run (or resume) pre-training as `cfg` says; returns the run summary (also written to summary.json)."""
-    validate_config(cfg)
-    _, needs = requirements(cfg.objective)
+    checked = check_config(cfg)  # validated and the objective's needs read once: every step below reads these
+    needs = checked.needs
     out_dir = Path(cfg.output_dir)
     accelerator = make_accelerator(StrategySettings.from_config(cfg, ema_teacher=needs.ema_teacher), out_dir)
     if cfg.trainer.compile:  # before building: a refused strategy says so at once
@@ -95,11 +96,11 @@ def pretrain(cfg) -> dict:
     set_seed(cfg.seed)  # identical initialisation on every rank
     source = init_source(cfg)
     with construction_context(accelerator):
-        components = build_components(cfg, source, accelerator.device.type)
+        components = build_components(cfg, source, accelerator.device.type, checked)
     run = build_run(cfg, *components, world=accelerator.num_processes, fused=fused_optimizer(accelerator))
     evaluation = PeriodicEvaluation.from_config(cfg, needs, run.preprocess) if cfg.trainer.eval_every > 0 else None
     OmegaConf.set_readonly(cfg, True)  # built: from here on the run reads its config, never writes it
-    begin = Beginning(to_container(cfg), cfg.seed, cfg.data, describe_run(cfg, run.global_batch), threads,
+    begin = Beginning(to_container(cfg), cfg.seed, cfg.data, describe_run(cfg, run.global_batch, needs), threads,
                       Preparation.from_config(cfg, out_dir))
     return Trainer(run, accelerator, cfg.trainer, out_dir, DivergenceAdvice.from_config(cfg), begin, evaluation).train()
 
@@ -117,7 +118,7 @@ class Beginning:
     preparation: Preparation
 
 
-def describe_run(cfg, global_batch: int) -> str:
+def describe_run(cfg, global_batch: int, needs: Requirements) -> str:
     """The start-up line's head: the options asked for (objective=dino_tiny, not its method's name dino), the
     optimiser's recipe (the lr as given and as scaled to the global batch) and the run directory."""
     choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
@@ -132,14 +133,14 @@ def describe_run(cfg, global_batch: int) -> str:
     objective = choices.get('objective', cfg.objective.name)
     return (f"objective={objective} optim={choices.get('optim', optim.name)} "
             f"(lr {lr}, weight decay {decay}, gradient clipping {optim.grad_clip or 'off'}) "
-            f"model={cfg.model.name}{_preset_defaults(cfg, objective)} data={cfg.data.name} -> {cfg.output_dir}")
+            f"model={cfg.model.name}{_preset_defaults(cfg, objective, needs)} data={cfg.data.name} -> "
+            f"{cfg.output_dir}")
 
 
-def _preset_defaults(cfg, objective: str) -> str:
+def _preset_defaults(cfg, objective: str, needs: Requirements) -> str:
     """' (objective=mocov3's reference: num_heads=12)' where the objective changes the preset's architecture."""
     if cfg.model.get("init_from"):
         return ""
-    _, needs = requirements(cfg.objective)
     given = {k: v for k, v in needs.preset_defaults.get(cfg.model.name, {}).items() if cfg.model.get(k) is None}
     return f" (objective={objective}'s reference: {', '.join(f'{k}={v}' for k, v in given.items())})" if given else ""
 

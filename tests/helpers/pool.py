@@ -48,8 +48,12 @@ OBJECTIVES = {
     "mocov3": ["objective=mocov3_tiny", "objective.dim=16", "objective.mlp_dim=32", "model.pos_embed=rope",
                "model.rope_kind=mixed", "model.rope_theta=10"],
     # I-JEPA: an EMA target encoder that is the run's encoder, kept subsets of varying length drawn in the forward,
-    # a predictor ViT with its own blocks (FSDP2 units), no class token (periodic evaluation on the patch average).
-    "ijepa": ["objective=ijepa_tiny", "data.img_size=32", "objective.predictor_dim=32", "objective.predictor_depth=1"],
+    # a predictor ViT with its own blocks (FSDP2 units), no class token (periodic evaluation on the patch average);
+    # the encoder with Perception Encoder's position scheme: a learned table and axial RoPE together (indices offset
+    # by 1 and rescaled from the 8 x 8 grid onto a 4 x 4 reference), a norm before the blocks.
+    "ijepa": ["objective=ijepa_tiny", "data.img_size=32", "objective.predictor_dim=32", "objective.predictor_depth=1",
+              "model.pos_embed=learned_rope", "model.rope_kind=axial", "model.rope_theta=10000",
+              "model.rope_offset=1", "model.rope_ref_grid=[4,4]", "model.pre_norm=true"],
     # Multi-teacher distillation: two frozen teachers built whole outside the sharded model ({distill_teacher}: our
     # encoder file at another patch grid, 7 x 7 against the student's 8 x 8, of AIMv2's family (SwiGLU, RMSNorm, a
     # patch norm, no class token: DISTILL_TEACHER); {vit_teacher}: timm's ViT-Ti/16 at
