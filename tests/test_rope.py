@@ -186,8 +186,9 @@ def test_timms_rope_vit_models_import_with_their_outputs_and_export_back(name, t
         torch.testing.assert_close(exported, ours.forward_features(images), atol=1e-5, rtol=1e-5)
         assert (exported - model.forward_features(images)).abs().max() > 1e-2  # the moved weights, not timm's
     assert any("rope_kind=" in problem for problem in dinov3_refusals(ours.config))
+    # neither RoPE-ViT's 1e-6 nor PE's 1e-5 (the axial entry points), nor DINOv3's
     odd = VisionTransformer(img_size=32, patch_size=16, embed_dim=64, depth=1, num_heads=2, pos_embed="rope",
-                            rope_kind=ours.config.rope_kind, rope_theta=100.0, norm_eps=1e-4)  # axial: 1e-6 or PE's 1e-5
+                            rope_kind=ours.config.rope_kind, rope_theta=100.0, norm_eps=1e-4)
     with pytest.raises(ValueError, match=rf"rope_kind='{ours.config.rope_kind}' .*cannot express: norm_eps=0.0001"):
         export_timm(odd, tmp_path / "refused")
 
