@@ -186,7 +186,7 @@ def test_timms_rope_vit_models_import_with_their_outputs_and_export_back(name, t
         torch.testing.assert_close(exported, ours.forward_features(images), atol=1e-5, rtol=1e-5)
         assert (exported - model.forward_features(images)).abs().max() > 1e-2  # the moved weights, not timm's
     assert any("rope_kind=" in problem for problem in dinov3_refusals(ours.config))
-    # neither RoPE-ViT's 1e-6 nor PE's 1e-5 (the axial entry points), nor DINOv3's
+    # neither RoPE-ViT's 1e-6 nor PE's 1e-5 (the eps of timm's axial entry points)
     odd = VisionTransformer(img_size=32, patch_size=16, embed_dim=64, depth=1, num_heads=2, pos_embed="rope",
                             rope_kind=ours.config.rope_kind, rope_theta=100.0, norm_eps=1e-4)
     with pytest.raises(ValueError, match=rf"rope_kind='{ours.config.rope_kind}' .*cannot express: norm_eps=0.0001"):
@@ -224,7 +224,8 @@ def test_a_rope_backbone_trains_with_kept_subsets_and_bad_settings_are_named():
     torch.testing.assert_close(subset, by_hand)
     vit.train()(images).sum().backward()
     assert vit.pos_embed is None and "pos_embed" not in vit.state_dict()
-    with pytest.raises(ValueError, match=r"pos_embed 'alibi' is not one of \['learned', 'sincos', 'rope', 'none'\]"):
+    with pytest.raises(ValueError, match=r"pos_embed 'alibi' is not one of \['learned', 'sincos', 'rope', "
+                                         r"'learned_rope', 'none'\]"):
         VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, pos_embed="alibi")
     with pytest.raises(ValueError, match=r"head dimension divisible by 4 .* got 6"):
         VisionTransformer(img_size=16, patch_size=4, embed_dim=12, depth=1, num_heads=2, pos_embed="rope")
