@@ -124,11 +124,10 @@ def index_coords(grid: Sequence[int], device=None, offset: float = 0.0,
     """(H * W, 2) (column, row) patch indices in raster order (timm's 'xy' grid of the RoPE-ViT models), plus
     `offset`, rescaled onto `ref_grid` (rows, cols) when given: (index + offset) x ref / size."""
     rows, cols = grid
-    row, col = torch.meshgrid(torch.arange(rows, device=device, dtype=torch.float32) + offset,
-                              torch.arange(cols, device=device, dtype=torch.float32) + offset, indexing="ij")
-    if ref_grid is not None:
-        row, col = row / rows * ref_grid[0], col / cols * ref_grid[1]
-    return torch.stack([col, row], dim=-1).flatten(0, 1)
+    row, col = torch.meshgrid(torch.arange(rows, device=device), torch.arange(cols, device=device), indexing="ij")
+    row, col = row.flatten(), col.flatten()
+    return point_index_coords((row, col, torch.full_like(row, rows), torch.full_like(col, cols)), device, offset,
+                              ref_grid)
 
 
 def point_index_coords(points: Sequence[torch.Tensor], device=None, offset: float = 0.0,

@@ -220,8 +220,7 @@ def _from_timm_eva(model: Eva, layer_scale: float | None = None) -> VisionTransf
         qk_norm=not isinstance(block.attn.q_norm, nn.Identity),
         **norm_settings(block.norm1),
         layer_scale=(layer_scale or DINOV3_LAYER_SCALE) if has_layer_scale else None)
-    if model.pos_embed is not None:  # resampled as Eva's dynamic-size path does (timm's default)
-        kwargs.update(zip(("pos_embed_interp", "pos_embed_antialias"), TIMM_POS_EMBED_RESAMPLING, strict=True))
+    # a learned table (PE) resamples as Eva's dynamic-size path does: timm's default, which is also the config's
     ours = VisionTransformer(**kwargs)
     state = {}
     for name, value in model.state_dict().items():
